@@ -1,0 +1,1 @@
+"""Attention and KV-cache kernels: PyTorch references, a fast CPU path, Triton for GPUs."""

