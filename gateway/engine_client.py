@@ -1,0 +1,128 @@
+"""The gateway's only view of the engine: submit a request, stream its deltas, abort it.
+
+The HTTP layer (``gateway/app.py``) and the public gRPC servicer depend on the
+``EngineClient`` protocol alone, so they run unchanged against the gRPC client
+(``gateway/grpc_client.py``) in production and a fake engine in tests.
+
+Contract for implementations:
+
+- ``generate`` yields one ``GenerationDelta`` per engine step in which the
+  request produced news, and its last delta has ``finish_reason`` set. It
+  raises ``EngineError`` before yielding anything when the request cannot be
+  admitted (engine unreachable: 503, queue full: 429, rejected: 400). A failure
+  after admission is reported in-band as a final delta with
+  ``finish_reason="error"`` and ``error`` set.
+- Texts in deltas are already detokenized and stop-truncated: concatenating
+  every delta's ``text`` gives the final output text.
+- ``abort`` is idempotent and never raises for an unknown or finished id; the
+  gateway calls it whenever a client goes away before the final delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from services.sampling_params import DetokenizeParams, SamplingParams
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate; ``n > 1`` is fanned out by the gateway into several."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    detokenize_params: DetokenizeParams
+    # Higher values are scheduled earlier when the scheduler runs a priority policy.
+    priority: int = 0
+    # Mixed into prefix-cache block hashes so tenants cannot probe each other's cache.
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative token at a position."""
+
+    token_id: int
+    token: str  # the token's text, as the detokenizer decodes it alone
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token at one position and its top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class GenerationDelta:
+    """One engine step's news for one request."""
+
+    request_id: str
+    text: str  # new text this step, already stop-truncated
+    token_ids: list[int]  # new token ids this step
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int  # total generated so far
+    # Per new token (parallel to token_ids); None when logprobs were not requested.
+    logprobs: list[TokenLogprob] | None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineError(Exception):
+    """The engine could not take or run a request.
+
+    ``status_code`` is the HTTP status the gateway answers with: 503 engine
+    unavailable, 429 overloaded, 400 rejected as invalid.
+    """
+
+    def __init__(self, message: str, status_code: int = 503) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway needs to know about the served model."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Submit ``request`` and stream its deltas; raises ``EngineError``.
+
+        Implemented as an async generator (``async def`` with ``yield``), so
+        calling it returns the iterator directly.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its resources; a no-op for unknown ids."""
+        ...
+
+    async def check_ready(self) -> None:
+        """Raise ``EngineError`` unless a scheduler/worker round trip succeeds."""
+        ...
+
+    @property
+    def model_info(self) -> ModelInfo: ...
