@@ -50,8 +50,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_s
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    q_pos = torch.arange(q.shape[0]).unsqueeze(1) + q_start
-    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    # Positions on q's device: a CPU mask cannot index a CUDA score tensor.
+    q_pos = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + q_start
+    k_pos = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
