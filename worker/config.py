@@ -1,0 +1,214 @@
+"""Typed configuration of the worker: the model it runs and its KV cache.
+
+``ModelConfig`` holds what the worker needs from a Hugging Face ``config.json``
+(read once by :meth:`ModelConfig.from_pretrained`); ``CacheConfig`` says how
+large the paged KV cache is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The longest context we serve by default: the model may allow more, but every
+# extra position costs KV cache and the persistent batch's token array.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config.json layout.
+
+    transformers >= 5 writes ``rope_parameters`` (theta and scaling in one
+    dict); older checkpoints write ``rope_theta`` and ``rope_scaling``.
+    """
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None if rope_type == "default" else dict(params)
+        return theta, scaling
+    theta = float(hf_config.get("rope_theta", 10000.0))
+    scaling = hf_config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = None
+    else:
+        scaling = None
+    return theta, scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A checkpoint folder plus the architecture facts read from its config.json."""
+
+    path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # None for plain rotary embeddings, else the checkpoint's scaling dict
+    # (``rope_type`` plus its parameters).
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    # Compute dtype, independent of the dtype the weights are stored in.
+    dtype: torch.dtype = torch.float32
+    checkpoint_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
+        device: str = "cpu",
+    ) -> ModelConfig:
+        """Read ``path/config.json``.
+
+        ``dtype`` None means float32 on CPU (bfloat16 matmuls are far slower
+        there than float32 ones) and the checkpoint's own dtype elsewhere.
+        """
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in {folder}")
+        hf_config: dict[str, Any] = json.loads(config_file.read_text())
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{config_file} names no architecture")
+        checkpoint_dtype = parse_dtype(
+            hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+        )
+        if dtype is None:
+            compute_dtype = torch.float32 if device == "cpu" else checkpoint_dtype
+        else:
+            compute_dtype = parse_dtype(dtype)
+        num_heads = int(hf_config["num_attention_heads"])
+        hidden_size = int(hf_config["hidden_size"])
+        head_dim = hf_config.get("head_dim") or hidden_size // num_heads
+        max_positions = int(hf_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if max_model_len is None:
+            max_model_len = min(max_positions, DEFAULT_MAX_MODEL_LEN)
+        elif max_model_len > max_positions:
+            logger.warning(
+                "max_model_len %s exceeds the model's max_position_embeddings %s",
+                max_model_len,
+                max_positions,
+            )
+        rope_theta, rope_scaling = _rope_settings(hf_config)
+        return cls(
+            path=str(folder),
+            architecture=str(architectures[0]),
+            num_layers=int(hf_config["num_hidden_layers"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(hf_config["intermediate_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            vocab_size=int(hf_config["vocab_size"]),
+            max_model_len=int(max_model_len),
+            eos_token_ids=_eos_ids(hf_config.get("eos_token_id")),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            # Qwen2 has q/k/v biases without saying so in config.json.
+            attention_bias=bool(
+                hf_config.get("attention_bias", architectures[0] == "Qwen2ForCausalLM")
+            ),
+            dtype=compute_dtype,
+            checkpoint_dtype=checkpoint_dtype,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size of the paged KV cache: a block count, or a memory budget to derive it from."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_kv_blocks is None and self.kv_cache_memory_bytes is None:
+            raise ValueError("set num_kv_blocks or kv_cache_memory_bytes")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    def bytes_per_block(self, model_config: ModelConfig) -> int:
+        """K and V of every layer for ``block_size`` tokens."""
+        element_size = torch.empty((), dtype=model_config.dtype).element_size()
+        return (
+            2
+            * model_config.num_layers
+            * self.block_size
+            * model_config.num_kv_heads
+            * model_config.head_dim
+            * element_size
+        )
+
+    def resolve_num_kv_blocks(self, model_config: ModelConfig) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        assert self.kv_cache_memory_bytes is not None
+        num_blocks = self.kv_cache_memory_bytes // self.bytes_per_block(model_config)
+        if num_blocks <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} is smaller than one "
+                f"block ({self.bytes_per_block(model_config)} bytes)"
+            )
+        return int(num_blocks)

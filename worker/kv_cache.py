@@ -1,0 +1,42 @@
+"""The paged KV cache tensors a worker owns (one K and one V tensor per layer)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    device: str | torch.device = "cpu",
+) -> list[KVCache]:
+    """Per layer, K and V as ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Zero-filled rather than empty: padding slots that a kernel might read past a
+    context's end then hold finite values instead of NaNs from stale memory.
+    """
+    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    caches = [
+        (
+            torch.zeros(shape, dtype=model_config.dtype, device=device),
+            torch.zeros(shape, dtype=model_config.dtype, device=device),
+        )
+        for _ in range(model_config.num_layers)
+    ]
+    total_bytes = 2 * len(caches) * caches[0][0].numel() * caches[0][0].element_size()
+    logger.info(
+        "allocated KV cache: %s blocks x %s tokens, %.1f MiB",
+        num_blocks,
+        block_size,
+        total_bytes / 2**20,
+    )
+    return caches

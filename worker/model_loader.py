@@ -1,0 +1,74 @@
+"""Load a Hugging Face checkpoint folder into one of our model classes.
+
+A folder holds ``config.json`` and either one ``model.safetensors`` or several
+shards listed by ``model.safetensors.index.json``. Weights are cast to the
+compute dtype as they are read, so a bfloat16 checkpoint runs in float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.config import ModelConfig
+from worker.models import get_model_class
+from worker.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a stable order."""
+    index_file = folder / SAFETENSORS_INDEX
+    if index_file.is_file():
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index_file} lists shards that are missing: {missing}")
+        return files
+    single = folder / SAFETENSORS_SINGLE
+    if single.is_file():
+        return [single]
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise FileNotFoundError(
+        f"no safetensors weights in {folder} (expected {SAFETENSORS_SINGLE} or "
+        f"{SAFETENSORS_INDEX}); .bin/.pt checkpoints are not supported"
+    )
+
+
+def iterate_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor in ``dtype``) for every tensor of every shard."""
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = shard.get_tensor(name)
+                if tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build the model class for the checkpoint's architecture and fill its weights."""
+    model_class = get_model_class(model_config.architecture)
+    model = model_class(model_config).to(device)
+    model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
+    model.eval()
+    logger.info(
+        "loaded %s from %s (%s layers, dtype %s)",
+        model_config.architecture,
+        model_config.path,
+        model_config.num_layers,
+        model_config.dtype,
+    )
+    return model

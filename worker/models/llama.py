@@ -1,0 +1,196 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Tokens of every request in a step arrive flattened into one ``[num_tokens]``
+batch; the attention backend separates sequences using the step's metadata, so
+the model has no per-request loop. q/k/v and gate/up projections are fused into
+single matmuls when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.config import ModelConfig
+from worker.models.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialized: every element is overwritten by load_weights.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 like transformers, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dtype = config.dtype
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_norm = _empty(config.hidden_size, dtype=dtype)
+        self.post_attention_norm = _empty(config.hidden_size, dtype=dtype)
+        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_bias = (
+            _empty(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        )
+        self.o_proj = _empty(config.hidden_size, self.q_size, dtype=dtype)
+        self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        residual = hidden
+        hidden = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        k_cache, v_cache = kv_cache
+        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
+        hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+
+        residual = hidden
+        hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
+        gate, up = F.linear(hidden, self.gate_up_proj).chunk(2, dim=-1)
+        return residual + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head; ``forward`` returns hidden states, not logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        dtype = config.dtype
+        self.embed_tokens = _empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = _empty(config.hidden_size, dtype=dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_model_len,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] before the final norm."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, metadata, backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the given rows only (the rows that sample); norm is per row."""
+        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head)
+
+    # -- loading -------------------------------------------------------------
+
+    def _layer_target(self, layer: LlamaDecoderLayer, name: str) -> tuple[torch.Tensor, int]:
+        """(destination parameter, first row) for one per-layer checkpoint tensor."""
+        q, kv, inter = layer.q_size, layer.kv_size, self.config.intermediate_size
+        targets: dict[str, tuple[torch.Tensor | None, int]] = {
+            "input_layernorm.weight": (layer.input_norm, 0),
+            "post_attention_layernorm.weight": (layer.post_attention_norm, 0),
+            "self_attn.q_proj.weight": (layer.qkv_proj, 0),
+            "self_attn.k_proj.weight": (layer.qkv_proj, q),
+            "self_attn.v_proj.weight": (layer.qkv_proj, q + kv),
+            "self_attn.q_proj.bias": (layer.qkv_bias, 0),
+            "self_attn.k_proj.bias": (layer.qkv_bias, q),
+            "self_attn.v_proj.bias": (layer.qkv_bias, q + kv),
+            "self_attn.o_proj.weight": (layer.o_proj, 0),
+            "mlp.gate_proj.weight": (layer.gate_up_proj, 0),
+            "mlp.up_proj.weight": (layer.gate_up_proj, inter),
+            "mlp.down_proj.weight": (layer.down_proj, 0),
+        }
+        target, row = targets.get(name, (None, 0))
+        if target is None:
+            raise KeyError(name)
+        return target, row
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the (fused) parameters; fail on anything missing."""
+        params = dict(self.named_parameters())
+        names_by_param = {id(p): name for name, p in params.items()}
+        rows_loaded: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "model.embed_tokens.weight":
+                target, row = self.embed_tokens, 0
+            elif name == "model.norm.weight":
+                target, row = self.norm, 0
+            elif name == "lm_head.weight":
+                if self.config.tie_word_embeddings:
+                    continue  # some tied checkpoints store the copy anyway
+                target, row = self.lm_head, 0
+            else:
+                match = _LAYER_WEIGHT.fullmatch(name)
+                if match is None or int(match.group(1)) >= len(self.layers):
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                try:
+                    target, row = self._layer_target(
+                        self.layers[int(match.group(1))], match.group(2)
+                    )
+                except KeyError:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint") from None
+            if tensor.shape[1:] != target.shape[1:] or row + tensor.shape[0] > target.shape[0]:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, does not fit "
+                    f"{tuple(target.shape)} at row {row}"
+                )
+            target[row : row + tensor.shape[0]].copy_(tensor)
+            param_name = names_by_param[id(target)]
+            rows_loaded[param_name] = rows_loaded.get(param_name, 0) + tensor.shape[0]
+        missing = sorted(
+            name for name, param in params.items() if rows_loaded.get(name, 0) != param.shape[0]
+        )
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:8]}")
