@@ -1,0 +1,1 @@
+"""Detokenizer service: incremental detokenization and stop strings."""

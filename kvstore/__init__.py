@@ -1,0 +1,1 @@
+"""KV store service: KV block bytes keyed by content hash."""
