@@ -1,11 +1,244 @@
-"""Fast CPU attention path (placeholder: delegates to the reference for now)."""
+"""Fast paged attention with plain torch ops, for CPU (it also runs on any torch device).
+
+Decodes (sequences with one query token) are batched: every decode's context
+is gathered through its block table into one padded ``[num_decodes, L, H_kv, D]``
+tensor, and one ``scaled_dot_product_attention`` call with a length mask does
+them all. GQA costs nothing there: a decode's query heads are viewed as
+``[H_kv, group]`` and the group plays the role of the query-length axis.
+
+Prefill chunks (more than one query token) are few per step; each gets one SDPA
+call over its gathered prefix + chunk with a causal mask shifted by the cached
+prefix length. K/V are expanded over the group as stride-0 views, never copied.
+
+Everything derived from the step's batch shape (index tensors, masks) is built
+once per step in ``build_metadata`` and reused by all layers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kernels.torch_reference_backend import TorchReferenceBackend
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.backend import AttentionBackend, AttentionMetadata, basic_metadata
 
 
-class CpuAttentionBackend(TorchReferenceBackend):
+@dataclass(frozen=True)
+class PrefillChunkPlan:
+    """One sequence with more than one query token this step."""
+
+    query_start: int  # first query row in the packed batch
+    query_end: int
+    context_len: int  # cached prefix + chunk
+    block_table: torch.Tensor  # [max_blocks_per_seq] of this sequence
+    causal_mask: torch.Tensor  # [q_len, context_len] bool, True = may attend
+
+    @property
+    def query_len(self) -> int:
+        return self.query_end - self.query_start
+
+
+@dataclass(frozen=True)
+class CpuAttentionPlan:
+    num_tokens: int
+    decode_rows: torch.Tensor  # [num_decodes] int64, query row of each decode
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks_per_seq] int64
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_context] bool
+    max_decode_context: int
+    prefills: tuple[PrefillChunkPlan, ...]
+    # Slot indices depend on the cache's block size, which the metadata does
+    # not carry; they are computed by the first layer and reused by the rest.
+    _slots_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_rows.shape[0]
+
+    def decode_slots(self, block_size: int) -> torch.Tensor:
+        """[num_decodes * max_decode_context] cache slots, padding aimed at a valid slot.
+
+        Padding positions point at the sequence's last token (written this step),
+        so the gathered rows are always finite; the mask then hides them.
+        Pointing them at arbitrary blocks could pull NaN from never-written
+        cache memory into ``0 * NaN``.
+        """
+        slots = self._slots_by_block_size.get(block_size)
+        if slots is None:
+            positions = torch.arange(self.max_decode_context, device=self.decode_rows.device)
+            positions = torch.minimum(positions[None, :], self.decode_context_lens[:, None] - 1)
+            block_ids = torch.gather(self.decode_block_tables, 1, positions // block_size)
+            slots = (block_ids * block_size + positions % block_size).reshape(-1)
+            self._slots_by_block_size[block_size] = slots
+        return slots
+
+
+def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
+    """Split the batch into batched decodes and per-sequence prefill chunks (any order)."""
+    device = metadata.context_lens.device
+    query_start_loc = metadata.query_start_loc.long()
+    context_lens = metadata.context_lens.long()
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+
+    is_decode = query_lens == 1
+    decode_context_lens = context_lens[is_decode]
+    max_decode_context = int(decode_context_lens.max()) if decode_context_lens.numel() else 0
+    positions = torch.arange(max_decode_context, device=device)
+    decode_mask = positions[None, :] < decode_context_lens[:, None]
+
+    prefills = []
+    # A short Python loop: only sequences with more than one new token, few per step.
+    for seq in torch.nonzero(query_lens > 1).flatten().tolist():
+        start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        context_len = int(context_lens[seq])
+        q_positions = torch.arange(context_len - (end - start), context_len, device=device)
+        k_positions = torch.arange(context_len, device=device)
+        prefills.append(
+            PrefillChunkPlan(
+                query_start=start,
+                query_end=end,
+                context_len=context_len,
+                block_table=metadata.block_tables[seq].long(),
+                causal_mask=k_positions[None, :] <= q_positions[:, None],
+            )
+        )
+    return CpuAttentionPlan(
+        num_tokens=metadata.num_tokens,
+        decode_rows=query_start_loc[:-1][is_decode],
+        decode_context_lens=decode_context_lens,
+        decode_block_tables=metadata.block_tables[is_decode].long(),
+        decode_mask=decode_mask[:, None, None, :],
+        max_decode_context=max_decode_context,
+        prefills=tuple(prefills),
+    )
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``[len(slots), H_kv, D]`` of a ``[num_blocks, block_size, H_kv, D]`` cache."""
+    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+
+
+def _context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(context_len, device=block_table.device)
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+class CpuAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return None  # torch ops only; on CUDA Triton is preferred but this still runs
+
+    @classmethod
+    def build_metadata(
+        cls,
+        *,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        max_query_len: int | None = None,
+        max_context_len: int | None = None,
+    ) -> AttentionMetadata:
+        metadata = basic_metadata(
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+        )
+        return dataclasses.replace(metadata, plan=build_cpu_plan(metadata))
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        # Already one vectorized scatter; nothing faster to do with torch ops.
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = metadata.plan
+        if not isinstance(plan, CpuAttentionPlan):
+            plan = build_cpu_plan(metadata)
+        if query.shape[0] != plan.num_tokens:
+            raise ValueError(f"query has {query.shape[0]} rows, metadata {plan.num_tokens}")
+        num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        if plan.num_decodes:
+            self._decode(query, k_cache, v_cache, plan, scale, group, out)
+        for chunk in plan.prefills:
+            self._prefill_chunk(query, k_cache, v_cache, chunk, scale, group, out)
+        return out
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: CpuAttentionPlan,
+        scale: float,
+        group: int,
+        out: torch.Tensor,
+    ) -> None:
+        num_decodes, length = plan.num_decodes, plan.max_decode_context
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        slots = plan.decode_slots(k_cache.shape[1])
+        # [N, L, H_kv, D] -> [N, H_kv, L, D] as a view; SDPA reads the strides.
+        k = _gather_slots(k_cache, slots).view(num_decodes, length, num_kv_heads, head_dim)
+        v = _gather_slots(v_cache, slots).view(num_decodes, length, num_kv_heads, head_dim)
+        q = query.index_select(0, plan.decode_rows).view(num_decodes, num_kv_heads, group, -1)
+        attended = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale
+        )
+        out.index_copy_(0, plan.decode_rows, attended.reshape(num_decodes, -1, head_dim))
+
+    @staticmethod
+    def _prefill_chunk(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunkPlan,
+        scale: float,
+        group: int,
+        out: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        q_len, context_len = chunk.query_len, chunk.context_len
+        slots = _context_slots(chunk.block_table, context_len, k_cache.shape[1])
+
+        def expanded(cache: torch.Tensor) -> torch.Tensor:
+            # [ctx, H_kv, D] -> [H_kv, group, ctx, D] with a stride-0 group axis.
+            rows = _gather_slots(cache, slots).permute(1, 0, 2)
+            return rows.unsqueeze(1).expand(num_kv_heads, group, context_len, head_dim)
+
+        q = query[chunk.query_start : chunk.query_end].view(q_len, num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(
+            q.permute(1, 2, 0, 3),
+            expanded(k_cache),
+            expanded(v_cache),
+            attn_mask=chunk.causal_mask,
+            scale=scale,
+        )  # [H_kv, group, q_len, D]
+        out[chunk.query_start : chunk.query_end] = attended.permute(2, 0, 1, 3).reshape(
+            q_len, -1, head_dim
+        )
