@@ -1,0 +1,231 @@
+"""The pool of physical KV blocks: ref counts, an LRU free queue, the prefix-cache map.
+
+Contract:
+- A block is either on the free queue with ``ref_cnt == 0`` or held by requests
+  with ``ref_cnt > 0``, never both.
+- A free block may still carry a hash: its KV stays reusable until the block is
+  handed out again, at which point the old hash is dropped (evicted).
+- Eviction order is the free queue order: blocks are appended when their last
+  holder lets go, and taken from the front. Callers free a request's blocks in
+  reverse so that the tail of a sequence, the least likely to be shared, goes
+  first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from scheduler.block_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheIntegrityError(RuntimeError):
+    """The pool's bookkeeping contradicts itself (a bug, never user input)."""
+
+
+class KVCacheBlock:
+    """Metadata of one physical block; the tensors live in the worker."""
+
+    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set once the block is full and computed; None while it is not cached.
+        self.block_hash: BlockHash | None = None
+        # Links of the free queue; both None when the block is not on it.
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly-linked list of free blocks: O(1) pop from the front, append, and
+    removal from the middle (a prefix-cache hit on a free block)."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        # Sentinels spare every operation a None check.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self.num_free_blocks = 0
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+        self.num_free_blocks = len(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out: list[KVCacheBlock] = []
+        block = self._head.next_free_block
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        assert block is not None
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise KVCacheIntegrityError(f"{block} is not on the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise KVCacheIntegrityError(f"{block} is already on the free queue")
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterable[KVCacheBlock]:
+        block = self._head.next_free_block
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free_block
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return list(self)
+
+
+class BlockPool:
+    """Hands out blocks, takes them back, and remembers which hold cached prefixes."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # One block per hash: a second block computed with the same content
+        # (two requests prefilling the same prefix at once) just stays uncached.
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the front of the free queue (least recently freed)."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        cache = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                # Reusing the block overwrites its KV: its old prefix is gone.
+                if cache.get(block.block_hash) is block:
+                    del cache[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks (a prefix hit); free ones leave the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks nobody holds join the free queue in the
+        given order (first evicted first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise KVCacheIntegrityError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` (now full and
+        computed) under their hashes."""
+        if not self.enable_caching:
+            return
+        cache = self.cached_block_hash_to_block
+        for index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[index]
+            if block.block_hash is not None:
+                continue  # came from a prefix hit: already cached
+            block_hash = block_hashes[index]
+            if block_hash in cache:
+                continue  # same content already cached in another block
+            block.block_hash = block_hash
+            cache[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their KV, uncached)."""
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        logger.info("prefix cache reset")
+
+    def check_integrity(self) -> None:
+        """Raise KVCacheIntegrityError if the bookkeeping contradicts itself."""
+        on_queue: set[int] = set()
+        prev = self.free_block_queue._head
+        for block in self.free_block_queue:
+            if block.block_id in on_queue:
+                raise KVCacheIntegrityError(f"{block} is on the free queue twice")
+            if block.prev_free_block is not prev:
+                raise KVCacheIntegrityError(f"broken free-queue link at {block}")
+            if block.ref_cnt != 0:
+                raise KVCacheIntegrityError(f"{block} is on the free queue but referenced")
+            on_queue.add(block.block_id)
+            prev = block
+        if len(on_queue) != self.free_block_queue.num_free_blocks:
+            raise KVCacheIntegrityError(
+                f"free queue holds {len(on_queue)} blocks, counter says "
+                f"{self.free_block_queue.num_free_blocks}"
+            )
+        for block in self.blocks:
+            if block.block_id not in on_queue:
+                if block.ref_cnt <= 0:
+                    raise KVCacheIntegrityError(f"{block} is neither free nor referenced")
+                if block.prev_free_block is not None or block.next_free_block is not None:
+                    raise KVCacheIntegrityError(f"{block} is referenced but still linked")
+            if block.block_hash is not None and (
+                self.cached_block_hash_to_block.get(block.block_hash) is not block
+            ):
+                raise KVCacheIntegrityError(f"{block} has a hash the cache map does not know")
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                raise KVCacheIntegrityError(f"cache map entry points at {block} with another hash")

@@ -1,0 +1,70 @@
+"""Scheduler configuration: budgets, queue policy and KV cache geometry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")
+PREFIX_HASHES = ("sha256", "builtin")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """How much work one step may carry and how the KV block pool is laid out."""
+
+    # Tokens computed in one step, over all requests (prefill chunks + decodes).
+    max_num_batched_tokens: int = 2048
+    # Requests running at once (the worker's batch size).
+    max_num_seqs: int = 128
+    # Prompt + output tokens of one request.
+    max_model_len: int = 2048
+    # Largest prefill chunk one request may take in a step, so one long prompt
+    # cannot starve the others; 0 turns the limit off.
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    # Fraction of blocks kept free when admitting a waiting request, so that
+    # running requests can grow a little before someone must be preempted.
+    watermark: float = 0.01
+    block_size: int = 16
+    num_kv_blocks: int
+    enable_prefix_caching: bool = True
+    # "sha256" is collision-resistant and stable across processes; "builtin" is
+    # faster but 64-bit and process-local (never share its hashes).
+    prefix_hash: str = "sha256"
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 = off), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prefix_hash not in PREFIX_HASHES:
+            raise ValueError(
+                f"prefix_hash must be one of {PREFIX_HASHES}, got {self.prefix_hash!r}"
+            )
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            # A request that grew to max_model_len could never fit even alone and
+            # would preempt itself forever.
+            raise ValueError(
+                f"KV cache holds {self.num_kv_blocks * self.block_size} tokens "
+                f"({self.num_kv_blocks} blocks x {self.block_size}), less than "
+                f"max_model_len={self.max_model_len}; lower max_model_len or add blocks"
+            )
+
+    @property
+    def num_watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_kv_blocks)

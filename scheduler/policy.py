@@ -1,0 +1,153 @@
+"""Who waits in what order, and who is preempted when blocks run out.
+
+- fcfs: arrival order; the victim is the most recently admitted running request.
+- priority: lower ``priority`` value first, ties by arrival time (as vLLM); the
+  victim is the running request with the highest value, latest arrival on ties.
+
+A preempted request goes back to the front of its place in the queue: for fcfs
+the very front, for priority wherever its (priority, arrival) puts it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from scheduler.request import Request
+
+
+class RequestQueue(ABC):
+    """The waiting queue. ``peek``/``pop`` give the next request to admit."""
+
+    @abstractmethod
+    def add(self, request: Request) -> None:
+        """Queue a newly arrived request."""
+
+    @abstractmethod
+    def prepend(self, request: Request) -> None:
+        """Requeue a preempted request ahead of those that arrived after it."""
+
+    @abstractmethod
+    def peek(self) -> Request: ...
+
+    @abstractmethod
+    def pop(self) -> Request: ...
+
+    @abstractmethod
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        """Drop these requests (aborted or finished while waiting); O(n)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """Requests in admission order."""
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class FCFSQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._queue = deque(r for r in self._queue if id(r) not in gone)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        # Tie-break after (priority, arrival) so Requests are never compared.
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._counter), request)
+        )
+
+    def prepend(self, request: Request) -> None:
+        # (priority, arrival) already puts it ahead of everything that came later.
+        self.add(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [entry for entry in self._heap if id(entry[3]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+
+
+class SchedulingPolicy(ABC):
+    name: str
+
+    @abstractmethod
+    def make_waiting_queue(self) -> RequestQueue: ...
+
+    @abstractmethod
+    def select_victim(self, running: list[Request]) -> int:
+        """Index in ``running`` (admission order, non-empty) of the request to preempt."""
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = "fcfs"
+
+    def make_waiting_queue(self) -> RequestQueue:
+        return FCFSQueue()
+
+    def select_victim(self, running: list[Request]) -> int:
+        return len(running) - 1
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+
+    def make_waiting_queue(self) -> RequestQueue:
+        return PriorityQueue()
+
+    def select_victim(self, running: list[Request]) -> int:
+        return max(
+            range(len(running)),
+            key=lambda i: (running[i].priority, running[i].arrival_time, i),
+        )
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "priority":
+        return PriorityPolicy()
+    raise ValueError(f"unknown scheduling policy {name!r}; choose 'fcfs' or 'priority'")

@@ -1,0 +1,134 @@
+"""One request's scheduling state, counted in tokens."""
+
+from __future__ import annotations
+
+import enum
+
+from scheduler.output import FinishReason
+from services.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that "is finished" is a comparison."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything from here on is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def is_finished(status: RequestStatus) -> bool:
+    return status > RequestStatus.PREEMPTED
+
+
+class Request:
+    """A prompt, the tokens generated so far, and how many have KV computed.
+
+    ``num_tokens - num_computed_tokens`` is what is left to compute; there is no
+    separate prefill or decode state. Timestamps come from the scheduler's clock
+    (``arrival_time`` from whoever built the request, on the same clock).
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_id",
+        "error",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # prompt + output, kept as one list so blocks can be hashed by slicing.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prefix-cache hit tokens at first scheduling (reported to the client).
+        self.num_cached_tokens = 0
+        # Hashes of the full blocks of all_token_ids, extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
+        # Token id that stopped the request (stop_token_ids), else None.
+        self.stop_reason: int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )

@@ -1,0 +1,462 @@
+"""The scheduler: one ``schedule()`` and one ``update_from_output()`` per engine step.
+
+Each step spends a token budget: running requests first, in admission order,
+then waiting ones with what is left. A request advances by the tokens it still
+has to compute (``num_tokens - num_computed_tokens``), clipped by the budget and
+``long_prefill_token_threshold``; so a long prompt is prefilled in chunks while
+decodes keep going, and there is no prefill/decode mode. When a running request
+cannot get a block, the policy's victim is preempted (recompute: its blocks are
+freed and it goes back to the front of the waiting queue).
+
+Not thread-safe: the service loop owns one Scheduler and calls it from one task.
+``schedule()`` and ``update_from_output()`` alternate; ``num_computed_tokens``
+advances when the worker's output comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from scheduler.block_pool import KVCacheIntegrityError
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
+from scheduler.policy import make_policy
+from scheduler.request import Request, RequestStatus
+from scheduler.stopping import check_stop
+from services.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.policy = make_policy(config.policy)
+        self.kv_cache_manager = KVCacheManager(
+            config.num_kv_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            prefix_hash=config.prefix_hash,
+        )
+        # Every live (unfinished) request, by id.
+        self.requests: dict[str, Request] = {}
+        self.waiting = self.policy.make_waiting_queue()
+        # In admission order; the worker holds exactly these requests.
+        self.running: list[Request] = []
+        # Requests the worker must drop at the next step.
+        self._finished_req_ids: set[str] = set()
+        self._step_id = 0
+        self._num_watermark_blocks = config.num_watermark_blocks
+        # Counters since the last make_stats().
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._num_preemptions = 0
+        self._finished_stats: list[FinishedRequestStats] = []
+
+    # ---- requests in and out ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run."""
+        config = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} already exists")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_prompt_tokens > config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} "
+                f"tokens, more than max_model_len={config.max_model_len}"
+            )
+        num_prompt_blocks = -(-request.num_prompt_tokens // config.block_size)
+        if num_prompt_blocks > config.num_kv_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt needs {num_prompt_blocks} KV blocks, "
+                f"the pool has {config.num_kv_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        logger.debug(
+            "request %s queued (%s prompt tokens)", request.request_id, request.num_prompt_tokens
+        )
+
+    def abort_requests(self, request_ids: Iterable[str] | str) -> list[str]:
+        """Abort requests in any live state; their blocks are freed at once.
+
+        Returns the ids actually removed (unknown or already finished ids are skipped).
+        """
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> list[str]:
+        """Finish live requests with ``status`` (e.g. FINISHED_STOPPED on a stop string)."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        removed: list[str] = []
+        any_running = any_waiting = False
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            held_by_worker = request.status == _RUNNING
+            if held_by_worker:
+                any_running = True
+            else:
+                any_waiting = True
+            self._finish(request, status, held_by_worker)
+            removed.append(request_id)
+        if any_running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        if any_waiting:
+            self.waiting.remove_requests([r for r in self.waiting if r.is_finished()])
+        if removed:
+            logger.info("finished %s with %s", removed, status.name)
+        return removed
+
+    def _finish(self, request: Request, status: RequestStatus, held_by_worker: bool) -> None:
+        """Free a request's blocks and retire it; the caller drops it from its queue."""
+        if held_by_worker:
+            self._finished_req_ids.add(request.request_id)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        now = request.finished_time = self.clock()
+        scheduled, first_token = request.first_scheduled_time, request.first_token_time
+        self._finished_stats.append(
+            FinishedRequestStats(
+                request_id=request.request_id,
+                finish_reason=RequestStatus.get_finish_reason(status),  # type: ignore[arg-type]
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_generation_tokens=request.num_output_tokens,
+                queue_time=None if scheduled is None else scheduled - request.arrival_time,
+                prefill_time=(
+                    None if scheduled is None or first_token is None else first_token - scheduled
+                ),
+                decode_time=None if first_token is None else now - first_token,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, requeue at the front of the line."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self._finished_req_ids.add(request.request_id)
+        self.waiting.prepend(request)
+        logger.info(
+            "request %s preempted (%s tokens, preemption #%s)",
+            request.request_id,
+            request.num_tokens,
+            request.num_preemptions,
+        )
+
+    # ---- the step -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        config = self.config
+        kv = self.kv_cache_manager
+        allocate_slots = kv.allocate_slots
+        token_budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        running = self.running
+
+        num_scheduled_tokens: dict[str, int] = {}
+        cached = CachedRequestData()
+        cached_req_ids = cached.req_ids
+        cached_new_block_ids = cached.new_block_ids
+        cached_num_computed = cached.num_computed_tokens
+        num_preempted_now = 0
+
+        # Running requests first, in admission order.
+        index = 0
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            new_blocks = allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
+                victim_index = self.policy.select_victim(running)
+                victim = running.pop(victim_index)
+                num_preempted_now += 1
+                if victim_index < index:
+                    index -= 1
+                    token_budget += self._unschedule(victim, num_scheduled_tokens, cached)
+                self._preempt(victim)
+                if victim is request:
+                    break
+                new_blocks = allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                break  # the request itself was the victim: no room this step
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            cached_req_ids.append(request_id)
+            cached_new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached_num_computed.append(request.num_computed_tokens)
+            index += 1
+
+        # Then waiting ones, unless blocks were just too short to keep everyone.
+        new_reqs: list[NewRequestData] = []
+        if not num_preempted_now:
+            new_reqs = self._schedule_waiting(token_budget, num_scheduled_tokens)
+
+        finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+        )
+        self._step_id += 1
+        return output
+
+    def _schedule_waiting(
+        self, token_budget: int, num_scheduled_tokens: dict[str, int]
+    ) -> list[NewRequestData]:
+        config = self.config
+        kv = self.kv_cache_manager
+        threshold = config.long_prefill_token_threshold
+        running = self.running
+        waiting = self.waiting
+        new_reqs: list[NewRequestData] = []
+        now: float | None = None
+        while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            # With nothing running there is nobody to keep room for, and a request
+            # needing the whole pool must still be admitted.
+            watermark = self._num_watermark_blocks if running else 0
+            new_blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks, watermark)
+            if new_blocks is None:
+                break  # head-of-line: later requests wait too, keeping the order fair
+            waiting.pop()
+            running.append(request)
+            request_id = request.request_id
+            request.status = _RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.first_scheduled_time is None:
+                if now is None:
+                    now = self.clock()
+                request.first_scheduled_time = now
+                request.num_cached_tokens = num_cached_tokens
+            self._prefix_cache_queries += request.num_tokens
+            self._prefix_cache_hits += num_cached_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request_id),
+                    num_computed_tokens=num_cached_tokens,
+                )
+            )
+            num_scheduled_tokens[request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        return new_reqs
+
+    @staticmethod
+    def _unschedule(
+        victim: Request, num_scheduled_tokens: dict[str, int], cached: CachedRequestData
+    ) -> int:
+        """Take back an already scheduled running request; return its tokens."""
+        num_tokens = num_scheduled_tokens.pop(victim.request_id, 0)
+        if num_tokens:
+            position = cached.req_ids.index(victim.request_id)
+            del cached.req_ids[position]
+            del cached.new_block_ids[position]
+            del cached.num_computed_tokens[position]
+        return num_tokens
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply one step's results: advance counts, append tokens, stop, free."""
+        if model_runner_output.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"worker output is for step {model_runner_output.step_id}, "
+                f"expected step {scheduler_output.step_id}"
+            )
+        requests = self.requests
+        kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        block_size = kv.block_size
+        num_cached_blocks = kv.num_cached_blocks
+        max_model_len = self.config.max_model_len
+        errors = model_runner_output.errors
+        req_ids = model_runner_output.req_ids
+        sampled_by_id = dict(zip(req_ids, model_runner_output.sampled_token_ids, strict=True))
+        logprobs_by_id = (
+            dict(zip(req_ids, model_runner_output.logprobs, strict=True))
+            if model_runner_output.logprobs
+            else None
+        )
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        now: float | None = None
+
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(request_id)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted or finished by a stop string since schedule()
+            if errors and request_id in errors:
+                continue  # handled below
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
+            if caching and num_computed // block_size > num_cached_blocks.get(request_id, 1 << 62):
+                kv.cache_blocks(request, num_computed)
+            token_ids = sampled_by_id.get(request_id)
+            if not token_ids:
+                continue
+            if num_computed != request.num_tokens:
+                logger.warning(
+                    "request %s: worker sampled before the end of its tokens "
+                    "(%s of %s computed); ignored",
+                    request_id,
+                    num_computed,
+                    request.num_tokens,
+                )
+                continue
+            new_token_ids: list[int] = []
+            stopped = False
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if check_stop(request, max_model_len):
+                    stopped = True
+                    break
+            if request.first_token_time is None:
+                if now is None:
+                    now = self.clock()
+                request.first_token_time = now
+            logprobs = logprobs_by_id.get(request_id) if logprobs_by_id else None
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.get_finish_reason(),
+                    stop_reason=request.stop_reason,
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if stopped:
+                finished.append(request)
+
+        for request_id, message in errors.items():
+            request = requests.get(request_id)
+            if request is None or request.status != _RUNNING:
+                continue  # the worker only holds running requests
+            logger.warning("request %s failed in the worker: %s", request_id, message)
+            request.error = message
+            request.status = RequestStatus.FINISHED_ERROR
+            finished.append(request)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finish_reason(),
+                    stop_reason=None,
+                    new_logprobs=None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    error=message,
+                )
+            )
+
+        if finished:
+            self._retire(finished)
+        return outputs
+
+    def _retire(self, finished: list[Request]) -> None:
+        """Free running requests that finished in update_from_output (status set)."""
+        for request in finished:
+            self._finish(request, request.status, held_by_worker=True)
+        self.running = [r for r in self.running if r.status == _RUNNING]
+
+    # ---- views --------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of every unfinished request (waiting, running or preempted)."""
+        return list(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.kv_cache_manager.get_block_ids(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Block invariants plus queue invariants; for tests and debug builds."""
+        self.kv_cache_manager.check_integrity()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        if len(set(running_ids) | set(waiting_ids)) != len(running_ids) + len(waiting_ids):
+            raise KVCacheIntegrityError("a request is queued twice")
+        if set(running_ids) | set(waiting_ids) != set(self.requests):
+            raise KVCacheIntegrityError("request table and queues disagree")
+        block_size = self.config.block_size
+        for request in self.running:
+            num_blocks = len(self.kv_cache_manager.get_blocks(request.request_id))
+            if request.status != _RUNNING or num_blocks * block_size < request.num_computed_tokens:
+                raise KVCacheIntegrityError(f"{request} holds {num_blocks} blocks")
+        for request in self.waiting:
+            if request.request_id in self.kv_cache_manager.req_to_blocks:
+                raise KVCacheIntegrityError(f"waiting {request} holds blocks")
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise KVCacheIntegrityError(f"{request} is waiting with a wrong status")
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, counters since the previous call."""
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+            num_preemptions=self._num_preemptions,
+            finished_requests=self._finished_stats,
+        )
+        self._prefix_cache_queries = self._prefix_cache_hits = self._num_preemptions = 0
+        self._finished_stats = []
+        return stats

@@ -1,0 +1,83 @@
+"""One-line factories for scheduler tests and benchmarks.
+
+``make_output`` plays the worker: it samples only for requests that reach the
+end of their known tokens in the step, exactly as the step contract says.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from scheduler.output import RequestOutput
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from services.sampling_params import SamplingParams
+from services.step import ModelRunnerOutput, SchedulerOutput
+
+_ids = itertools.count()
+
+# Token the fake worker samples when a test does not say which one.
+DEFAULT_SAMPLED_TOKEN = 7
+
+
+def make_request(
+    n_prompt: int,
+    max_tokens: int = 16,
+    *,
+    request_id: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    eos_token_id: int | None = 2,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    **sampling: object,
+) -> Request:
+    """A request with ``n_prompt`` prompt tokens (100, 101, ... unless given)."""
+    if prompt_token_ids is None:
+        prompt_token_ids = range(100, 100 + n_prompt)
+    return Request(
+        request_id=request_id if request_id is not None else f"req-{next(_ids)}",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+        eos_token_id=eos_token_id,
+        arrival_time=arrival_time,
+        priority=priority,
+        cache_salt=cache_salt,
+    )
+
+
+def make_output(
+    scheduler_output: SchedulerOutput,
+    tokens: Mapping[str, int] | None = None,
+    errors: Mapping[str, str] | None = None,
+    *,
+    scheduler: Scheduler,
+) -> ModelRunnerOutput:
+    """The worker's answer: one token (``tokens[id]`` or a default) for each
+    request whose computed tokens reach its known tokens this step."""
+    tokens = tokens or {}
+    req_ids: list[str] = []
+    sampled: list[list[int]] = []
+    for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        reaches_end = request.num_computed_tokens + num_scheduled == request.num_tokens
+        req_ids.append(request_id)
+        sampled.append([tokens.get(request_id, DEFAULT_SAMPLED_TOKEN)] if reaches_end else [])
+    return ModelRunnerOutput(
+        step_id=scheduler_output.step_id,
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        errors=dict(errors or {}),
+    )
+
+
+def run_step(
+    scheduler: Scheduler,
+    tokens: Mapping[str, int] | None = None,
+    errors: Mapping[str, str] | None = None,
+) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    """schedule() + a fabricated worker answer + update_from_output()."""
+    scheduler_output = scheduler.schedule()
+    model_output = make_output(scheduler_output, tokens, errors, scheduler=scheduler)
+    return scheduler_output, scheduler.update_from_output(scheduler_output, model_output)
