@@ -123,19 +123,20 @@ class DetokenizerTable:
         """
         results: list[StepResult] = []
         for item in step:
-            step_input = StepInput(*item)
+            request_id = str(item[0]) if len(item) > 0 else ""
             try:
+                step_input = StepInput(*item)
                 delta = self.process(
                     step_input.request_id,
-                    list(step_input.new_token_ids),
+                    [int(token_id) for token_id in step_input.new_token_ids],
                     step_input.finished,
                     stopped_by_token=step_input.stopped_by_token,
                 )
             except Exception as exc:
-                logger.warning("request %s: detokenization failed: %s", step_input.request_id, exc)
-                results.append(StepResult(step_input.request_id, None, _describe(exc)))
+                logger.warning("request %s: detokenization failed: %s", request_id, exc)
+                results.append(StepResult(request_id, None, _describe(exc)))
             else:
-                results.append(StepResult(step_input.request_id, delta))
+                results.append(StepResult(request_id, delta))
         return results
 
     def remove(self, request_id: str) -> bool:

@@ -23,13 +23,15 @@ def test_step_failures_stay_with_their_request(tokenizer: Tokenizer) -> None:
             ("good-1", ids_of(tokenizer, "Hello"), False),
             ("bad-token", [*ids_of(tokenizer, "x"), vocab_size + 5], False),
             ("ghost", ids_of(tokenizer, "boo"), False),
+            ("malformed",),
             StepInput("good-2", ids_of(tokenizer, "Bye"), True),
         ]
     )
-    assert [r.request_id for r in results] == ["good-1", "bad-token", "ghost", "good-2"]
-    assert [r.ok for r in results] == [True, False, False, True]
+    ids = ["good-1", "bad-token", "ghost", "malformed", "good-2"]
+    assert [r.request_id for r in results] == ids
+    assert [r.ok for r in results] == [True, False, False, False, True]
     assert results[0].delta is not None and results[0].delta.text == "Hello"
-    assert results[3].delta is not None and results[3].delta.text == "Bye"
+    assert results[4].delta is not None and results[4].delta.text == "Bye"
     assert "outside the vocabulary" in (results[1].error or "")
     assert "ghost" in (results[2].error or "")
     # The failed request is dropped; the finished one is gone; good-1 lives on.
