@@ -7,8 +7,10 @@ end of their known tokens in the step, exactly as the step contract says.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from scheduler.config import SchedulerConfig
 from scheduler.output import RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -19,6 +21,15 @@ _ids = itertools.count()
 
 # Token the fake worker samples when a test does not say which one.
 DEFAULT_SAMPLED_TOKEN = 7
+
+
+def make_scheduler(clock: Callable[[], float] | None = None, **config: Any) -> Scheduler:
+    """A scheduler with a roomy default pool; override any SchedulerConfig field."""
+    config.setdefault("num_kv_blocks", 1024)
+    scheduler_config = SchedulerConfig(**config)
+    if clock is None:
+        return Scheduler(scheduler_config)
+    return Scheduler(scheduler_config, clock=clock)
 
 
 def make_request(
@@ -33,11 +44,14 @@ def make_request(
     cache_salt: str | None = None,
     **sampling: object,
 ) -> Request:
-    """A request with ``n_prompt`` prompt tokens (100, 101, ... unless given)."""
+    """A request with ``n_prompt`` prompt tokens, unique to it unless given (so
+    that tests share prefixes only on purpose)."""
+    serial = next(_ids)
     if prompt_token_ids is None:
-        prompt_token_ids = range(100, 100 + n_prompt)
+        start = 1_000 + serial * 10_000
+        prompt_token_ids = range(start, start + n_prompt)
     return Request(
-        request_id=request_id if request_id is not None else f"req-{next(_ids)}",
+        request_id=request_id if request_id is not None else f"req-{serial}",
         prompt_token_ids=list(prompt_token_ids),
         sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
         eos_token_id=eos_token_id,
