@@ -37,7 +37,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     detokenize_params: DetokenizeParams
-    # Higher values are scheduled earlier when the scheduler runs a priority policy.
+    # vLLM's convention: lower values are scheduled earlier under a priority policy.
     priority: int = 0
     # Mixed into prefix-cache block hashes so tenants cannot probe each other's cache.
     cache_salt: str | None = None

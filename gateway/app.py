@@ -1,0 +1,200 @@
+"""The gateway's FastAPI application: OpenAI-compatible routes plus health, metrics, tokenizer.
+
+``build_app`` wires an ``EngineClient`` (gRPC in production, a fake in tests)
+to the HTTP routes. The app never touches tensors or KV blocks; everything it
+knows about the engine comes through the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from importlib import metadata
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.engine_client import EngineClient, EngineError
+from gateway.errors import (
+    RequestError,
+    error_response,
+    install_exception_handlers,
+    response_for_exception,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from gateway.serving_chat import ChatServing
+from gateway.serving_completions import CompletionServing
+from gateway.tokenizer import Tokenizer
+from gateway.validation import check_model, render_chat
+
+logger = logging.getLogger(__name__)
+
+# /ready answers 503 rather than hang when the engine does not answer in time.
+READY_TIMEOUT_S = 5.0
+# Status logged (never seen by anyone) when a client leaves before its answer.
+_CLIENT_CLOSED_REQUEST = 499
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("kvmesh")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _InternalErrorMiddleware:
+    """Turn any exception that escaped a route into a logged 500 with an OpenAI body.
+
+    Starlette's own catch-all re-raises after answering; this one keeps the
+    failure inside the gateway, and stays silent toward a client whose
+    response has already started (a stream), which only gets cut short.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking_start(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking_start)
+        except Exception:
+            logger.exception("unhandled error serving %s %s", scope.get("method"), scope["path"])
+            if not started:
+                await error_response("internal server error", 500)(scope, receive, send)
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _serve_until_disconnect(raw_request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a generation handler, cancelling it (and so aborting its engine
+    requests) if the client disconnects before it answers."""
+    handler_task = asyncio.ensure_future(handler)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect_task.cancel()
+        if not handler_task.done():
+            handler_task.cancel()
+        await asyncio.gather(disconnect_task, handler_task, return_exceptions=True)
+    if handler_task.cancelled():
+        logger.info("client disconnected before the response; request cancelled")
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+    error = handler_task.exception()
+    if error is not None:
+        return response_for_exception(error)
+    return handler_task.result()
+
+
+def build_app(
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    metrics_registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    app = FastAPI(title="kvmesh gateway", version=_package_version())
+    install_exception_handlers(app)
+    app.add_middleware(_InternalErrorMiddleware)
+    registry = REGISTRY if metrics_registry is None else metrics_registry
+    metrics = GatewayMetrics.for_registry(registry)
+    completions = CompletionServing(engine, tokenizer, served_model_name, metrics)
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics)
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await _serve_until_disconnect(raw_request, completions.create_completion(request))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await _serve_until_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        card = ModelCard(id=served_model_name, max_model_len=engine.model_info.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        # Liveness only: the process answers. Readiness is /ready.
+        return Response(status_code=200)
+
+    @app.get("/ready", response_model=None)
+    async def ready() -> Response:
+        try:
+            await asyncio.wait_for(engine.check_ready(), timeout=READY_TIMEOUT_S)
+        except EngineError as exc:
+            return error_response(f"engine not ready: {exc.message}", 503)
+        except TimeoutError:
+            return error_response("engine not ready: readiness check timed out", 503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _package_version()}
+
+    @app.post("/tokenize", response_model_exclude_none=True)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        check_model(request.model, served_model_name)
+        if (request.prompt is None) == (request.messages is None):
+            raise RequestError("send exactly one of prompt or messages", param="prompt")
+        if request.prompt is not None:
+            text = request.prompt
+            add_special = request.add_special_tokens is not False
+        else:
+            text = render_chat(request.messages or [], tokenizer, request.add_generation_prompt)
+            # The template writes its own special tokens.
+            add_special = bool(request.add_special_tokens)
+        token_ids = tokenizer.encode(text, add_special_tokens=add_special)
+        return TokenizeResponse(
+            count=len(token_ids),
+            max_model_len=engine.model_info.max_model_len,
+            tokens=token_ids,
+            token_strs=(
+                [tokenizer.id_to_token(t) or "" for t in token_ids]
+                if request.return_token_strs
+                else None
+            ),
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model, served_model_name)
+        for token_id in request.tokens:
+            if not 0 <= token_id < tokenizer.vocab_size:
+                raise RequestError(f"token id {token_id} is outside the vocabulary", "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    return app

@@ -1,0 +1,148 @@
+"""What completions and chat completions share: fan-out, collection, usage, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from gateway.engine_client import (
+    EngineClient,
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    ModelInfo,
+    TokenLogprob,
+)
+from gateway.generation_stream import MultiGeneration
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse_event(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json(exclude=exclude)
+    else:
+        body = json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def build_engine_requests(
+    request_id: str,
+    prompts: list[Prompt],
+    request: CompletionRequest | ChatCompletionRequest,
+    model: ModelInfo,
+) -> list[GenerationRequest]:
+    """One engine request per choice: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
+
+    Siblings carry the same prompt, so the scheduler's prefix cache computes
+    its blocks once and shares them.
+    """
+    check_cache_salt(request.cache_salt)
+    detokenize = detokenize_params(request)
+    engine_requests = []
+    for prompt_index, prompt in enumerate(prompts):
+        params = sampling_params(request, len(prompt.token_ids), model)
+        for sample in range(request.n):
+            choice_index = prompt_index * request.n + sample
+            engine_requests.append(
+                GenerationRequest(
+                    request_id=f"{request_id}-{choice_index}",
+                    prompt_token_ids=prompt.token_ids,
+                    sampling_params=params,
+                    detokenize_params=detokenize,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                )
+            )
+    return engine_requests
+
+
+async def start_generation(
+    engine: EngineClient,
+    engine_requests: list[GenerationRequest],
+    metrics: GatewayMetrics,
+    model_name: str,
+) -> MultiGeneration:
+    """Submit every request and wait for admission; aborts all of them on refusal."""
+    trackers = [metrics.track(model_name) for _ in engine_requests]
+    generation = MultiGeneration(
+        engine, engine_requests, on_delta=lambda index, delta: trackers[index].on_delta(delta)
+    )
+    try:
+        await generation.start()
+    except BaseException:
+        await generation.close()
+        raise
+    return generation
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated from its deltas (non-streaming responses)."""
+
+    text: str = ""
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, delta: GenerationDelta) -> None:
+        self.text += delta.text
+        self.num_output_tokens = delta.num_output_tokens
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def failure_error(delta: GenerationDelta) -> EngineError | None:
+    """The error to answer with when a choice ended by failure rather than by stopping."""
+    if delta.finish_reason == "error":
+        return EngineError(delta.error or "the engine failed to generate", status_code=503)
+    if delta.finish_reason == "abort":
+        return EngineError(delta.error or "the engine aborted the request", status_code=503)
+    return None
+
+
+async def collect_choices(generation: MultiGeneration, num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for index, delta in generation.deltas():
+        error = failure_error(delta)
+        if error is not None:
+            raise error
+        results[index].add(delta)
+    return results
+
+
+def usage_info(
+    prompts: list[Prompt], num_output_tokens: list[int], cached_per_prompt: list[int]
+) -> UsageInfo:
+    # A prompt shared by n choices is counted once, as OpenAI bills it.
+    prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    completion_tokens = sum(num_output_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_per_prompt)),
+    )

@@ -1,0 +1,117 @@
+"""The gateway's tokenizer: encode, decode, special ids and the model's own chat template.
+
+Loaded from a Hugging Face model folder through transformers' ``AutoTokenizer``
+so chat templates render exactly as transformers renders them (sandboxed
+Jinja, ``raise_exception``, ``tojson``, special-token variables). Encoding and
+decoding go straight to the underlying ``tokenizers.Tokenizer``, which skips
+transformers' per-call Python overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation (bad role order, missing field...)."""
+
+
+class Tokenizer:
+    """A model's tokenizer as the gateway uses it."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf = hf_tokenizer
+        self._fast = hf_tokenizer.backend_tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path) -> Tokenizer:
+        model_path = Path(model_path)
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        eos_ids = _collect_eos_token_ids(model_path, hf_tokenizer.eos_token_id)
+        logger.info(
+            "loaded tokenizer from %s: vocab %s, eos %s, chat template %s",
+            model_path,
+            len(hf_tokenizer),
+            eos_ids,
+            "yes" if hf_tokenizer.chat_template else "no",
+        )
+        return cls(hf_tokenizer, eos_ids)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._hf.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._hf.eos_token_id
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self._hf.all_special_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_text(self, token_id: int) -> str:
+        """One token decoded on its own, as it appears in logprobs."""
+        return self._fast.decode([token_id], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry (e.g. ``Ġworld``), not its decoded text."""
+        return self._fast.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's own template; raises ChatTemplateError."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            rendered = self._hf.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+        if not isinstance(rendered, str):  # a batch was passed; the gateway never does
+            raise ChatTemplateError("chat template did not render to a single string")
+        return rendered
+
+
+def _collect_eos_token_ids(model_path: Path, tokenizer_eos: int | None) -> tuple[int, ...]:
+    # generation_config.json may list several end-of-turn ids (Llama 3 does).
+    ids: list[int] = [] if tokenizer_eos is None else [tokenizer_eos]
+    config_file = model_path / "generation_config.json"
+    if config_file.exists():
+        configured = json.loads(config_file.read_text()).get("eos_token_id")
+        if isinstance(configured, int):
+            configured = [configured]
+        for token_id in configured or []:
+            if token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
