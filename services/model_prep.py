@@ -116,5 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def resolve_model_path(model: str) -> Path:
+    """The checkpoint folder a service should load: ``model``, or the prepared default."""
+    if model:
+        path = Path(model).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"{path} is not a Hugging Face checkpoint folder (no config.json)"
+            )
+        return path
+    return prepare_default_model()
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

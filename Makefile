@@ -1,0 +1,48 @@
+# kvmesh: `make up` serves the default model; `make test` runs the whole suite.
+# Both start with `make install`, which is idempotent: it does nothing when the
+# venv, the pinned dependencies and the prepared default model are in place.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Stamp files make the steps idempotent: each reruns only when its inputs change.
+DEPS_STAMP := $(VENV)/.deps-installed
+
+.PHONY: install up test test-fast lint format protos bench clean
+
+install: $(DEPS_STAMP)
+	@# Checks a marker in the model cache; converts only the first time.
+	@$(BIN)/python -m services.model_prep >/dev/null
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, by exact version, so that pip takes the CPU build on this
+# machine's disk and no later resolution can pull a CUDA build.
+$(DEPS_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+up: install
+	$(BIN)/kvmesh up
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+protos: $(DEPS_STAMP)
+	$(BIN)/python -m protos.build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,39 @@
+"""detokenizer process: load the tokenizer, follow the scheduler, serve gateways."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from detokenizer.registry import DetokenizerTable
+from detokenizer.service import DetokenizerEngine, DetokenizerServicer
+from detokenizer.tokenizer_loader import load_tokenizer
+from protos import detokenizer_pb2, detokenizer_pb2_grpc
+from services.config import DetokenizerConfig
+from services.grpc_server import GrpcService
+from services.metrics import start_metrics_server
+from services.model_prep import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
+    start_metrics_server(config.bind_host, config.detokenizer_metrics_port)
+    loaded = load_tokenizer(resolve_model_path(config.model))
+    engine = DetokenizerEngine(DetokenizerTable(loaded.tokenizer), config.scheduler_addr)
+    service = GrpcService(
+        "detokenizer", [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name]
+    )
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(
+        DetokenizerServicer(engine), service.server
+    )
+    await service.start(config.bind_host, config.detokenizer_port)
+    # Ready only while subscribed to the scheduler: without it no output flows.
+    run_task = asyncio.create_task(engine.run(stop, service.set_serving), name="scheduler-follow")
+    await stop.wait()
+    await service.stop(grace=2.0)
+    run_task.cancel()
+    try:
+        await run_task
+    except asyncio.CancelledError:
+        pass

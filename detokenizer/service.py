@@ -1,0 +1,231 @@
+"""The detokenizer service: scheduler outputs in, per-gateway text deltas out.
+
+It holds one StreamOutputs subscription to the scheduler. For each engine
+step it advances every request's incremental detokenizer in one pass, asks
+the scheduler (one FinishRequests call per step) to finish requests whose
+stop string matched, and routes the deltas to the gateway that submitted each
+request (by client_id), again one message per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from detokenizer.registry import DetokenizerTable, StepInput
+from protos import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
+from protos import scheduler_pb2_grpc
+from services.grpc_server import insecure_channel
+from services.step_codec import detokenize_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+_STEP_SECONDS = Histogram(
+    "kvmesh:detokenizer_step_seconds",
+    "time to detokenize one engine step's outputs",
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+_TOKENS = Counter("kvmesh:detokenizer_tokens_total", "token ids detokenized")
+_LIVE = Gauge("kvmesh:detokenizer_live_requests", "requests with detokenizer state")
+_STOPS = Counter("kvmesh:detokenizer_stop_string_matches_total", "requests ended by a stop string")
+
+# Requests already ended by a stop string, whose in-flight tokens may still
+# arrive from the scheduler; remembered so those are dropped quietly.
+_MAX_REMEMBERED_STOPS = 65_536
+
+
+class DetokenizerEngine:
+    def __init__(self, table: DetokenizerTable, scheduler_addr: str) -> None:
+        self.table = table
+        self.scheduler_addr = scheduler_addr
+        self._client_of: dict[str, str] = {}
+        self._stopped: OrderedDict[str, None] = OrderedDict()
+        self._subscribers: dict[str, asyncio.Queue[detokenizer_pb2.DetokenizedBatch]] = {}
+        self.connected = False
+        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+
+    # ---- gateway side ------------------------------------------------------
+
+    def subscribe(self, client_id: str) -> asyncio.Queue[detokenizer_pb2.DetokenizedBatch]:
+        queue: asyncio.Queue[detokenizer_pb2.DetokenizedBatch] = asyncio.Queue()
+        self._subscribers[client_id] = queue
+        return queue
+
+    def unsubscribe(self, client_id: str, queue: asyncio.Queue) -> None:
+        if self._subscribers.get(client_id) is queue:
+            del self._subscribers[client_id]
+
+    # ---- scheduler side ----------------------------------------------------
+
+    def process_step(
+        self, step: scheduler_pb2.StepOutputs
+    ) -> tuple[dict[str, list[detokenizer_pb2.DetokenizedOutput]], list[str]]:
+        """Detokenize one step. Returns outputs per client_id and stop-string finishes."""
+        inputs: list[StepInput] = []
+        kept: list[scheduler_pb2.RequestOutput] = []
+        for out in step.outputs:
+            rid = out.request_id
+            if rid in self._stopped:
+                if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self._stopped.pop(rid, None)
+                continue
+            if out.HasField("header"):
+                self._client_of[rid] = out.header.client_id
+                try:
+                    self.table.add(
+                        rid,
+                        list(out.header.prompt_token_ids),
+                        detokenize_params_from_proto(out.header.detokenize_params),
+                    )
+                except Exception as e:  # noqa: BLE001 - reported for this request only
+                    logger.warning("request %s: cannot start detokenizing: %s", rid, e)
+            finished = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            inputs.append(
+                StepInput(
+                    rid,
+                    list(out.new_token_ids),
+                    finished,
+                    out.finish_reason == common_pb2.FINISH_REASON_STOP,
+                )
+            )
+            kept.append(out)
+        results = self.table.process_step(inputs)
+
+        per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]] = {}
+        stop_finishes: list[str] = []
+        for out, result in zip(kept, results, strict=True):
+            rid = out.request_id
+            msg = detokenizer_pb2.DetokenizedOutput(
+                request_id=rid,
+                token_ids=out.new_token_ids,
+                finish_reason=out.finish_reason,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+                logprobs=out.logprobs,
+                error=out.error,
+            )
+            if out.HasField("stop_token_id"):
+                msg.stop_token_id = out.stop_token_id
+            if result.error is not None:
+                msg.finish_reason = common_pb2.FINISH_REASON_ERROR
+                msg.error = f"detokenization failed: {result.error}"
+                if out.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                    stop_finishes.append(rid)  # stop generating for a broken request
+            else:
+                delta = result.delta
+                msg.text = delta.text
+                if delta.stop_string is not None and msg.finish_reason in (
+                    common_pb2.FINISH_REASON_UNSPECIFIED,
+                    common_pb2.FINISH_REASON_STOP,
+                    common_pb2.FINISH_REASON_LENGTH,
+                ):
+                    msg.finish_reason = common_pb2.FINISH_REASON_STOP
+                    msg.stop_string = delta.stop_string
+                    if out.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                        stop_finishes.append(rid)
+                        self.table.remove(rid)
+                        self._remember_stopped(rid)
+                    _STOPS.inc()
+            client = self._client_of.get(rid, "")
+            if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self._client_of.pop(rid, None)
+                self.table.remove(rid)
+            per_client.setdefault(client, []).append(msg)
+        _TOKENS.inc(sum(len(o.new_token_ids) for o in kept))
+        _LIVE.set(len(self.table))
+        return per_client, stop_finishes
+
+    def _remember_stopped(self, rid: str) -> None:
+        self._stopped[rid] = None
+        while len(self._stopped) > _MAX_REMEMBERED_STOPS:
+            self._stopped.popitem(last=False)
+
+    def _route(
+        self, step_id: int, per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]]
+    ) -> None:
+        for client, outputs in per_client.items():
+            queue = self._subscribers.get(client)
+            if queue is None:
+                logger.warning(
+                    "no gateway %r subscribed; dropping %d outputs", client, len(outputs)
+                )
+                continue
+            queue.put_nowait(detokenizer_pb2.DetokenizedBatch(step_id=step_id, outputs=outputs))
+
+    def _fail_live_requests(self, reason: str) -> None:
+        per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]] = {}
+        for rid, client in list(self._client_of.items()):
+            per_client.setdefault(client, []).append(
+                detokenizer_pb2.DetokenizedOutput(
+                    request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=reason
+                )
+            )
+            self.table.remove(rid)
+        self._client_of.clear()
+        self._route(0, per_client)
+
+    async def run(self, stop: asyncio.Event, on_connected) -> None:
+        """Follow the scheduler's output stream, reconnecting when it breaks."""
+        while not stop.is_set():
+            try:
+                async with insecure_channel(self.scheduler_addr) as channel:
+                    self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                    stream = self._stub.StreamOutputs(
+                        scheduler_pb2.StreamOutputsRequest(subscriber="detokenizer")
+                    )
+                    await stream.wait_for_connection()
+                    self.connected = True
+                    await on_connected(True)
+                    logger.info("subscribed to scheduler outputs at %s", self.scheduler_addr)
+                    async for step in stream:
+                        start = time.perf_counter()
+                        per_client, stop_finishes = self.process_step(step)
+                        self._route(step.step_id, per_client)
+                        _STEP_SECONDS.observe(time.perf_counter() - start)
+                        if stop_finishes:
+                            asyncio.create_task(self._finish(stop_finishes))
+            except grpc.aio.AioRpcError as e:
+                logger.warning("scheduler stream broke: %s %s", e.code().name, e.details())
+            except asyncio.CancelledError:
+                raise
+            finally:
+                if self.connected:
+                    self.connected = False
+                    await on_connected(False)
+                    self._fail_live_requests("scheduler unavailable")
+                self._stub = None
+            if not stop.is_set():
+                await asyncio.sleep(0.5)
+
+    async def _finish(self, request_ids: list[str]) -> None:
+        if self._stub is None:
+            return
+        try:
+            await self._stub.FinishRequests(
+                scheduler_pb2.FinishRequestsRequest(request_ids=request_ids), timeout=10
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.warning("could not finish %s on the scheduler: %s", request_ids, e.details())
+
+
+class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
+    def __init__(self, engine: DetokenizerEngine) -> None:
+        self.engine = engine
+
+    async def StreamDetokenized(
+        self, request, context
+    ) -> AsyncIterator[detokenizer_pb2.DetokenizedBatch]:
+        queue = self.engine.subscribe(request.client_id)
+        logger.info("gateway %r subscribed", request.client_id)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.engine.unsubscribe(request.client_id, queue)
+            logger.info("gateway %r unsubscribed", request.client_id)

@@ -1,0 +1,242 @@
+"""The gateway's EngineClient over gRPC: submit to the scheduler, read the detokenizer.
+
+One StreamDetokenized subscription (keyed by this gateway's client_id)
+carries the deltas of every request this gateway submitted; a dispatcher task
+routes them to per-request queues. A broken stream fails the in-flight
+requests with an error delta (HTTP clients see it as a 503 / error finish)
+and reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from gateway.engine_client import (
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    ModelInfo,
+    TokenLogprob,
+    TopLogprob,
+)
+from protos import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
+from protos import scheduler_pb2_grpc
+from services.grpc_server import insecure_channel
+from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 503,
+}
+
+
+class GrpcEngineClient:
+    def __init__(
+        self,
+        scheduler_addr: str,
+        detokenizer_addr: str,
+        token_text: Callable[[int], str],
+        client_id: str | None = None,
+    ) -> None:
+        self.scheduler_addr = scheduler_addr
+        self.detokenizer_addr = detokenizer_addr
+        self.client_id = client_id or f"gateway-{uuid.uuid4().hex[:12]}"
+        self._token_text = token_text
+        self._scheduler_channel = insecure_channel(scheduler_addr)
+        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._queues: dict[str, asyncio.Queue[GenerationDelta]] = {}
+        self._subscribed = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._model_info: ModelInfo | None = None
+        self._closing = False
+
+    async def start(self, timeout: float = 600.0) -> None:
+        """Fetch model info from the scheduler and subscribe to the detokenizer."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                info = await self._scheduler.GetInfo(
+                    scheduler_pb2.GetSchedulerInfoRequest(), timeout=5, wait_for_ready=True
+                )
+                break
+            except grpc.aio.AioRpcError as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise EngineError(f"scheduler unreachable: {e.details()}") from e
+                await asyncio.sleep(0.5)
+        self._model_info = ModelInfo(
+            served_model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+        )
+        self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
+        await asyncio.wait_for(
+            self._subscribed.wait(), timeout=max(1.0, deadline - asyncio.get_running_loop().time())
+        )
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        await self._scheduler_channel.close()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            raise EngineError("engine client not started", 503)
+        return self._model_info
+
+    # ---- outputs -----------------------------------------------------------
+
+    def _to_delta(self, out: detokenizer_pb2.DetokenizedOutput) -> GenerationDelta:
+        stop_reason: int | str | None = None
+        which = out.WhichOneof("stop_reason")
+        if which == "stop_token_id":
+            stop_reason = out.stop_token_id
+        elif which == "stop_string":
+            stop_reason = out.stop_string
+        logprobs = None
+        if len(out.logprobs):
+            logprobs = [
+                TokenLogprob(
+                    token_id=lp.token_id,
+                    token=self._token_text(lp.token_id),
+                    logprob=lp.logprob,
+                    top_logprobs=[
+                        TopLogprob(token_id=t, token=self._token_text(t), logprob=v)
+                        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                )
+                for lp in out.logprobs
+            ]
+        return GenerationDelta(
+            request_id=out.request_id,
+            text=out.text,
+            token_ids=list(out.token_ids),
+            finish_reason=_FINISH_REASONS[out.finish_reason],
+            stop_reason=stop_reason,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens,
+            logprobs=logprobs,
+            error=out.error or None,
+        )
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(
+                GenerationDelta(
+                    request_id=rid,
+                    text="",
+                    token_ids=[],
+                    finish_reason="error",
+                    stop_reason=None,
+                    num_prompt_tokens=0,
+                    num_cached_tokens=0,
+                    num_output_tokens=0,
+                    logprobs=None,
+                    error=reason,
+                )
+            )
+
+    async def _dispatch_forever(self) -> None:
+        while not self._closing:
+            try:
+                async with insecure_channel(self.detokenizer_addr) as channel:
+                    stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
+                    stream = stub.StreamDetokenized(
+                        detokenizer_pb2.StreamDetokenizedRequest(client_id=self.client_id)
+                    )
+                    await stream.wait_for_connection()
+                    self._subscribed.set()
+                    logger.info(
+                        "subscribed to detokenizer %s as %s", self.detokenizer_addr, self.client_id
+                    )
+                    async for batch in stream:
+                        for out in batch.outputs:
+                            queue = self._queues.get(out.request_id)
+                            if queue is not None:
+                                queue.put_nowait(self._to_delta(out))
+            except grpc.aio.AioRpcError as e:
+                logger.warning("detokenizer stream broke: %s %s", e.code().name, e.details())
+            self._subscribed.clear()
+            self._fail_all("detokenizer unavailable")
+            if not self._closing:
+                await asyncio.sleep(0.5)
+
+    # ---- EngineClient ------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if not self._subscribed.is_set():
+            raise EngineError("engine unavailable: not subscribed to the detokenizer", 503)
+        rid = request.request_id
+        if rid in self._queues:
+            raise EngineError(f"duplicate request id {rid!r}", 400)
+        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            msg = scheduler_pb2.AddRequestRequest(
+                request_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=sampling_params_to_proto(request.sampling_params),
+                detokenize_params=detokenize_params_to_proto(request.detokenize_params),
+                priority=request.priority,
+                client_id=self.client_id,
+            )
+            if request.cache_salt is not None:
+                msg.cache_salt = request.cache_salt
+            try:
+                await self._scheduler.AddRequest(msg, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                finished = True  # never admitted: nothing to abort
+                raise EngineError(
+                    e.details() or e.code().name, _HTTP_STATUS.get(e.code(), 503)
+                ) from e
+            num_output_tokens = 0
+            while True:
+                delta = await queue.get()
+                num_output_tokens += len(delta.token_ids)
+                delta.num_output_tokens = num_output_tokens
+                if delta.finished:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                # The consumer went away (client disconnect, cancellation).
+                asyncio.ensure_future(self.abort(rid))
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._scheduler.AbortRequests(
+                scheduler_pb2.AbortRequestsRequest(request_ids=[request_id]), timeout=10
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.warning("request %s: abort failed: %s", request_id, e.details())
+
+    async def check_ready(self) -> None:
+        if not self._subscribed.is_set():
+            raise EngineError("not subscribed to the detokenizer", 503)
+        try:
+            await self._scheduler.CheckReady(scheduler_pb2.CheckReadyRequest(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            raise EngineError(f"engine not ready: {e.details() or e.code().name}", 503) from e

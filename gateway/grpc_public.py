@@ -1,0 +1,163 @@
+"""The public gRPC API (kvmesh.v1.Generation), served next to the HTTP API.
+
+A GenerateRequest is mapped onto the same pydantic CompletionRequest the HTTP
+API validates, so both APIs accept and refuse exactly the same inputs.
+Validation errors become INVALID_ARGUMENT with the offending parameter named;
+cancelling the call aborts the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pydantic
+
+from gateway.engine_client import EngineClient, EngineError, GenerationRequest
+from gateway.errors import RequestError
+from gateway.protocol import CompletionRequest
+from gateway.tokenizer import Tokenizer
+from gateway.validation import completion_prompts, detokenize_params, sampling_params
+from protos import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_STATUS_FOR_HTTP = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "skip_special_tokens",
+    "logprobs",
+)
+
+
+def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> CompletionRequest:
+    sampling = msg.sampling
+    body: dict[str, Any] = {
+        "prompt": msg.text if msg.WhichOneof("prompt") == "text" else list(msg.token_ids.ids),
+        "ignore_eos": sampling.ignore_eos,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "stop": list(sampling.stop),
+        "include_stop_str_in_output": sampling.include_stop_str_in_output,
+        "priority": msg.priority,
+    }
+    for name in _OPTIONAL_SAMPLING_FIELDS:
+        if sampling.HasField(name):
+            body[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in sampling.logit_bias.items()}
+    if msg.HasField("cache_salt"):
+        body["cache_salt"] = msg.cache_salt
+    return CompletionRequest.model_validate(body)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    async def _abort_with(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, RequestError):
+            where = f" (param {exc.param})" if exc.param else ""
+            await context.abort(
+                _STATUS_FOR_HTTP.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT),
+                exc.message + where,
+            )
+        if isinstance(exc, EngineError):
+            await context.abort(
+                _STATUS_FOR_HTTP.get(exc.status_code, grpc.StatusCode.UNAVAILABLE), exc.message
+            )
+        if isinstance(exc, pydantic.ValidationError):
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{first['msg']} (param {param})")
+        raise exc
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if request.WhichOneof("prompt") is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is required")
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        try:
+            completion = completion_request_from_proto(request)
+            prompt = completion_prompts(completion, self.tokenizer)[0]
+            params = sampling_params(completion, len(prompt.token_ids), self.engine.model_info)
+            generation = GenerationRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt.token_ids,
+                sampling_params=params,
+                detokenize_params=detokenize_params(completion),
+                priority=completion.priority or 0,
+                cache_salt=completion.cache_salt,
+            )
+            stream = self.engine.generate(generation)
+            async for delta in stream:
+                response = generation_pb2.GenerateResponse(
+                    request_id=request_id,
+                    token_ids=delta.token_ids,
+                    text=delta.text,
+                    finish_reason=delta.finish_reason or "",
+                )
+                if isinstance(delta.stop_reason, str):
+                    response.stop_string = delta.stop_reason
+                elif isinstance(delta.stop_reason, int):
+                    response.stop_token_id = delta.stop_reason
+                if delta.logprobs:
+                    response.logprobs.extend(
+                        generation_pb2.TokenLogprob(
+                            token_id=lp.token_id,
+                            logprob=lp.logprob,
+                            top_token_ids=[t.token_id for t in lp.top_logprobs],
+                            top_logprobs=[t.logprob for t in lp.top_logprobs],
+                        )
+                        for lp in delta.logprobs
+                    )
+                if delta.finished:
+                    if delta.finish_reason == "error":
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE, delta.error or "generation failed"
+                        )
+                    response.usage.CopyFrom(
+                        generation_pb2.Usage(
+                            prompt_tokens=delta.num_prompt_tokens,
+                            completion_tokens=delta.num_output_tokens,
+                            total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+                            cached_tokens=delta.num_cached_tokens,
+                        )
+                    )
+                yield response
+        except (RequestError, EngineError, pydantic.ValidationError) as exc:
+            await self._abort_with(context, exc)
+
+    async def Tokenize(self, request, context):
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        return generation_pb2.TokenizeResponse(
+            token_ids=self.tokenizer.encode(request.text, add_special_tokens=add_special)
+        )
+
+    async def GetModelInfo(self, request, context):
+        info = self.engine.model_info
+        return generation_pb2.ModelInfo(
+            model_name=info.served_model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=list(info.eos_token_ids),
+        )

@@ -1,0 +1,73 @@
+"""gateway process: OpenAI HTTP API (uvicorn) and public gRPC API on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.grpc_client import GrpcEngineClient
+from gateway.grpc_public import GenerationServicer
+from gateway.tokenizer import Tokenizer
+from protos import generation_pb2, generation_pb2_grpc
+from services.config import GatewayConfig
+from services.grpc_server import GrpcService
+from services.model_prep import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service runtime owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
+    model_path = resolve_model_path(config.model)
+    tokenizer = Tokenizer.from_pretrained(model_path)
+    engine = GrpcEngineClient(
+        config.scheduler_addr, config.detokenizer_addr, token_text=tokenizer.token_to_text
+    )
+    logger.info(
+        "connecting to scheduler %s and detokenizer %s",
+        config.scheduler_addr,
+        config.detokenizer_addr,
+    )
+    await engine.start()
+    served_name = config.served_model_name or engine.model_info.served_model_name
+
+    grpc_service = GrpcService(
+        "gateway", [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
+    )
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine, tokenizer), grpc_service.server
+    )
+    await grpc_service.start(config.bind_host, config.grpc_port)
+    await grpc_service.set_serving(True)
+
+    app = build_app(engine, tokenizer, served_name, api_key=config.api_key or None)
+    http = _EmbeddedUvicorn(
+        uvicorn.Config(
+            app,
+            host=config.bind_host,
+            port=config.http_port,
+            log_level=config.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    http_task = asyncio.create_task(http.serve(), name="http")
+    logger.info("OpenAI API on http://%s:%d/v1", config.bind_host, config.http_port)
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    http.should_exit = True
+    await http_task
+    await grpc_service.stop(grace=2.0)
+    await engine.close()

@@ -1,0 +1,134 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AddRequestRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "detokenize_params", "priority", "cache_salt", "client_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _common_pb2.SamplingParams
+    detokenize_params: _common_pb2.DetokenizeParams
+    priority: int
+    cache_salt: str
+    client_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class AddRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequestsRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortRequestsResponse(_message.Message):
+    __slots__ = ("aborted_ids",)
+    ABORTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    aborted_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aborted_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FinishRequestsRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FinishRequestsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamOutputsRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+
+class RequestHeader(_message.Message):
+    __slots__ = ("prompt_token_ids", "detokenize_params", "client_id", "arrival_time")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    detokenize_params: _common_pb2.DetokenizeParams
+    client_id: str
+    arrival_time: float
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., client_id: _Optional[str] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "logprobs", "num_prompt_tokens", "num_cached_tokens", "header", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _common_pb2.FinishReason
+    stop_token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    header: RequestHeader
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., header: _Optional[_Union[RequestHeader, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("step_id", "outputs")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
+
+class CheckReadyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckReadyResponse(_message.Message):
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: str
+    def __init__(self, detail: _Optional[str] = ...) -> None: ...
+
+class GetSchedulerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerInfo(_message.Message):
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...

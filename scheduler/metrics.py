@@ -1,0 +1,59 @@
+"""The scheduler's Prometheus metrics, with vLLM's names and model_name label."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from scheduler.output import SchedulerStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class SchedulerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=registry)
+
+        self.num_running = gauge("vllm:num_requests_running", "requests in the running batch")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "requests waiting to be scheduled")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "fraction of KV blocks in use (0..1)")
+        self.preemptions = counter("vllm:num_preemptions", "preemptions by recompute")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "tokens queried")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "tokens found in the prefix cache")
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "arrival to first scheduled")
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "first scheduled to first token"
+        )
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "first token to finished")
+        self.step_seconds = Histogram(
+            "kvmesh:scheduler_step_seconds",
+            "wall time of one engine step as seen by the scheduler (schedule+execute+update)",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.model_name = model_name
+
+    def record(self, stats: SchedulerStats) -> None:
+        m = self.model_name
+        self.num_running.labels(m).set(stats.num_running)
+        self.num_waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.preemptions.labels(m).inc(stats.num_preemptions)
+        self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
+        self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
+        for finished in stats.finished_requests:
+            if finished.queue_time is not None:
+                self.queue_time.labels(m).observe(finished.queue_time)
+            if finished.prefill_time is not None:
+                self.prefill_time.labels(m).observe(finished.prefill_time)
+            if finished.decode_time is not None:
+                self.decode_time.labels(m).observe(finished.decode_time)

@@ -1,0 +1,305 @@
+"""The scheduler service: gRPC front, the engine step loop, and output fan-out.
+
+All scheduler state lives on one asyncio loop, so the pure-Python core
+(scheduler.scheduler.Scheduler) needs no locks. Control calls that arrive
+while a step is in flight (aborts, stop-string finishes) are queued and
+applied between steps, so ``update_from_output`` never sees a request vanish
+under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.config import SchedulerConfig
+from scheduler.metrics import SchedulerMetrics
+from scheduler.output import FinishReason, RequestOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+from scheduler.worker_client import WorkerClient
+from services.errors import InvalidRequestError, OverloadedError, UnavailableError
+from services.step import SchedulerOutput
+from services.step_codec import logprobs_to_proto, sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+# Outputs queued for one subscriber before it is considered stuck and dropped.
+_MAX_SUBSCRIBER_BACKLOG = 10_000
+
+
+@dataclass
+class _PendingHeader:
+    header: scheduler_pb2.RequestHeader
+
+
+class SchedulerEngine:
+    """Owns the core scheduler, the worker stream and the step loop."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        worker: WorkerClient,
+        eos_token_ids: list[int],
+        metrics: SchedulerMetrics,
+        max_waiting_requests: int,
+    ) -> None:
+        self.config = config
+        self.core = Scheduler(config)
+        self.worker = worker
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
+        self._pending_aborts: set[str] = set()
+        self._pending_stops: set[str] = set()
+        self._wakeup = asyncio.Event()
+        self._subscribers: dict[int, asyncio.Queue[scheduler_pb2.StepOutputs]] = {}
+        self._step_id = 0
+        self.healthy = True
+
+    # ---- control (called from RPC handlers) -------------------------------
+
+    def add_request(self, msg: scheduler_pb2.AddRequestRequest) -> None:
+        if not self._subscribers:
+            raise UnavailableError("no detokenizer is subscribed to outputs")
+        if not self.healthy:
+            raise UnavailableError("worker unavailable")
+        if self.core.get_request(msg.request_id) is not None:
+            raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
+        if self.core.num_waiting >= self.max_waiting_requests:
+            raise OverloadedError(
+                f"{self.core.num_waiting} requests already waiting; try again later"
+            )
+        if not msg.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids is empty")
+        params = sampling_params_from_proto(msg.sampling_params)
+        request = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic(),
+            priority=msg.priority,
+            cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+        )
+        self.core.add_request(request)  # ValueError -> INVALID_ARGUMENT
+        self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
+            prompt_token_ids=msg.prompt_token_ids,
+            detokenize_params=msg.detokenize_params,
+            client_id=msg.client_id,
+            arrival_time=time.time(),
+        )
+        logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
+        self._wakeup.set()
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        live = [rid for rid in request_ids if self.core.get_request(rid) is not None]
+        self._pending_aborts.update(live)
+        for rid in live:
+            logger.info("request %s: abort requested", rid)
+        self._wakeup.set()
+        return live
+
+    def finish_on_stop_string(self, request_ids: list[str]) -> None:
+        self._pending_stops.update(request_ids)
+        self._wakeup.set()
+
+    def subscribe(self) -> tuple[int, asyncio.Queue[scheduler_pb2.StepOutputs]]:
+        queue: asyncio.Queue[scheduler_pb2.StepOutputs] = asyncio.Queue()
+        key = id(queue)
+        self._subscribers[key] = queue
+        return key, queue
+
+    def unsubscribe(self, key: int) -> None:
+        self._subscribers.pop(key, None)
+
+    # ---- the step loop -----------------------------------------------------
+
+    def _apply_pending_control(self) -> None:
+        if self._pending_aborts:
+            ids = list(self._pending_aborts)
+            self._pending_aborts.clear()
+            self.core.abort_requests(ids)
+            for rid in ids:
+                self._headers.pop(rid, None)
+        if self._pending_stops:
+            ids = [rid for rid in self._pending_stops if self.core.get_request(rid) is not None]
+            self._pending_stops.clear()
+            if ids:
+                self.core.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
+            for rid in ids:
+                self._headers.pop(rid, None)
+
+    def _to_proto(self, out: RequestOutput) -> scheduler_pb2.RequestOutput:
+        msg = scheduler_pb2.RequestOutput(
+            request_id=out.request_id,
+            new_token_ids=out.new_token_ids,
+            finish_reason=_FINISH_TO_PROTO[out.finish_reason],
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            error=out.error or "",
+        )
+        if out.stop_reason is not None:
+            msg.stop_token_id = out.stop_reason
+        if out.new_logprobs:
+            msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+        header = self._headers.get(out.request_id)
+        if header is not None:
+            # First output of this request: the detokenizer learns it here.
+            msg.header.CopyFrom(header)
+            self._headers[out.request_id] = None  # type: ignore[assignment]
+        if out.finish_reason is not None:
+            self._headers.pop(out.request_id, None)
+        return msg
+
+    def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        batch = scheduler_pb2.StepOutputs(
+            step_id=step_id, outputs=[self._to_proto(o) for o in outputs]
+        )
+        for key, queue in list(self._subscribers.items()):
+            if queue.qsize() >= _MAX_SUBSCRIBER_BACKLOG:
+                logger.error("subscriber %s is %d steps behind; dropping it", key, queue.qsize())
+                self._subscribers.pop(key, None)
+                continue
+            queue.put_nowait(batch)
+
+    def _fail_all(self, reason: str) -> None:
+        """Finish every live request with an error (the worker lost their KV)."""
+        ids = self.core.live_request_ids()
+        failed = [
+            RequestOutput(
+                request_id=rid,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=None,
+                new_logprobs=None,
+                num_prompt_tokens=self.core.get_request(rid).num_prompt_tokens,
+                num_cached_tokens=0,
+                error=reason,
+            )
+            for rid in ids
+        ]
+        self.core.abort_requests(ids)
+        # The worker's cache contents are gone; cached hashes would lie.
+        self.core.reset_prefix_cache()
+        self._publish(self._step_id, failed)
+        logger.error("failed %d requests: %s", len(ids), reason)
+
+    async def _reconnect(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                info = await self.worker.connect(timeout=30)
+            except Exception as e:  # noqa: BLE001 - keep retrying whatever went wrong
+                logger.warning("worker not back yet: %s", e)
+                await asyncio.sleep(1)
+                continue
+            if info.num_kv_blocks != self.config.num_kv_blocks:
+                logger.error(
+                    "worker came back with %d KV blocks (had %d); restart the scheduler",
+                    info.num_kv_blocks,
+                    self.config.num_kv_blocks,
+                )
+            self.healthy = True
+            logger.info("worker reconnected")
+            return
+
+    async def _step(self) -> None:
+        self._apply_pending_control()
+        scheduler_output: SchedulerOutput = self.core.schedule()
+        self._step_id += 1
+        scheduler_output.step_id = self._step_id
+        if scheduler_output.total_num_scheduled_tokens == 0 and not (
+            scheduler_output.finished_req_ids
+        ):
+            return
+        start = time.perf_counter()
+        runner_output = await self.worker.execute(scheduler_output)
+        outputs = self.core.update_from_output(scheduler_output, runner_output)
+        self._publish(self._step_id, outputs)
+        self.metrics.step_seconds.labels(self.metrics.model_name).observe(
+            time.perf_counter() - start
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        stop_task = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                if not self.healthy:
+                    await self._reconnect(stop)
+                    continue
+                if not self.core.has_unfinished_requests() and not self._pending_aborts:
+                    self.metrics.record(self.core.make_stats())
+                    self._wakeup.clear()
+                    wake = asyncio.ensure_future(self._wakeup.wait())
+                    await asyncio.wait({wake, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                    wake.cancel()
+                    continue
+                try:
+                    await self._step()
+                except UnavailableError as e:
+                    self.healthy = False
+                    self._fail_all(f"worker unavailable: {e}")
+                    continue
+                self.metrics.record(self.core.make_stats())
+                # Let RPC handlers (new requests, aborts) in between steps.
+                await asyncio.sleep(0)
+        finally:
+            stop_task.cancel()
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: SchedulerEngine, info: scheduler_pb2.SchedulerInfo) -> None:
+        self.engine = engine
+        self.info = info
+
+    async def AddRequest(self, request, context):
+        self.engine.add_request(request)
+        return scheduler_pb2.AddRequestResponse()
+
+    async def AbortRequests(self, request, context):
+        return scheduler_pb2.AbortRequestsResponse(
+            aborted_ids=self.engine.abort(list(request.request_ids))
+        )
+
+    async def FinishRequests(self, request, context):
+        self.engine.finish_on_stop_string(list(request.request_ids))
+        return scheduler_pb2.FinishRequestsResponse()
+
+    async def StreamOutputs(self, request, context) -> AsyncIterator[scheduler_pb2.StepOutputs]:
+        key, queue = self.engine.subscribe()
+        logger.info("output subscriber %r attached", request.subscriber)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.engine.unsubscribe(key)
+            logger.info("output subscriber %r detached", request.subscriber)
+
+    async def CheckReady(self, request, context):
+        if not self.engine.healthy:
+            raise UnavailableError("worker unavailable")
+        if not self.engine._subscribers:
+            raise UnavailableError("no detokenizer subscribed")
+        info = await self.engine.worker.get_info()
+        return scheduler_pb2.CheckReadyResponse(
+            detail=f"ready: worker on {info.device}, {info.num_kv_blocks} KV blocks, "
+            f"attention {info.attention_backend}"
+        )
+
+    async def GetInfo(self, request, context):
+        return self.info

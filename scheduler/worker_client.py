@@ -1,0 +1,80 @@
+"""The scheduler's connection to its worker: one long-lived Execute stream.
+
+One StepRequest goes out per engine step and exactly one StepResult comes
+back. Any break in the stream surfaces as ``UnavailableError`` so that the
+engine loop can fail the affected requests instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+from services.errors import UnavailableError
+from services.grpc_server import insecure_channel, wait_until_serving
+from services.step import ModelRunnerOutput, SchedulerOutput
+from services.step_codec import model_runner_output_from_proto, scheduler_output_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self.last_execute_seconds = 0.0
+
+    async def connect(self, timeout: float) -> worker_pb2.WorkerInfo:
+        """Wait for the worker to be SERVING, open the step stream, return its info."""
+        await self.close()
+        await wait_until_serving(self.address, timeout)
+        self._channel = insecure_channel(self.address)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        info = await self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+        self._call = self._stub.Execute()
+        logger.info("attached to worker at %s", self.address)
+        return info
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def get_info(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
+        if self._stub is None:
+            raise UnavailableError("worker not connected")
+        try:
+            return await self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise UnavailableError(f"worker unreachable: {e.code().name} {e.details()}") from e
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._call is None:
+            raise UnavailableError("worker not connected")
+        try:
+            await self._call.write(scheduler_output_to_proto(scheduler_output))
+            result = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            self._call = None
+            raise UnavailableError(f"worker stream failed: {e.code().name} {e.details()}") from e
+        if result is grpc.aio.EOF:
+            self._call = None
+            raise UnavailableError("worker closed the step stream")
+        if result.step_id != scheduler_output.step_id:
+            self._call = None
+            raise UnavailableError(
+                f"worker answered step {result.step_id} to step {scheduler_output.step_id}"
+            )
+        self.last_execute_seconds = result.execute_seconds
+        return model_runner_output_from_proto(result)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

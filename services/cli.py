@@ -1,0 +1,69 @@
+"""The ``kvmesh`` command: run the stack, one service, the model preparation, or a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from services.config import SERVICE_CONFIGS, add_config_arguments, config_from_namespace
+
+# Module whose ``serve(config, stop_event)`` runs each service.
+SERVICE_MODULES = {
+    "gateway": "gateway.server",
+    "scheduler": "scheduler.server",
+    "worker": "worker.server",
+    "detokenizer": "detokenizer.server",
+    "kvstore": "kvstore.server",
+}
+
+
+def _serve(service: str, args: argparse.Namespace) -> int:
+    from services.runtime import run_service
+
+    config = config_from_namespace(SERVICE_CONFIGS[service], args)
+    module = importlib.import_module(SERVICE_MODULES[service])
+    run_service(service, config.log_level, lambda stop: module.serve(config, stop))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from services.launcher import add_up_arguments, run_up
+
+    up = commands.add_parser("up", help="start the whole stack as processes")
+    add_up_arguments(up)
+
+    serve = commands.add_parser("serve", help="run one service in this process")
+    services = serve.add_subparsers(dest="service", required=True)
+    for name, cls in SERVICE_CONFIGS.items():
+        add_config_arguments(services.add_parser(name, help=(cls.__doc__ or "").strip()), cls)
+
+    commands.add_parser("prepare-model", help="convert the default model once (idempotent)")
+
+    bench = commands.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return run_up(args)
+    if args.command == "serve":
+        return _serve(args.service, args)
+    if args.command == "prepare-model":
+        from services.model_prep import prepare_default_model
+
+        print(prepare_default_model())
+        return 0
+    if args.command == "bench":
+        from services.bench import main as bench_main
+
+        return bench_main(args.bench_args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""``kvmesh up``: start the whole stack as separate processes and supervise them.
+
+Every service runs as ``python -m services.cli serve <name>``, configured
+through ``KVMESH_*`` variables built from this command's flags (each flag
+also reads its own variable). The launcher waits until every service is
+ready, restarts a service that dies (its dependents see it unavailable
+meanwhile, as in production), and on SIGINT/SIGTERM stops them all, the
+gateway first so that no new work arrives while the rest drain.
+
+Thread placement (2-core machines): the worker gets the torch threads; every
+other service runs with one BLAS/OpenMP thread, since their per-step work is
+small and extra threads would only compete with the worker's matmuls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import (
+    SERVICE_CONFIGS,
+    add_config_arguments,
+    config_from_namespace,
+    config_to_env,
+    opt,
+)
+
+logger = logging.getLogger("kvmesh.launcher")
+
+# Start order; shutdown goes in reverse.
+START_ORDER = ("kvstore", "worker", "scheduler", "detokenizer", "gateway")
+_SINGLE_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Options of the launcher itself."""
+
+    startup_timeout: float = opt(900.0, "seconds to wait for the whole stack to be ready")
+    max_restarts: int = opt(5, "restarts allowed per service before the launcher gives up")
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every service's options (each name once) plus the launcher's own."""
+    seen: set[str] = set()
+    group = parser.add_argument_group("stack")
+    for cls in (LauncherConfig, *SERVICE_CONFIGS.values()):
+        fields = [f for f in dataclasses.fields(cls) if f.name not in seen]
+        seen.update(f.name for f in fields)
+        sub = dataclasses.make_dataclass(
+            cls.__name__ + "Flags", [(f.name, f.type, f) for f in fields], frozen=True
+        )
+        add_config_arguments(group, sub)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Child:
+    name: str
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", self.name],
+            env=self.env,
+            start_new_session=True,  # our signals go to the launcher, which relays them
+        )
+        logger.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def _grpc_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.launcher = config_from_namespace(LauncherConfig, args)
+        self.configs = {
+            name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER
+        }
+        self.children: dict[str, _Child] = {}
+        host = "127.0.0.1"
+        cfg = self.configs
+        self.ready_checks = {
+            "kvstore": lambda: _grpc_serving(f"{host}:{cfg['kvstore'].kvstore_port}"),
+            "worker": lambda: _grpc_serving(f"{host}:{cfg['worker'].worker_port}"),
+            "scheduler": lambda: _grpc_serving(f"{host}:{cfg['scheduler'].scheduler_port}"),
+            "detokenizer": lambda: _grpc_serving(f"{host}:{cfg['detokenizer'].detokenizer_port}"),
+            "gateway": lambda: _http_ready(f"http://{host}:{cfg['gateway'].http_port}/ready"),
+        }
+        for name in START_ORDER:
+            env = {**os.environ}
+            for service_config in self.configs.values():
+                env.update(config_to_env(service_config))
+            # In one machine the addresses follow the ports, whatever the flags say.
+            env.update(
+                KVMESH_WORKER_ADDR=f"{host}:{cfg['worker'].worker_port}",
+                KVMESH_SCHEDULER_ADDR=f"{host}:{cfg['scheduler'].scheduler_port}",
+                KVMESH_DETOKENIZER_ADDR=f"{host}:{cfg['detokenizer'].detokenizer_port}",
+            )
+            if name != "worker":
+                env.update(_SINGLE_THREAD_ENV)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            self.children[name] = _Child(name, env)
+
+    def start(self) -> None:
+        for name in START_ORDER:
+            self.children[name].start()
+
+    def wait_ready(self, stopping: list[bool]) -> bool:
+        deadline = time.monotonic() + self.launcher.startup_timeout
+        pending = list(START_ORDER)
+        while pending and not stopping:
+            for name in list(pending):
+                child = self.children[name]
+                if not child.alive():
+                    logger.error(
+                        "%s exited during start-up (code %s)", name, child.process.returncode
+                    )
+                    return False
+                if self.ready_checks[name]():
+                    logger.info("%s is ready", name)
+                    pending.remove(name)
+            if time.monotonic() > deadline:
+                logger.error("not ready after %.0fs: %s", self.launcher.startup_timeout, pending)
+                return False
+            time.sleep(0.25)
+        return not pending
+
+    def supervise(self, stopping: list[bool]) -> int:
+        while not stopping:
+            for child in self.children.values():
+                if not child.alive():
+                    code = child.process.returncode if child.process else None
+                    if child.restarts >= self.launcher.max_restarts:
+                        logger.error("%s died (code %s) too often; stopping", child.name, code)
+                        return 1
+                    child.restarts += 1
+                    logger.error(
+                        "%s died (code %s); restarting (%d)", child.name, code, child.restarts
+                    )
+                    child.start()
+            time.sleep(0.5)
+        return 0
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for name in reversed(START_ORDER):
+            child = self.children[name]
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", name, timeout)
+                    child.process.kill()
+                    child.process.wait()
+            logger.info("%s stopped", name)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s"
+    )
+    # Prepare the default model once here, not racing in three services.
+    if not getattr(args, "model", None) and not os.environ.get("KVMESH_MODEL"):
+        from services.model_prep import prepare_default_model
+
+        args.model = str(prepare_default_model())
+    stack = Stack(args)
+    stopping: list[bool] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("received %s; shutting down", signal.Signals(signum).name)
+        stopping.append(True)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    started = time.monotonic()
+    stack.start()
+    try:
+        if not stack.wait_ready(stopping):
+            return 0 if stopping else 1
+        gw = stack.configs["gateway"]
+        logger.info(
+            "kvmesh is ready in %.1fs: OpenAI API http://127.0.0.1:%d/v1, gRPC 127.0.0.1:%d",
+            time.monotonic() - started,
+            gw.http_port,
+            gw.grpc_port,
+        )
+        print(f"KVMESH_READY http://127.0.0.1:{gw.http_port}", flush=True)
+        return stack.supervise(stopping)
+    finally:
+        stack.stop()

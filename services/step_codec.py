@@ -1,0 +1,186 @@
+"""Convert the in-process step contract (services.step) to protobuf and back.
+
+Kept in one place so the scheduler and worker services stay thin and the
+wire format has exactly one definition. Token ids travel as packed
+``repeated int32``; only deltas travel for requests the worker already holds.
+"""
+
+from __future__ import annotations
+
+from protos import common_pb2, worker_pb2
+from services.sampling_params import DetokenizeParams, SamplingParams
+from services.step import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
+        stop_token_ids=p.stop_token_ids,
+        logit_bias_token_ids=[t for t, _ in p.logit_bias],
+        logit_bias_values=[b for _, b in p.logit_bias],
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values, strict=True)),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def detokenize_params_to_proto(p: DetokenizeParams) -> common_pb2.DetokenizeParams:
+    return common_pb2.DetokenizeParams(
+        stop=list(p.stop),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+    )
+
+
+def detokenize_params_from_proto(msg: common_pb2.DetokenizeParams) -> DetokenizeParams:
+    return DetokenizeParams(
+        stop=tuple(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens,
+        spaces_between_special_tokens=msg.spaces_between_special_tokens,
+    )
+
+
+def logprobs_to_proto(lp: Logprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_token_ids=lp.top_token_ids,
+        top_logprobs=lp.top_logprobs,
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
+    return Logprobs(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        rank=msg.rank,
+        top_token_ids=list(msg.top_token_ids),
+        top_logprobs=list(msg.top_logprobs),
+    )
+
+
+# "No logprobs for this request" inside a parallel repeated field.
+_NO_LOGPROBS = common_pb2.TokenLogprobs(token_id=-1)
+
+
+def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
+    cached = out.scheduled_cached_reqs
+    return worker_pb2.StepRequest(
+        step_id=out.step_id,
+        new_requests=[
+            worker_pb2.NewRequest(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                sampling_params=sampling_params_to_proto(r.sampling_params),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in out.scheduled_new_reqs
+        ],
+        cached_requests=worker_pb2.CachedRequests(
+            req_ids=cached.req_ids,
+            new_block_ids=[worker_pb2.BlockIds(ids=b) for b in cached.new_block_ids],
+            num_computed_tokens=cached.num_computed_tokens,
+        ),
+        scheduled_req_ids=list(out.num_scheduled_tokens.keys()),
+        num_scheduled_tokens=list(out.num_scheduled_tokens.values()),
+        finished_req_ids=sorted(out.finished_req_ids),
+    )
+
+
+def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
+    num_scheduled = dict(zip(msg.scheduled_req_ids, msg.num_scheduled_tokens, strict=True))
+    cached = msg.cached_requests
+    return SchedulerOutput(
+        step_id=msg.step_id,
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=sampling_params_from_proto(r.sampling_params),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in msg.new_requests
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(cached.req_ids),
+            new_block_ids=[list(b.ids) for b in cached.new_block_ids],
+            num_computed_tokens=list(cached.num_computed_tokens),
+        ),
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        finished_req_ids=set(msg.finished_req_ids),
+    )
+
+
+def model_runner_output_to_proto(
+    out: ModelRunnerOutput, execute_seconds: float = 0.0
+) -> worker_pb2.StepResult:
+    has_logprobs = any(lp is not None for lp in out.logprobs)
+    return worker_pb2.StepResult(
+        step_id=out.step_id,
+        req_ids=out.req_ids,
+        sampled_token_ids=[worker_pb2.BlockIds(ids=t) for t in out.sampled_token_ids],
+        logprobs=(
+            [_NO_LOGPROBS if lp is None else logprobs_to_proto(lp) for lp in out.logprobs]
+            if has_logprobs
+            else []
+        ),
+        errors=out.errors,
+        execute_seconds=execute_seconds,
+    )
+
+
+def model_runner_output_from_proto(msg: worker_pb2.StepResult) -> ModelRunnerOutput:
+    logprobs: list[Logprobs | None] = [
+        None if lp.token_id < 0 else logprobs_from_proto(lp) for lp in msg.logprobs
+    ]
+    return ModelRunnerOutput(
+        step_id=msg.step_id,
+        req_ids=list(msg.req_ids),
+        sampled_token_ids=[list(t.ids) for t in msg.sampled_token_ids],
+        logprobs=logprobs,
+        errors=dict(msg.errors),
+    )
