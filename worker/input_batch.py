@@ -1,0 +1,166 @@
+"""The worker's persistent batch: per-request state kept across steps.
+
+A request's full data arrives once (``NewRequestData``); later steps only send
+new block ids and the scheduler's ``num_computed_tokens``. Each request owns a
+row of preallocated numpy arrays (token ids, block table, counters), so a step's
+input tensors are built by fancy indexing instead of per-token Python loops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from services.sampling_params import SamplingParams
+from services.step import NewRequestData
+from worker.sampling_metadata import validate_sampling_params
+
+logger = logging.getLogger(__name__)
+
+
+class InputBatch:
+    """Rows of request state; rows are reused after a request leaves."""
+
+    def __init__(
+        self,
+        max_model_len: int,
+        block_size: int,
+        num_kv_blocks: int,
+        vocab_size: int,
+        initial_capacity: int = 64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.capacity = 0
+        # One spare column: a request at max_model_len still stores the token it samples.
+        self.token_ids = np.zeros((0, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(0, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(0, dtype=np.int64)
+        self.block_table = np.zeros((0, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        self.sampling_params: list[SamplingParams | None] = []
+        self.generators: dict[int, torch.Generator] = {}
+        self.row_of: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._grow(initial_capacity)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.row_of
+
+    def _grow(self, new_capacity: int) -> None:
+        extra = new_capacity - self.capacity
+
+        def pad(array: np.ndarray) -> np.ndarray:
+            return np.concatenate([array, np.zeros((extra, *array.shape[1:]), array.dtype)])
+
+        self.token_ids = pad(self.token_ids)
+        self.num_tokens = pad(self.num_tokens)
+        self.num_prompt_tokens = pad(self.num_prompt_tokens)
+        self.num_computed_tokens = pad(self.num_computed_tokens)
+        self.block_table = pad(self.block_table)
+        self.num_blocks = pad(self.num_blocks)
+        self.sampling_params.extend([None] * extra)
+        # Lowest rows first, so a small batch stays in the first rows.
+        self._free_rows = sorted(
+            [*self._free_rows, *range(self.capacity, new_capacity)], reverse=True
+        )
+        self.capacity = new_capacity
+
+    def _check_new_request(self, new: NewRequestData) -> None:
+        num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+        if not new.prompt_token_ids:
+            raise ValueError("empty prompt")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        ids = np.asarray([*new.prompt_token_ids, *new.output_token_ids])
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"token id outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= new.num_computed_tokens <= num_tokens:
+            raise ValueError(f"num_computed_tokens={new.num_computed_tokens} out of range")
+        validate_sampling_params(new.sampling_params, self.vocab_size)
+        self._check_block_ids(new.block_ids, 0)
+
+    def _check_block_ids(self, block_ids: list[int], num_existing: int) -> None:
+        if num_existing + len(block_ids) > self.max_blocks_per_req:
+            raise ValueError(
+                f"{num_existing + len(block_ids)} blocks exceed the per-request maximum "
+                f"{self.max_blocks_per_req}"
+            )
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks):
+            raise ValueError(f"block id outside [0, {self.num_kv_blocks})")
+
+    def add_request(self, new: NewRequestData) -> None:
+        """Take a request's full data; raises ValueError (batch untouched) if it is invalid."""
+        self._check_new_request(new)
+        if new.req_id in self.row_of:
+            # Resumed after a preemption without a drop in between: start over.
+            self.remove_request(new.req_id)
+        if not self._free_rows:
+            self._grow(max(2 * self.capacity, 1))
+        row = self._free_rows.pop()
+        prompt_len = len(new.prompt_token_ids)
+        num_tokens = prompt_len + len(new.output_token_ids)
+        self.token_ids[row, :prompt_len] = new.prompt_token_ids
+        self.token_ids[row, prompt_len:num_tokens] = new.output_token_ids
+        self.num_prompt_tokens[row] = prompt_len
+        self.num_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        params = new.sampling_params
+        self.sampling_params[row] = params
+        if params.seed is not None:
+            self.generators[row] = self._seeded_generator(params.seed, len(new.output_token_ids))
+        self.row_of[new.req_id] = row
+
+    def _seeded_generator(self, seed: int, num_sampled: int) -> torch.Generator:
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Replay the draws of tokens sampled before a preemption (one vocab-sized
+        # draw per token, as the sampler makes), so a resumed seeded request
+        # continues the same random stream.
+        scratch = torch.empty(self.vocab_size, device=self.device)
+        for _ in range(num_sampled):
+            scratch.exponential_(generator=generator)
+        return generator
+
+    def update_request(self, req_id: str, new_block_ids: list[int], num_computed: int) -> None:
+        """Apply one step's deltas; raises KeyError/ValueError if they do not fit."""
+        row = self.row_of[req_id]
+        num_existing = int(self.num_blocks[row])
+        self._check_block_ids(new_block_ids, num_existing)
+        if not 0 <= num_computed <= self.num_tokens[row]:
+            raise ValueError(
+                f"num_computed_tokens={num_computed} but only {self.num_tokens[row]} tokens known"
+            )
+        self.block_table[row, num_existing : num_existing + len(new_block_ids)] = new_block_ids
+        self.num_blocks[row] = num_existing + len(new_block_ids)
+        self.num_computed_tokens[row] = num_computed
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        self.sampling_params[row] = None
+        self.generators.pop(row, None)
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)
+
+    def append_sampled_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Extend each row's sequence by its sampled token (rows are distinct)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def output_token_ids(self, req_id: str) -> list[int]:
+        row = self.row_of[req_id]
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()

@@ -1,0 +1,212 @@
+"""Run one engine step: update the persistent batch, forward, sample.
+
+``ModelRunner.execute_model`` is the whole worker core for a step; the gRPC
+service only decodes the ``SchedulerOutput`` and encodes the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.step import ModelRunnerOutput, SchedulerOutput
+from worker.attention import select_backend
+from worker.config import CacheConfig, ModelConfig
+from worker.input_batch import InputBatch
+from worker.kv_cache import allocate_kv_caches
+from worker.model_loader import load_model
+from worker.sampler import Sampler
+from worker.sampling_metadata import build_sampling_metadata
+from worker.step_inputs import StepInputs, check_schedulable, prepare_step_inputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase, accumulated over steps (for profiling)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    num_steps: int = 0
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the persistent batch of one worker."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: str = "cpu",
+        attention_backend: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        # Decode matmuls are memory-bandwidth bound and torch parallelizes each
+        # one across its intra-op threads, so a worker that owns the machine
+        # should use every core. torch's own default may count only physical
+        # cores or be lowered by the environment; when other processes share
+        # the host (tests, a co-located service), pass a smaller number. The
+        # setting is process-wide, which is fine: a worker process runs one
+        # model runner.
+        if device == "cpu" or num_threads is not None:
+            torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.device = torch.device(device)
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.num_kv_blocks = cache_config.resolve_num_kv_blocks(model_config)
+        self.model = load_model(model_config, self.device)
+        self.backend = select_backend(self.device, attention_backend)
+        self.kv_caches = allocate_kv_caches(
+            model_config, self.num_kv_blocks, cache_config.block_size, self.device
+        )
+        self.input_batch = InputBatch(
+            model_config.max_model_len,
+            cache_config.block_size,
+            self.num_kv_blocks,
+            model_config.vocab_size,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        self.timings = StepTimings()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model_config.eos_token_id
+
+    def _apply_scheduler_deltas(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
+        """Drop finished requests, add new ones, apply cached deltas; returns errors."""
+        errors: dict[str, str] = {}
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            batch.remove_request(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            try:
+                batch.add_request(new)
+            except (ValueError, TypeError) as exc:
+                errors[new.req_id] = f"invalid request: {exc}"
+                logger.warning("request %s rejected: %s", new.req_id, exc)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            if req_id not in batch:
+                errors[req_id] = "unknown request (never sent as new, or already dropped)"
+                logger.warning("request %s: deltas for a request the worker does not hold", req_id)
+                continue
+            try:
+                batch.update_request(req_id, new_block_ids, num_computed)
+            except ValueError as exc:
+                errors[req_id] = f"invalid step for request: {exc}"
+                logger.warning("request %s: %s", req_id, exc)
+                batch.remove_request(req_id)
+        return errors
+
+    def _scheduled_requests(
+        self, scheduler_output: SchedulerOutput, errors: dict[str, str]
+    ) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(req_ids, rows, num_scheduled) of the requests that can run this step."""
+        batch = self.input_batch
+        req_ids: list[str] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id in errors:
+                continue
+            if req_id not in batch:
+                errors[req_id] = "scheduled but unknown to the worker"
+                continue
+            req_ids.append(req_id)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_scheduled = np.fromiter(
+            (scheduler_output.num_scheduled_tokens[r] for r in req_ids),
+            dtype=np.int64,
+            count=len(req_ids),
+        )
+        reasons = check_schedulable(batch, rows, num_scheduled)
+        if any(reasons):
+            keep = np.array([not reason for reason in reasons], dtype=bool)
+            for req_id, reason in zip(req_ids, reasons, strict=True):
+                if reason:
+                    errors[req_id] = f"invalid step for request: {reason}"
+                    logger.warning("request %s: %s", req_id, reason)
+                    batch.remove_request(req_id)
+            req_ids = [r for r, ok in zip(req_ids, keep, strict=True) if ok]
+            rows, num_scheduled = rows[keep], num_scheduled[keep]
+        return req_ids, rows, num_scheduled
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = ModelRunnerOutput.make_empty(scheduler_output.step_id)
+        started = time.perf_counter()
+        output.errors = self._apply_scheduler_deltas(scheduler_output)
+        req_ids, rows, num_scheduled = self._scheduled_requests(scheduler_output, output.errors)
+        if not req_ids:
+            return output
+        inputs = prepare_step_inputs(
+            self.input_batch, rows, num_scheduled, self.backend, self.device
+        )
+        prepared = time.perf_counter()
+        try:
+            sampled, logprobs = self._forward_and_sample(inputs)
+        except Exception as exc:
+            # One failure here belongs to the whole step: fail its requests,
+            # keep the worker alive for the next one.
+            logger.exception("step %s failed", scheduler_output.step_id)
+            for req_id in req_ids:
+                output.errors[req_id] = f"worker step failed: {exc}"
+                self.input_batch.remove_request(req_id)
+            return output
+
+        sample_rows = rows[inputs.sample_mask]
+        token_array = sampled.cpu().numpy()
+        self.input_batch.append_sampled_tokens(sample_rows, token_array)
+        token_list = token_array.tolist()
+        output.req_ids = req_ids
+        output.sampled_token_ids = [[] for _ in req_ids]
+        output.logprobs = [None] * len(req_ids)
+        for position, index in enumerate(np.flatnonzero(inputs.sample_mask)):
+            output.sampled_token_ids[index] = [token_list[position]]
+            output.logprobs[index] = logprobs[position]
+        self.timings.prepare += prepared - started
+        self.timings.num_steps += 1
+        return output
+
+    def _forward_and_sample(self, inputs: StepInputs) -> tuple[torch.Tensor, list]:
+        forward_started = time.perf_counter()
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
+        )
+        if inputs.logits_indices.shape[0] == 0:
+            self.timings.forward += time.perf_counter() - forward_started
+            return torch.empty(0, dtype=torch.int64), []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sample_started = time.perf_counter()
+        self.timings.forward += sample_started - forward_started
+        batch = self.input_batch
+        sample_rows = inputs.rows[inputs.sample_mask]
+        params = [batch.sampling_params[row] for row in sample_rows]
+        generators = {
+            i: batch.generators[row] for i, row in enumerate(sample_rows) if row in batch.generators
+        }
+        metadata = build_sampling_metadata(
+            params,  # type: ignore[arg-type]
+            batch.token_ids[sample_rows],
+            batch.num_prompt_tokens[sample_rows],
+            batch.num_tokens[sample_rows],
+            generators,
+            self.model_config.eos_token_ids,
+            self.vocab_size,
+            self.device,
+        )
+        result = self.sampler(logits, metadata)
+        self.timings.sample += time.perf_counter() - sample_started
+        return result.token_ids, result.logprobs

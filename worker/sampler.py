@@ -1,0 +1,200 @@
+"""Batched token sampling with mixed per-request parameters, in vLLM's order.
+
+raw logprobs snapshot -> float32 -> allowed/banned token masks -> min_tokens
+and logit_bias -> repetition/presence/frequency penalties -> (greedy argmax
+here) -> temperature -> min_p -> top_k/top_p -> sample.
+
+Random rows sample with the exponential race (argmax of p / E, E ~ Exp(1)),
+which draws exactly ``vocab_size`` numbers per row per step. A seeded request
+draws them from its own generator, so its tokens do not depend on which other
+requests share the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.step import Logprobs
+from worker.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64
+    logprobs: list[Logprobs | None]
+
+
+def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.allowed_token_mask is not None:
+        logits = logits.masked_fill(~metadata.allowed_token_mask, float("-inf"))
+    if metadata.banned_token_mask is not None:
+        logits = logits.masked_fill(metadata.banned_token_mask, float("-inf"))
+    return logits
+
+
+def apply_min_tokens_and_logit_bias(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> torch.Tensor:
+    if metadata.min_tokens_block is not None:
+        rows, toks = metadata.min_tokens_block
+        logits[rows, toks] = float("-inf")
+    if metadata.logit_bias is not None:
+        rows, toks, values = metadata.logit_bias
+        logits.index_put_((rows, toks), values, accumulate=True)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output, presence/frequency over output."""
+    if metadata.token_ids is None:
+        return logits
+    assert metadata.prompt_lens is not None and metadata.num_tokens is not None
+    assert metadata.repetition_penalty is not None
+    assert metadata.presence_penalty is not None and metadata.frequency_penalty is not None
+    num_rows, vocab_size = logits.shape
+    token_ids = metadata.token_ids
+    position = torch.arange(token_ids.shape[1], device=logits.device).unsqueeze(0)
+    is_output = position >= metadata.prompt_lens.unsqueeze(1)
+    # Padding already holds vocab_size; route prompt tokens there too for the
+    # output counts. The extra column is dropped.
+    output_ids = token_ids.masked_fill(~is_output, vocab_size)
+    output_counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
+    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+    output_counts = output_counts[:, :vocab_size]
+    seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, token_ids, True)
+    seen = seen[:, :vocab_size]
+    output_seen = output_counts > 0
+
+    repetition = metadata.repetition_penalty.unsqueeze(1)
+    penalty = torch.where(seen, repetition, torch.ones_like(repetition))
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - metadata.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - metadata.presence_penalty.unsqueeze(1) * output_seen
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Everything before the greedy/random split; returns a new float32 tensor."""
+    logits = logits.to(torch.float32, copy=True)
+    logits = apply_token_masks(logits, metadata)
+    logits = apply_min_tokens_and_logit_bias(logits, metadata)
+    return apply_penalties(logits, metadata)
+
+
+def apply_temperature(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    # Greedy rows divide by 1: their token comes from argmax before this step.
+    temperature = torch.where(
+        metadata.is_greedy, torch.ones_like(metadata.temperature), metadata.temperature
+    )
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.min_p is None:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = metadata.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Keep the k best tokens (ties at the k-th value kept), then the smallest nucleus >= p."""
+    top_k, top_p = metadata.top_k, metadata.top_p
+    if top_k is None and top_p is None:
+        return logits
+    if top_p is None:
+        assert top_k is not None
+        # Only the k-th largest value is needed: topk is much cheaper than a full sort.
+        max_k = int(top_k.max())
+        kth_value = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth_value, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth_value = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution (as logits) that random rows sample from."""
+    logits = apply_logits_processors(logits, metadata)
+    logits = apply_temperature(logits, metadata)
+    logits = apply_min_p(logits, metadata)
+    return apply_top_k_top_p(logits, metadata)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row, distributed as ``probs``; seeded rows use their own generator."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div(noise).argmax(dim=-1)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata
+) -> list[Logprobs | None]:
+    """Sampled token's raw logprob and rank plus the top k, for rows that asked."""
+    results: list[Logprobs | None] = [None] * metadata.num_rows
+    max_k = metadata.max_num_logprobs
+    if max_k is None:
+        return results
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (raw_logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    top = raw_logprobs.topk(max_k, dim=-1) if max_k > 0 else None
+    sampled_list, rank_list, token_list = sampled.tolist(), ranks.tolist(), token_ids.tolist()
+    for row, k in enumerate(metadata.num_logprobs):
+        if k is None:
+            continue
+        results[row] = Logprobs(
+            token_id=token_list[row],
+            logprob=sampled_list[row],
+            rank=rank_list[row],
+            top_token_ids=top.indices[row, :k].tolist() if top is not None else [],
+            top_logprobs=top.values[row, :k].tolist() if top is not None else [],
+        )
+    return results
+
+
+class Sampler:
+    """Stateless; one call samples every row of a step."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = (
+            torch.log_softmax(logits.float(), dim=-1)
+            if metadata.max_num_logprobs is not None
+            else None
+        )
+        logits = apply_logits_processors(logits, metadata)
+        greedy_tokens = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy_tokens is not None
+            token_ids = greedy_tokens
+        else:
+            logits = apply_temperature(logits, metadata)
+            logits = apply_min_p(logits, metadata)
+            logits = apply_top_k_top_p(logits, metadata)
+            random_tokens = exponential_race(torch.softmax(logits, dim=-1), metadata.generators)
+            token_ids = (
+                random_tokens
+                if greedy_tokens is None
+                else torch.where(metadata.is_greedy, greedy_tokens, random_tokens)
+            )
+        logprobs = (
+            gather_logprobs(raw_logprobs, token_ids, metadata)
+            if raw_logprobs is not None
+            else [None] * metadata.num_rows
+        )
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,175 @@
+"""Per-step sampling inputs, gathered once into batched tensors.
+
+One row per request that samples this step. Optional fields stay ``None`` when
+no row in the step uses the feature, so the common case (plain temperature or
+greedy sampling) skips the work entirely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.sampling_params import SamplingParams
+
+
+def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError for parameters the sampler cannot honour."""
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < -1:
+        raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if params.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    if params.min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {params.min_tokens}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {params.logprobs}")
+    for token_id, _ in params.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"logit_bias token id {token_id} outside the vocabulary")
+    for token_id in params.stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"stop token id {token_id} outside the vocabulary")
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling parameters for the rows that sample in one step."""
+
+    temperature: torch.Tensor  # [n] float32, as requested (greedy rows < 1e-5)
+    is_greedy: torch.Tensor  # [n] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None = None  # [n] int64, vocab_size where disabled
+    top_p: torch.Tensor | None = None  # [n] float32
+    min_p: torch.Tensor | None = None  # [n] float32
+    # Penalties: all four are set together, or none.
+    repetition_penalty: torch.Tensor | None = None  # [n] float32
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    # prompt + output per row, padded with vocab_size; lengths split the two.
+    token_ids: torch.Tensor | None = None  # [n, max_len] int64
+    prompt_lens: torch.Tensor | None = None  # [n] int64
+    num_tokens: torch.Tensor | None = None  # [n] int64
+    # Sparse (row, token, value) triplets.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Optional hooks for structured output and bad words: True = allowed / banned.
+    allowed_token_mask: torch.Tensor | None = None  # [n, vocab] bool
+    banned_token_mask: torch.Tensor | None = None  # [n, vocab] bool
+    # Row -> generator of a seeded request; other rows use the global RNG.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    num_logprobs: list[int | None] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        requested = [k for k in self.num_logprobs if k is not None]
+        return max(requested) if requested else None
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    token_ids: np.ndarray,  # [n, >= max(num_tokens)] prompt + output per row
+    prompt_lens: np.ndarray,  # [n]
+    num_tokens: np.ndarray,  # [n] prompt + output lengths
+    generators: Mapping[int, torch.Generator],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> SamplingMetadata:
+    """Gather the per-request parameters of the sampling rows into tensors."""
+    n = len(params)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    is_greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool)
+    all_greedy = bool(is_greedy.all())
+    metadata = SamplingMetadata(
+        temperature=temperature.to(device),
+        is_greedy=is_greedy.to(device),
+        all_greedy=all_greedy,
+        all_random=not bool(is_greedy.any()),
+        generators=dict(generators),
+        num_logprobs=[p.logprobs for p in params],
+    )
+    if not all_greedy:
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        if any(k < vocab_size for k in top_k):
+            metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            metadata.top_p = torch.tensor([p.top_p for p in params], device=device)
+        if any(p.min_p > 0.0 for p in params):
+            metadata.min_p = torch.tensor([p.min_p for p in params], device=device)
+    if any(
+        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        for p in params
+    ):
+        max_len = int(num_tokens.max())
+        ids = np.asarray(token_ids)[:, :max_len].astype(np.int64, copy=True)
+        ids[np.arange(max_len)[None, :] >= np.asarray(num_tokens)[:, None]] = vocab_size
+        metadata.token_ids = torch.from_numpy(ids).to(device)
+        metadata.prompt_lens = torch.as_tensor(np.asarray(prompt_lens), dtype=torch.int64).to(
+            device
+        )
+        metadata.num_tokens = torch.as_tensor(np.asarray(num_tokens), dtype=torch.int64).to(device)
+        metadata.repetition_penalty = torch.tensor(
+            [p.repetition_penalty for p in params], device=device
+        )
+        metadata.presence_penalty = torch.tensor(
+            [p.presence_penalty for p in params], device=device
+        )
+        metadata.frequency_penalty = torch.tensor(
+            [p.frequency_penalty for p in params], device=device
+        )
+    bias = [(row, tok, val) for row, p in enumerate(params) for tok, val in p.logit_bias]
+    if bias:
+        rows, toks, vals = zip(*bias, strict=True)
+        metadata.logit_bias = (
+            torch.tensor(rows, device=device),
+            torch.tensor(toks, device=device),
+            torch.tensor(vals, dtype=torch.float32, device=device),
+        )
+    blocked: list[tuple[int, int]] = []
+    for row, p in enumerate(params):
+        if p.min_tokens and int(num_tokens[row]) - int(prompt_lens[row]) < p.min_tokens:
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.update(eos_token_ids)
+            blocked.extend((row, tok) for tok in sorted(stop_ids))
+    if blocked:
+        rows, toks = zip(*blocked, strict=True)
+        metadata.min_tokens_block = (
+            torch.tensor(rows, device=device),
+            torch.tensor(toks, device=device),
+        )
+    assert metadata.num_rows == n
+    return metadata
+
+
+def sampling_metadata_from_lists(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    generators: Mapping[int, torch.Generator],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+) -> SamplingMetadata:
+    """Convenience for tests and callers without a persistent batch."""
+    prompt_lens = np.array([len(p) for p in prompt_token_ids], dtype=np.int64)
+    num_tokens = prompt_lens + np.array([len(o) for o in output_token_ids], dtype=np.int64)
+    token_ids = np.full((len(params), max(1, int(num_tokens.max(initial=0)))), 0, dtype=np.int64)
+    for row, (prompt, output) in enumerate(zip(prompt_token_ids, output_token_ids, strict=True)):
+        token_ids[row, : num_tokens[row]] = list(prompt) + list(output)
+    return build_sampling_metadata(
+        params, token_ids, prompt_lens, num_tokens, generators, eos_token_ids, vocab_size
+    )

@@ -1,0 +1,97 @@
+"""Build one step's model inputs from the persistent batch, vectorized over tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    rows: np.ndarray  # [num_reqs] batch rows, in step order
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    # Requests that reach the end of their known tokens this step sample.
+    sample_mask: np.ndarray  # [num_reqs] bool
+    logits_indices: torch.Tensor  # [num_sampling_reqs] int64, last token row of each
+
+
+def check_schedulable(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray) -> list[str]:
+    """Per request, '' if the step fits its known tokens and blocks, else why not."""
+    context_lens = batch.num_computed_tokens[rows] + num_scheduled
+    too_many = context_lens > batch.num_tokens[rows]
+    no_blocks = context_lens > batch.num_blocks[rows] * batch.block_size
+    nothing = num_scheduled <= 0
+    reasons = [""] * len(rows)
+    for i in np.flatnonzero(too_many | no_blocks | nothing):
+        if nothing[i]:
+            reasons[i] = f"scheduled {num_scheduled[i]} tokens"
+        elif too_many[i]:
+            reasons[i] = (
+                f"scheduled up to token {context_lens[i]} but only "
+                f"{batch.num_tokens[rows[i]]} tokens are known"
+            )
+        else:
+            reasons[i] = (
+                f"context of {context_lens[i]} tokens needs more than the "
+                f"{batch.num_blocks[rows[i]]} blocks allocated"
+            )
+    return reasons
+
+
+def prepare_step_inputs(
+    batch: InputBatch,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    backend: AttentionBackend,
+    device: torch.device,
+) -> StepInputs:
+    """Flatten the scheduled tokens of ``rows`` (in order) into one batch."""
+    num_reqs = len(rows)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    num_computed = batch.num_computed_tokens[rows]
+    context_lens = num_computed + num_scheduled
+
+    # Token t belongs to request req_of_token[t] and sits offset_in_req tokens
+    # after that request's first scheduled token.
+    req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
+    offset_in_req = np.arange(num_tokens) - query_start_loc[:-1][req_of_token]
+    positions = num_computed[req_of_token] + offset_in_req
+    row_of_token = rows[req_of_token]
+    input_ids = batch.token_ids[row_of_token, positions]
+    block_ids = batch.block_table[row_of_token, positions // batch.block_size]
+    slot_mapping = block_ids.astype(np.int64) * batch.block_size + positions % batch.block_size
+
+    max_context_len = int(context_lens.max())
+    max_blocks = -(-max_context_len // batch.block_size)
+    block_tables = batch.block_table[rows, :max_blocks]
+    sample_mask = context_lens == batch.num_tokens[rows]
+    logits_indices = query_start_loc[1:][sample_mask].astype(np.int64) - 1
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    metadata = backend.build_metadata(
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        context_lens=to_device(context_lens, torch.int32),
+        block_tables=to_device(block_tables, torch.int32),
+        slot_mapping=to_device(slot_mapping, torch.int64),
+        max_query_len=int(num_scheduled.max()),
+        max_context_len=max_context_len,
+    )
+    return StepInputs(
+        rows=rows,
+        input_ids=to_device(input_ids, torch.int64),
+        positions=to_device(positions, torch.int64),
+        metadata=metadata,
+        sample_mask=sample_mask,
+        logits_indices=to_device(logits_indices, torch.int64),
+    )
