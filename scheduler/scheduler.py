@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from scheduler.block_pool import KVCacheIntegrityError
+from scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
@@ -179,11 +179,15 @@ class Scheduler:
         cached_num_computed = cached.num_computed_tokens
         num_preempted_now = 0
 
+        req_to_blocks = kv.req_to_blocks
+        block_size = kv.block_size
+
         # Running requests first, in admission order.
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_computed_tokens = request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) - num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -191,7 +195,13 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens)
+            # Fast path, the common decode: the tokens still fit in held blocks.
+            if -(-(num_computed_tokens + num_new_tokens) // block_size) <= len(
+                req_to_blocks[request.request_id]
+            ):
+                new_blocks: list[KVCacheBlock] | None = []
+            else:
+                new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim_index = self.policy.select_victim(running)
                 victim = running.pop(victim_index)
@@ -210,7 +220,7 @@ class Scheduler:
             token_budget -= num_new_tokens
             cached_req_ids.append(request_id)
             cached_new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
-            cached_num_computed.append(request.num_computed_tokens)
+            cached_num_computed.append(num_computed_tokens)
             index += 1
 
         # Then waiting ones, unless blocks were just too short to keep everyone.
@@ -333,19 +343,23 @@ class Scheduler:
             token_ids = sampled_by_id.get(request_id)
             if not token_ids:
                 continue
-            if num_computed != request.num_tokens:
+            all_token_ids = request.all_token_ids
+            if num_computed != len(all_token_ids):
                 logger.warning(
                     "request %s: worker sampled before the end of its tokens "
                     "(%s of %s computed); ignored",
                     request_id,
                     num_computed,
-                    request.num_tokens,
+                    len(all_token_ids),
                 )
                 continue
             new_token_ids: list[int] = []
             stopped = False
+            output_token_ids = request.output_token_ids
             for token_id in token_ids:
-                request.append_output_token(token_id)
+                # request.append_output_token, inlined on the per-token path.
+                output_token_ids.append(token_id)
+                all_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 if check_stop(request, max_model_len):
                     stopped = True
@@ -359,7 +373,7 @@ class Scheduler:
                 RequestOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids,
-                    finish_reason=request.get_finish_reason(),
+                    finish_reason=request.get_finish_reason() if stopped else None,
                     stop_reason=request.stop_reason,
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     num_prompt_tokens=request.num_prompt_tokens,

@@ -57,8 +57,10 @@ def test_new_requests_travel_in_full_then_only_deltas() -> None:
         out, _ = run_step(sched)
         assert out.scheduled_new_reqs == []
         block_deltas.append(
-            (out.scheduled_cached_reqs.num_computed_tokens[0],
-             len(out.scheduled_cached_reqs.new_block_ids[0]))
+            (
+                out.scheduled_cached_reqs.num_computed_tokens[0],
+                len(out.scheduled_cached_reqs.new_block_ids[0]),
+            )
         )
     assert block_deltas == [(6, 0), (7, 0), (8, 1)]
     assert sched.get_block_ids(req.request_id)[:2] == new.block_ids

@@ -72,14 +72,16 @@ def test_resumed_request_carries_its_output_tokens_to_the_worker() -> None:
 
 def test_priority_preempts_the_lowest_priority_even_if_admitted_first() -> None:
     sched = _tiny("priority")
-    low = make_request(
-        8, max_tokens=4, ignore_eos=True, prompt_token_ids=_prompt(1000), priority=1
-    )
+    low = make_request(8, max_tokens=4, ignore_eos=True, prompt_token_ids=_prompt(1000), priority=1)
     sched.add_request(low)
     L = low.request_id
     out, _ = run_step(sched)
     high = make_request(
-        8, max_tokens=4, ignore_eos=True, prompt_token_ids=_prompt(2000), priority=0,
+        8,
+        max_tokens=4,
+        ignore_eos=True,
+        prompt_token_ids=_prompt(2000),
+        priority=0,
         arrival_time=1.0,
     )
     sched.add_request(high)
