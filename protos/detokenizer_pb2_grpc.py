@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class DetokenizerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text streaming to gateways. Each gateway holds one StreamDetokenized call
+    open for its lifetime and receives the outputs of every request it
+    submitted, batched per engine step.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,11 +45,17 @@ class DetokenizerStub:
 
 
 class DetokenizerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text streaming to gateways. Each gateway holds one StreamDetokenized call
+    open for its lifetime and receives the outputs of every request it
+    submitted, batched per engine step.
+    """
 
     def StreamDetokenized(self, request, context):
         """Detokenized outputs for the requests submitted with this client_id,
-        one DetokenizedBatch per engine step.
+        one DetokenizedBatch per engine step that produced output for them.
+        A new call with the same client_id replaces the previous one. If the
+        scheduler stream breaks, every live request gets an ERROR output
+        ("scheduler unavailable").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,7 +78,10 @@ def add_DetokenizerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Detokenizer:
-    """Missing associated documentation comment in .proto file."""
+    """Text streaming to gateways. Each gateway holds one StreamDetokenized call
+    open for its lifetime and receives the outputs of every request it
+    submitted, batched per engine step.
+    """
 
     @staticmethod
     def StreamDetokenized(request,

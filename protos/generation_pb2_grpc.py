@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation with the one model this server serves.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,19 +53,22 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation with the one model this server serves.
+    """
 
     def Generate(self, request, context):
         """Generate one completion, streaming one GenerateResponse per engine step
         that produced tokens for it. The last response has finish_reason set and
-        carries usage. Cancelling the call aborts the request.
+        carries usage. Cancelling the call aborts the request and frees its KV
+        cache. A generation that fails midway ends the call with UNAVAILABLE
+        (no final response).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenize text with the served model's tokenizer.
+        """Tokenize text with the served model's tokenizer (no chat template).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +108,8 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation with the one model this server serves.
+    """
 
     @staticmethod
     def Generate(request,

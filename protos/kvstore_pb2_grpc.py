@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class KVStoreStub:
-    """Missing associated documentation comment in .proto file."""
+    """A content-addressed block store with a byte capacity, LRU eviction and
+    time-bounded leases. Single-threaded behind one asyncio loop.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -72,49 +74,60 @@ class KVStoreStub:
 
 
 class KVStoreServicer:
-    """Missing associated documentation comment in .proto file."""
+    """A content-addressed block store with a byte capacity, LRU eviction and
+    time-bounded leases. Single-threaded behind one asyncio loop.
+    """
 
     def PutBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Store blocks (replacing any with the same key), evicting unleased LRU
+        blocks to make room. Per-block success in PutBlocksResponse.stored.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Fetch blocks by key; each found block counts as a hit and becomes most
+        recently used, each missing one counts as a miss.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ContainsBlocks(self, request, context):
-        """Which keys are present, without transferring bytes.
+        """Which keys are present, without transferring bytes (no LRU bump, no
+        hit/miss counting).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Drop blocks that are not leased (leased ones stay until their lease ends).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LeaseBlocks(self, request, context):
-        """Pin keys against eviction for ttl_seconds (e.g. while a decode worker
-        pulls a prefill worker's blocks).
+        """Pin keys against eviction and deletion for ttl_seconds (e.g. while a
+        decode worker pulls a prefill worker's blocks). The lease expires on its
+        own, so a crashed holder cannot pin memory forever.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End a lease early. Unknown or expired lease ids are ignored.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Occupancy and counters since the store started.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -166,7 +179,9 @@ def add_KVStoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
-    """Missing associated documentation comment in .proto file."""
+    """A content-addressed block store with a byte capacity, LRU eviction and
+    time-bounded leases. Single-threaded behind one asyncio loop.
+    """
 
     @staticmethod
     def PutBlocks(request,

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The engine's control plane and step-output stream. One scheduler owns one
+    worker; all its state lives on one asyncio loop, and control calls that
+    arrive mid-step are applied between steps.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -67,25 +70,34 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The engine's control plane and step-output stream. One scheduler owns one
+    worker; all its state lives on one asyncio loop, and control calls that
+    arrive mid-step are applied between steps.
+    """
 
     def AddRequest(self, request, context):
         """Queue a new request. Returns once it is accepted (or rejected with
-        INVALID_ARGUMENT / RESOURCE_EXHAUSTED when queues are full).
+        INVALID_ARGUMENT for a duplicate id, an empty prompt or invalid params;
+        RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE when the
+        worker is down or no detokenizer is subscribed to StreamOutputs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortRequests(self, request, context):
-        """Abort requests in any state; their KV blocks are freed at once.
+        """Abort requests in any state; their KV blocks are freed before the next
+        step. No output is published for an aborted request: the caller already
+        knows it ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FinishRequests(self, request, context):
-        """Finish requests because the detokenizer matched a stop string.
+        """Finish requests because the detokenizer matched a stop string (status
+        FINISHED_STOPPED, applied before the next step). Called by the detokenizer
+        at most once per step, batched; no further output is published for them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,20 +106,23 @@ class SchedulerServicer:
     def StreamOutputs(self, request, context):
         """Step outputs, one StepOutputs per engine step that produced anything.
         The detokenizer holds this stream open for the scheduler's lifetime.
+        Every subscriber receives every batch; one that falls 10,000 batches
+        behind is dropped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CheckReady(self, request, context):
-        """Readiness: a round trip scheduler -> worker -> scheduler.
+        """Readiness: a round trip scheduler -> worker -> scheduler. UNAVAILABLE
+        while the worker is down or no detokenizer is subscribed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """Limits and model facts for the gateway.
+        """Limits and model facts for the gateway (fixed for the scheduler's life).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,7 +170,10 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """Missing associated documentation comment in .proto file."""
+    """The engine's control plane and step-output stream. One scheduler owns one
+    worker; all its state lives on one asyncio loop, and control calls that
+    arrive mid-step are applied between steps.
+    """
 
     @staticmethod
     def AddRequest(request,

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner as a service. Every call answers UNAVAILABLE while the
+    weights are still loading.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,17 +49,24 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner as a service. Every call answers UNAVAILABLE while the
+    weights are still loading.
+    """
 
     def Execute(self, request_iterator, context):
         """One message per engine step in each direction, batched over requests.
+        At most one stream at a time (a second one gets FAILED_PRECONDITION).
+        When it closes the worker drops its persistent batch: after a reconnect
+        every request must come as a NewRequest again (today the scheduler fails
+        its live requests and resets its prefix cache when the stream breaks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """Static facts the scheduler needs at start-up (KV pool size, limits).
+        """Static facts the scheduler needs at start-up (KV pool size, limits); also
+        the scheduler's readiness probe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +94,9 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner as a service. Every call answers UNAVAILABLE while the
+    weights are still loading.
+    """
 
     @staticmethod
     def Execute(request_iterator,
