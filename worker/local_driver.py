@@ -160,4 +160,7 @@ class LocalDriver:
             if not self.requests:
                 break
             self.step()
+        if self._to_drop:
+            # Let the worker drop the last finishers too (an empty step).
+            self.runner.execute_model(self.build_step())
         return self.finished

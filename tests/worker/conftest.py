@@ -69,3 +69,46 @@ def truncate_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[i
 @pytest.fixture(scope="session")
 def hf_greedy():
     return hf_greedy_tokens
+
+
+def make_tiny_checkpoint(
+    folder: Path,
+    architecture: str,
+    dtype: torch.dtype,
+    tie_word_embeddings: bool = False,
+    max_shard_size: str | None = None,
+) -> torch.nn.Module:
+    import transformers
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if architecture == "Qwen2ForCausalLM":
+        config = transformers.Qwen2Config(**common)
+        model_class = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model_class = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config)
+    # Default init leaves norms at 1 and biases at 0 and makes near-uniform
+    # logits; randomize every tensor so each weight (and greedy) matters.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if param.ndim > 1 else 0.5))
+            if "norm" in name:
+                param.add_(1.0)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return model_class.from_pretrained(folder, dtype=torch.float32).eval()
