@@ -45,6 +45,7 @@ class DetokenizerEngine:
         self.table = table
         self.scheduler_addr = scheduler_addr
         self._client_of: dict[str, str] = {}
+        self._num_output_tokens: dict[str, int] = {}
         self._stopped: OrderedDict[str, None] = OrderedDict()
         self._subscribers: dict[str, asyncio.Queue[detokenizer_pb2.DetokenizedBatch]] = {}
         self.connected = False
@@ -129,12 +130,14 @@ class DetokenizerEngine:
                     msg.stop_string = delta.stop_string
                     if out.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                         stop_finishes.append(rid)
-                        self.table.remove(rid)
                         self._remember_stopped(rid)
                     _STOPS.inc()
             client = self._client_of.get(rid, "")
+            msg.num_output_tokens = self._num_output_tokens.get(rid, 0) + len(out.new_token_ids)
+            self._num_output_tokens[rid] = msg.num_output_tokens
             if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._client_of.pop(rid, None)
+                self._num_output_tokens.pop(rid, None)
                 self.table.remove(rid)
             per_client.setdefault(client, []).append(msg)
         _TOKENS.inc(sum(len(o.new_token_ids) for o in kept))
@@ -168,10 +171,13 @@ class DetokenizerEngine:
             )
             self.table.remove(rid)
         self._client_of.clear()
+        self._num_output_tokens.clear()
         self._route(0, per_client)
 
     async def run(self, stop: asyncio.Event, on_connected) -> None:
         """Follow the scheduler's output stream, reconnecting when it breaks."""
+        failures = 0
+        was_connected = False
         while not stop.is_set():
             try:
                 async with insecure_channel(self.scheduler_addr) as channel:
@@ -180,7 +186,8 @@ class DetokenizerEngine:
                         scheduler_pb2.StreamOutputsRequest(subscriber="detokenizer")
                     )
                     await stream.wait_for_connection()
-                    self.connected = True
+                    self.connected = was_connected = True
+                    failures = 0
                     await on_connected(True)
                     logger.info("subscribed to scheduler outputs at %s", self.scheduler_addr)
                     async for step in stream:
@@ -191,7 +198,10 @@ class DetokenizerEngine:
                         if stop_finishes:
                             asyncio.create_task(self._finish(stop_finishes))
             except grpc.aio.AioRpcError as e:
-                logger.warning("scheduler stream broke: %s %s", e.code().name, e.details())
+                failures += 1
+                # Quiet while the scheduler is still starting; loud once it was up.
+                log = logger.warning if was_connected or failures % 20 == 0 else logger.debug
+                log("scheduler stream broke: %s %s", e.code().name, e.details())
             except asyncio.CancelledError:
                 raise
             finally:
@@ -222,6 +232,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         self, request, context
     ) -> AsyncIterator[detokenizer_pb2.DetokenizedBatch]:
         queue = self.engine.subscribe(request.client_id)
+        # Headers now, so the gateway's wait_for_connection() returns at once.
+        await context.send_initial_metadata(())
         logger.info("gateway %r subscribed", request.client_id)
         try:
             while True:

@@ -174,7 +174,8 @@ class GrpcEngineClient:
                             if queue is not None:
                                 queue.put_nowait(self._to_delta(out))
             except grpc.aio.AioRpcError as e:
-                logger.warning("detokenizer stream broke: %s %s", e.code().name, e.details())
+                log = logger.warning if self._subscribed.is_set() else logger.debug
+                log("detokenizer stream broke: %s %s", e.code().name, e.details())
             self._subscribed.clear()
             self._fail_all("detokenizer unavailable")
             if not self._closing:
@@ -209,11 +210,8 @@ class GrpcEngineClient:
                 raise EngineError(
                     e.details() or e.code().name, _HTTP_STATUS.get(e.code(), 503)
                 ) from e
-            num_output_tokens = 0
             while True:
                 delta = await queue.get()
-                num_output_tokens += len(delta.token_ids)
-                delta.num_output_tokens = num_output_tokens
                 if delta.finished:
                     finished = True
                 yield delta

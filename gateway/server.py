@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from gateway.app import build_app
+from gateway.auth import install_api_key
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.tokenizer import Tokenizer
@@ -40,7 +41,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.scheduler_addr,
         config.detokenizer_addr,
     )
-    await engine.start()
+    stop_task = asyncio.create_task(stop.wait())
+    start_task = asyncio.create_task(engine.start())
+    await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        start_task.cancel()
+        await engine.close()
+        return
+    start_task.result()
     served_name = config.served_model_name or engine.model_info.served_model_name
 
     grpc_service = GrpcService(
@@ -52,7 +60,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(engine, tokenizer, served_name, api_key=config.api_key or None)
+    app = build_app(engine, tokenizer, served_name)
+    if config.api_key:
+        install_api_key(app, config.api_key)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,
@@ -65,7 +75,6 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     )
     http_task = asyncio.create_task(http.serve(), name="http")
     logger.info("OpenAI API on http://%s:%d/v1", config.bind_host, config.http_port)
-    stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     http.should_exit = True
     await http_task

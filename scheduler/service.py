@@ -282,6 +282,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def StreamOutputs(self, request, context) -> AsyncIterator[scheduler_pb2.StepOutputs]:
         key, queue = self.engine.subscribe()
+        # Headers now, so the subscriber's wait_for_connection() returns before
+        # the first step output exists.
+        await context.send_initial_metadata(())
         logger.info("output subscriber %r attached", request.subscriber)
         try:
             while True:

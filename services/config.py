@@ -172,7 +172,9 @@ class SchedulerServiceConfig(CommonConfig):
     max_num_seqs: int = opt(128, "most requests per engine step")
     long_prefill_token_threshold: int = opt(0, "cap on one request's tokens per step (0: off)")
     scheduling_policy: str = opt("fcfs", "fcfs or priority")
-    prefix_caching: bool = opt(True, "reuse KV blocks of shared prefixes (--no-prefix-caching: off)")
+    prefix_caching: bool = opt(
+        True, "reuse KV blocks of shared prefixes (--no-prefix-caching: off)"
+    )
     max_waiting_requests: int = opt(4096, "queue bound; beyond it new requests get 429")
 
     def __post_init__(self) -> None:

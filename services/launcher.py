@@ -81,11 +81,23 @@ class _Child:
             [sys.executable, "-m", "services.cli", "serve", self.name],
             env=self.env,
             start_new_session=True,  # our signals go to the launcher, which relays them
+            preexec_fn=_die_with_parent,
         )
         logger.info("started %s (pid %d)", self.name, self.process.pid)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+def _die_with_parent() -> None:
+    """Have Linux SIGTERM the child if the launcher dies without cleaning up (kill -9)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: a hard-killed launcher may leave children behind
 
 
 def _grpc_serving(address: str) -> bool:

@@ -1,0 +1,99 @@
+"""The step contract survives the wire unchanged."""
+
+from __future__ import annotations
+
+from services.sampling_params import DetokenizeParams, SamplingParams
+from services.step import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from services.step_codec import (
+    detokenize_params_from_proto,
+    detokenize_params_to_proto,
+    model_runner_output_from_proto,
+    model_runner_output_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    scheduler_output_from_proto,
+    scheduler_output_to_proto,
+)
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=33,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        min_p=0.125,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.25,
+        min_tokens=3,
+        ignore_eos=True,
+        stop_token_ids=(5, 9),
+        logit_bias=((11, 2.5), (12, -100.0)),
+        logprobs=4,
+        **kw,
+    )
+
+
+def test_sampling_params_round_trip() -> None:
+    p = _params()
+    assert sampling_params_from_proto(sampling_params_to_proto(p)) == p
+    plain = SamplingParams()
+    back = sampling_params_from_proto(sampling_params_to_proto(plain))
+    assert back == plain and back.seed is None and back.logprobs is None
+
+
+def test_seed_zero_and_logprobs_zero_are_not_lost() -> None:
+    p = SamplingParams(seed=0, logprobs=0)
+    back = sampling_params_from_proto(sampling_params_to_proto(p))
+    assert back.seed == 0 and back.logprobs == 0
+
+
+def test_detokenize_params_round_trip() -> None:
+    p = DetokenizeParams(
+        stop=("\n\n", "END"),
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+    )
+    assert detokenize_params_from_proto(detokenize_params_to_proto(p)) == p
+
+
+def test_scheduler_output_round_trip() -> None:
+    out = SchedulerOutput(
+        step_id=42,
+        scheduled_new_reqs=[
+            NewRequestData("a", [1, 2, 3], [], _params(), [4, 5], 0),
+            NewRequestData("b", [7] * 40, [8, 9], SamplingParams(), [1, 2, 3], 32),
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["c", "d"], new_block_ids=[[], [17]], num_computed_tokens=[12, 31]
+        ),
+        num_scheduled_tokens={"a": 3, "b": 10, "c": 1, "d": 1},
+        total_num_scheduled_tokens=15,
+        finished_req_ids={"x", "y"},
+    )
+    assert scheduler_output_from_proto(scheduler_output_to_proto(out)) == out
+
+
+def test_model_runner_output_round_trip_with_mixed_logprobs() -> None:
+    out = ModelRunnerOutput(
+        step_id=7,
+        req_ids=["a", "b", "c"],
+        sampled_token_ids=[[5], [], [9]],
+        logprobs=[Logprobs(5, -0.5, 1, [5, 6], [-0.5, -1.5]), None, None],
+        errors={"c": "boom"},
+    )
+    back = model_runner_output_from_proto(model_runner_output_to_proto(out))
+    assert back.req_ids == out.req_ids
+    assert back.sampled_token_ids == out.sampled_token_ids
+    assert back.errors == out.errors
+    assert back.logprobs[1] is None and back.logprobs[2] is None
+    assert back.logprobs[0].token_id == 5 and back.logprobs[0].top_token_ids == [5, 6]
