@@ -8,6 +8,7 @@ knows about the engine comes through the client.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable
 from importlib import metadata
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 5.0
 # Status logged (never seen by anyone) when a client leaves before its answer.
 _CLIENT_CLOSED_REQUEST = 499
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def _package_version() -> str:
@@ -87,6 +89,26 @@ class _InternalErrorMiddleware:
                 await error_response("internal server error", 500)(scope, receive, send)
 
 
+class _ApiKeyMiddleware:
+    """Require ``Authorization: Bearer <api_key>`` on the OpenAI routes (/v1/...).
+
+    Health, readiness, metrics and version stay open for probes and scrapers.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            headers = dict(scope.get("headers") or [])
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
+                response = error_response("invalid or missing API key", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _wait_for_disconnect(raw_request: Request) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
@@ -118,10 +140,15 @@ def build_app(
     tokenizer: Tokenizer,
     served_model_name: str,
     metrics_registry: CollectorRegistry | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
+    """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token."""
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
+    # Added last = outermost: a refused key never reaches the routes.
     app.add_middleware(_InternalErrorMiddleware)
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
     completions = CompletionServing(engine, tokenizer, served_model_name, metrics)

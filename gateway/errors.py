@@ -10,7 +10,6 @@ and 500 only for a genuine bug, which is logged.
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -73,13 +73,20 @@ def response_for_exception(exc: BaseException) -> JSONResponse:
     return error_response("internal server error", 500)
 
 
+_UNION_TAG_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the union member it tried ("str", "list[int]",
+    # "TextContentPart", "function-after[...]"); that means nothing to a client.
+    return part in _UNION_TAG_NAMES or "[" in part or "-" in part or part[:1].isupper()
+
+
 def _param_from_location(location: tuple[Any, ...]) -> str | None:
-    # FastAPI prefixes body fields with "body"; pydantic appends union member
-    # names ("str", "list[int]") that mean nothing to a client.
-    parts = [str(part) for part in location if part != "body"]
-    while parts and not parts[-1].isidentifier() and not parts[-1].isdigit():
-        parts.pop()
-    named = [part for part in parts if part.isidentifier() or part.isdigit()]
+    parts = [str(part) for part in location]
+    if parts and parts[0] == "body":  # FastAPI's prefix for body fields
+        parts = parts[1:]
+    named = [part for part in parts if part and not _is_union_tag(part)]
     return ".".join(named) if named else None
 
 
@@ -109,8 +116,7 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def on_http_exception(_: Request, exc: Exception) -> JSONResponse:
         if not isinstance(exc, StarletteHTTPException):
             return response_for_exception(exc)
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus else "error"
-        message = exc.detail if isinstance(exc.detail, str) else phrase
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
         return error_response(message, exc.status_code)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -176,13 +176,18 @@ def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> Non
 
 
 def _max_tokens(
-    requested: int | None, param: str, default: int | None, prompt_len: int, max_model_len: int
+    requested: int | None,
+    param: str,
+    default: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str,
 ) -> int:
     if prompt_len >= max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens, "
             f"but the prompt has {prompt_len} tokens.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
+            param=prompt_param,
         )
     room = max_model_len - prompt_len
     if requested is None:
@@ -257,10 +262,17 @@ def sampling_params(
         param = "max_completion_tokens"
         if requested is None:
             requested, param = request.max_tokens, "max_tokens"
-        max_tokens = _max_tokens(requested, param, None, prompt_len, model.max_model_len)
+        max_tokens = _max_tokens(
+            requested, param, None, prompt_len, model.max_model_len, prompt_param="messages"
+        )
     else:
         max_tokens = _max_tokens(
-            request.max_tokens, "max_tokens", 16, prompt_len, model.max_model_len
+            request.max_tokens,
+            "max_tokens",
+            DEFAULT_COMPLETION_MAX_TOKENS,
+            prompt_len,
+            model.max_model_len,
+            prompt_param="prompt",
         )
     if not 0 <= request.min_tokens <= max_tokens:
         raise RequestError(

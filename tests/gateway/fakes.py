@@ -50,6 +50,9 @@ class FakeEngineClient:
             raise EngineError("worker unreachable", status_code=503)
 
     async def abort(self, request_id: str) -> None:
+        # A real abort is a network call; yielding here means an abort issued
+        # from a cancelled task is only recorded if the caller shielded it.
+        await asyncio.sleep(0)
         self.aborted.append(request_id)
 
     def expected_token_ids(self, request: GenerationRequest, count: int) -> list[int]:
