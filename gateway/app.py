@@ -103,7 +103,7 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             headers = dict(scope.get("headers") or [])
             if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
-                response = error_response("invalid or missing API key", 401)
+                response = error_response("invalid or missing API key", 401, code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
