@@ -1,0 +1,93 @@
+"""Facts for the deployment-file tests: the files, and what services/config.py declares.
+
+Every expectation is derived from the config dataclasses, never restated, so
+a port or option renamed there makes these tests point at the stale file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.config import SERVICE_CONFIGS, config_from_namespace, env_name
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+K8S_DIR = REPO_ROOT / "deploy" / "k8s"
+
+# KVMESH_* variables that are not config fields but are read on purpose
+# (services/model_prep.py reads this one to find the prepared model).
+DOCUMENTED_EXTRA_ENV = frozenset({"KVMESH_MODEL_CACHE"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServicePorts:
+    """One service's ports by role, as services/config.py declares them by default."""
+
+    name: str
+    grpc: int
+    metrics: int
+    http: int | None = None
+
+    @property
+    def all(self) -> set[int]:
+        return {p for p in (self.grpc, self.metrics, self.http) if p is not None}
+
+
+def config_defaults(service: str) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(SERVICE_CONFIGS[service])}
+
+
+def declared_ports(service: str) -> ServicePorts:
+    defaults = config_defaults(service)
+    if service == "gateway":
+        # The gateway serves /metrics on its HTTP port.
+        http = defaults["http_port"]
+        return ServicePorts(service, grpc=defaults["grpc_port"], metrics=http, http=http)
+    return ServicePorts(
+        service, grpc=defaults[f"{service}_port"], metrics=defaults[f"{service}_metrics_port"]
+    )
+
+
+def env_names_read_by(service: str) -> set[str]:
+    return {env_name(f.name) for f in dataclasses.fields(SERVICE_CONFIGS[service])}
+
+
+def all_config_env_names() -> set[str]:
+    return set().union(*(env_names_read_by(s) for s in SERVICE_CONFIGS))
+
+
+def addr_target_service(var: str) -> str | None:
+    """KVMESH_WORKER_ADDR -> "worker": the service an address variable points at."""
+    match = re.fullmatch(r"KVMESH_([A-Z]+)_ADDR", var)
+    if match is None or match.group(1).lower() not in SERVICE_CONFIGS:
+        return None
+    return match.group(1).lower()
+
+
+def load_compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def load_k8s_docs() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d is not None)
+    return docs
+
+
+def interpolate_defaults(value: str) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR}`` with an empty environment: the defaults."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
+def build_config(service: str, environ: dict[str, str]) -> Any:
+    """The config ``kvmesh serve SERVICE`` would build from ``environ`` (no flags)."""
+    return config_from_namespace(SERVICE_CONFIGS[service], argparse.Namespace(), environ)
