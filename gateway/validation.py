@@ -22,6 +22,27 @@ MAX_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Arguments of transformers' apply_chat_template: chat_template_kwargs are
+# template variables only, never a client-supplied template or output format.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "conversation",
+        "messages",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -123,6 +144,11 @@ def render_chat(
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation as prompt text, through the model's own chat template."""
+    reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+    if reserved:
+        raise RequestError(
+            f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
+        )
     try:
         return tokenizer.apply_chat_template(
             template_messages(messages),

@@ -79,6 +79,7 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], str]] = [
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
     (CHAT, {"temperature": 9}, "temperature"),
+    (CHAT, {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
 ]
 
 
