@@ -13,13 +13,16 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
+from gateway.app import build_app
+from gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "ignore_eos": True}
 
 
-def _scope(path: str) -> dict[str, Any]:
+def _scope(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
     return {
         "type": "http",
         # 2.3 is what uvicorn announces; Starlette then watches for disconnects itself.
@@ -31,13 +34,23 @@ def _scope(path: str) -> dict[str, Any]:
         "raw_path": path.encode(),
         "root_path": "",
         "query_string": b"",
-        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")],
+        "headers": [
+            (b"host", b"gateway"),
+            (b"content-type", b"application/json"),
+            *(headers or []),
+        ],
         "client": ("127.0.0.1", 50000),
         "server": ("gateway", 80),
     }
 
 
-async def _call(app: FastAPI, path: str, body: dict, disconnect: asyncio.Event) -> list[dict]:
+async def _call(
+    app: FastAPI,
+    path: str,
+    body: dict,
+    disconnect: asyncio.Event,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> list[dict]:
     sent: list[dict] = []
     delivered = False
 
@@ -52,7 +65,7 @@ async def _call(app: FastAPI, path: str, body: dict, disconnect: asyncio.Event) 
     async def send(message: dict) -> None:
         sent.append(message)
 
-    await asyncio.wait_for(app(_scope(path), receive, send), timeout=10)
+    await asyncio.wait_for(app(_scope(path, headers), receive, send), timeout=10)
     return sent
 
 
@@ -101,3 +114,18 @@ async def test_finished_requests_are_not_aborted(app: FastAPI, engine: FakeEngin
     sent = await _call(app, "/v1/chat/completions", body, disconnect=never)
     assert b"[DONE]" in b"".join(m.get("body", b"") for m in sent)
     assert engine.aborted == []
+
+
+async def test_disconnect_aborts_behind_the_api_key_check(
+    engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    # The key check is plain ASGI middleware; Starlette's BaseHTTPMiddleware
+    # would hide the disconnect from the stream and leak the engine requests.
+    app = build_app(engine, tokenizer, "m", metrics_registry=CollectorRegistry(), api_key="k")
+    engine.hang_after_deltas = 2
+    body = {**CHAT_BODY, "model": "m", "n": 2, "stream": True}
+    sent = await _call(
+        app, "/v1/chat/completions", body, engine.hanging, [(b"authorization", b"Bearer k")]
+    )
+    assert sent[0]["status"] == 200
+    assert len(engine.aborted) == 2
