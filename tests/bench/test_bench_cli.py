@@ -1,0 +1,110 @@
+"""The command line: help through ``kvmesh``, and a whole run against the fake server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main
+from bench.dataset import BenchTokenizer
+from services.model_prep import default_model_path
+from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvmesh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_help_after_separator_lists_bench_options() -> None:
+    done = kvmesh("bench", "--", "--help")
+    assert done.returncode == 0, done.stderr
+    for option in ("--max-concurrency", "--request-rate", "--shared-prefix-len", "--result-file"):
+        assert option in done.stdout
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="services/cli.py's argparse.REMAINDER does not pass leading options to "
+    "services.bench; dispatch 'bench' before argparse there, then drop this marker",
+)
+def test_help_lists_bench_options() -> None:
+    done = kvmesh("bench", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--max-concurrency" in done.stdout
+
+
+def test_full_run_writes_result_and_plot(
+    fake_server: FakeOpenAIServer,
+    bench_tokenizer: BenchTokenizer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake_server.reset(chunk_delay_s=0.002)
+    result_file = tmp_path / "result.json"
+    plot_file = tmp_path / "latency.png"
+    code = main(
+        [
+            f"--base-url={fake_server.base_url}",
+            f"--tokenizer={default_model_path()}",
+            "--num-prompts=8",
+            "--input-len=16",
+            "--output-len=5",
+            "--max-concurrency=2",
+            "--disable-tqdm",
+            f"--result-file={result_file}",
+            f"--plot={plot_file}",
+            "--label=fake",
+        ]
+    )
+    assert code == 0
+    report = capsys.readouterr().out
+    assert f"{'Successful requests:':<40} {8:<10}" in report
+    assert f"{'Total generated tokens:':<40} {40:<10}" in report
+    # 8 timed requests plus the warm-up.
+    assert fake_server.observed.num_requests == 9
+    assert fake_server.observed.max_in_flight <= 2
+    timed = fake_server.observed.payloads[1:]
+    assert all(len(payload["prompt"]) == 16 for payload in timed)
+    result = json.loads(result_file.read_text())
+    assert result["model_id"] == MODEL_ID  # asked /v1/models since --model was not given
+    assert result["label"] == "fake"
+    assert result["completed"] == 8
+    assert result["total_output_tokens"] == 40
+    assert result["input_lens"] == [PROMPT_TOKENS] * 8
+    assert result["max_concurrency"] == 2 and result["request_rate"] == "inf"
+    assert len(result["itls"]) == 8 and all(len(gaps) == 4 for gaps in result["itls"])
+    assert plot_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failed_warm_up_exits_with_a_message(
+    fake_server: FakeOpenAIServer,
+    bench_tokenizer: BenchTokenizer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake_server.reset(http_status=404)
+    code = main(
+        [
+            f"--base-url={fake_server.base_url}",
+            f"--tokenizer={default_model_path()}",
+            "--model=m",
+            "--num-prompts=2",
+            "--input-len=4",
+            "--output-len=2",
+            "--disable-tqdm",
+        ]
+    )
+    assert code == 2
+    assert "warm-up request failed: HTTP 404" in capsys.readouterr().err
+    assert fake_server.observed.num_requests == 1  # nothing timed was sent
