@@ -24,7 +24,9 @@ def runner(model_path: Path) -> ModelRunner:
     return ModelRunner(
         ModelConfig.from_pretrained(model_path, max_model_len=256),
         CacheConfig(block_size=16, num_kv_blocks=128),
-        num_threads=2,
+        # One intra-op thread: on a 2-core CI box shared with other jobs, two
+        # OpenMP threads spin-wait on each other and run several times slower.
+        num_threads=1,
     )
 
 

@@ -27,7 +27,7 @@ def _runner(folder: Path) -> ModelRunner:
     return ModelRunner(
         ModelConfig.from_pretrained(folder),
         CacheConfig(block_size=4, num_kv_blocks=64),
-        num_threads=2,
+        num_threads=1,
     )
 
 

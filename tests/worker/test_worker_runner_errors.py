@@ -26,7 +26,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     return ModelRunner(
         ModelConfig.from_pretrained(folder),
         CacheConfig(block_size=4, num_kv_blocks=64),
-        num_threads=2,
+        num_threads=1,
     )
 
 
