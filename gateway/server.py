@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import uvicorn
 
 from gateway.app import build_app
-from gateway.auth import install_api_key
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.tokenizer import Tokenizer
@@ -60,9 +59,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(engine, tokenizer, served_name)
-    if config.api_key:
-        install_api_key(app, config.api_key)
+    app = build_app(engine, tokenizer, served_name, api_key=config.api_key or None)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,

@@ -35,7 +35,7 @@ def greedy(prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False
         tokens.append(next_id)
         if stop_at_eos and next_id == tok.eos_token_id:
             break
-        out = model(torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[next_id]]), cache=past, use_cache=True)
         past = out.past_key_values
         next_id = int(out.logits[0, -1].argmax())
     return tokens
