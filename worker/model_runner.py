@@ -84,6 +84,15 @@ class ModelRunner:
     def eos_token_id(self) -> int | None:
         return self.model_config.eos_token_id
 
+    @property
+    def attention_backend_name(self) -> str:
+        return self.backend.name
+
+    def reset(self) -> None:
+        """Drop every request of the persistent batch (a new scheduler starts from scratch)."""
+        for req_id in list(self.input_batch.row_of):
+            self.input_batch.remove_request(req_id)
+
     def _apply_scheduler_deltas(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
         """Drop finished requests, add new ones, apply cached deltas; returns errors."""
         errors: dict[str, str] = {}

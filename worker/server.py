@@ -80,18 +80,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._stream_open = False
             # A new scheduler starts from an empty batch.
-            await loop.run_in_executor(self._executor, _drop_all_requests, self.runner)
+            await loop.run_in_executor(self._executor, self.runner.reset)
             logger.info("scheduler detached; persistent batch cleared")
 
     async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
         if self.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         return self.info
-
-
-def _drop_all_requests(runner: ModelRunner) -> None:
-    for req_id in list(runner.input_batch.row_of):
-        runner.input_batch.remove_request(req_id)
 
 
 def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
@@ -121,7 +116,7 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         max_model_len=model_config.max_model_len,
         vocab_size=model_config.vocab_size,
         eos_token_ids=list(model_config.eos_token_ids),
-        attention_backend=runner.backend.name,
+        attention_backend=runner.attention_backend_name,
         device=config.device,
     )
     return runner, info
