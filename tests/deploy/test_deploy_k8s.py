@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -72,7 +73,6 @@ def test_kustomization_lists_every_manifest() -> None:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_match_the_kubernetes_schemas(k8s_docs: list[Doc], version: str) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for doc in k8s_docs:
         if doc["kind"] == "Kustomization":
             continue  # a kustomize file, not an API object
@@ -80,7 +80,6 @@ def test_manifests_match_the_kubernetes_schemas(k8s_docs: list[Doc], version: st
 
 
 def test_schema_check_rejects_a_misspelled_probe(k8s_docs: list[Doc]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     deployment = copy.deepcopy(_of_kind(k8s_docs, "Deployment")["worker"])
     container = _container(deployment)
     container["readinesProbe"] = container.pop("readinessProbe")
