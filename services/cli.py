@@ -29,6 +29,13 @@ def _serve(service: str, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The load generator owns its flags entirely (argparse's REMAINDER would
+        # refuse options right after the subcommand).
+        from services.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -57,10 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(prepare_default_model())
         return 0
-    if args.command == "bench":
-        from services.bench import main as bench_main
-
-        return bench_main(args.bench_args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -34,11 +34,6 @@ def test_help_after_separator_lists_bench_options() -> None:
         assert option in done.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/cli.py's argparse.REMAINDER does not pass leading options to "
-    "services.bench; dispatch 'bench' before argparse there, then drop this marker",
-)
 def test_help_lists_bench_options() -> None:
     done = kvmesh("bench", "--help")
     assert done.returncode == 0, done.stderr
