@@ -228,7 +228,9 @@ def test_dockerignore_keeps_sources_and_drops_local_state(pyproject: dict[str, A
     ]
     includes = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     package_dirs = [p.rstrip("*") for p in includes]
-    for needed in ["pyproject.toml", *package_dirs]:
+    # pyproject.toml names its readme: `pip install .` needs it in the context.
+    readme = pyproject["project"].get("readme")
+    for needed in ["pyproject.toml", *([readme] if isinstance(readme, str) else []), *package_dirs]:
         if (REPO_ROOT / needed).exists():
             assert not _ignored(needed, patterns), f".dockerignore drops {needed}"
     for local_state in (".venv", ".git", "__pycache__"):
