@@ -1,0 +1,89 @@
+"""A dead worker fails its requests with a clear error, readiness drops, and the stack heals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_stack, stop_stack
+
+pytestmark = pytest.mark.e2e
+
+
+def _children_of(pid: int) -> dict[int, str]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _worker_pid(launcher_pid: int) -> int:
+    (pid,) = [p for p, cmd in _children_of(launcher_pid).items() if "serve worker" in cmd]
+    return pid
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_killed_worker_fails_requests_then_recovers() -> None:
+    stack = start_stack(["--num-kv-blocks", "256", "--max-model-len", "1024"])
+    try:
+        url = stack.http_url
+        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True,
+                "stream": True}
+        old_worker = _worker_pid(stack.process.pid)
+        events = []
+        with httpx.Client(base_url=url, timeout=120) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        os.kill(old_worker, signal.SIGKILL)
+        # The stream ended (no hang) with an error, not with a normal finish.
+        assert len(events) >= 3
+        assert "error" in events[-1], events[-1]
+
+        # While the worker is down the stack is not ready and refuses work clearly.
+        def refused() -> bool:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           timeout=30)
+            return r.status_code == 503 and "error" in r.json()
+
+        down_seen = _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 503,
+                              10)
+        assert down_seen or refused(), "readiness never reflected the dead worker"
+
+        # The launcher restarts the worker; readiness returns and requests succeed again.
+        assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 200, 120)
+        assert _worker_pid(stack.process.pid) != old_worker
+        r = httpx.post(url + "/v1/completions",
+                       json={"prompt": "The sky is", "max_tokens": 8, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        assert stop_stack(stack) == 0
