@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareStructuredOutputRequest(_message.Message):
+    __slots__ = ("request_id", "structured_output")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    structured_output: _common_pb2.StructuredOutput
+    def __init__(self, request_id: _Optional[str] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class PrepareStructuredOutputResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class NewRequest(_message.Message):
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.PrepareStructuredOutput = channel.unary_unary(
+                '/kvmesh.internal.v1.Worker/PrepareStructuredOutput',
+                request_serializer=protos_dot_worker__pb2.PrepareStructuredOutputRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.PrepareStructuredOutputResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -72,6 +77,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareStructuredOutput(self, request, context):
+        """Compile a structured-output grammar ahead of its request, off the step
+        loop (a thread pool; steps keep running). Called by the scheduler before
+        it queues a request whose SamplingParams.structured_output is set, so the
+        grammar is in the worker's compile cache when the request arrives in a
+        StepRequest. INVALID_ARGUMENT when the schema, regex, choice list or
+        grammar does not compile (the message says why).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -84,6 +101,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protos_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'PrepareStructuredOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareStructuredOutput,
+                    request_deserializer=protos_dot_worker__pb2.PrepareStructuredOutputRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.PrepareStructuredOutputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +164,33 @@ class Worker:
             '/kvmesh.internal.v1.Worker/GetInfo',
             protos_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareStructuredOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.internal.v1.Worker/PrepareStructuredOutput',
+            protos_dot_worker__pb2.PrepareStructuredOutputRequest.SerializeToString,
+            protos_dot_worker__pb2.PrepareStructuredOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
+        "parallel_group",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -81,6 +82,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
+        parallel_group: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -89,6 +91,8 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Shared by the n > 1 samples of one prompt; see Scheduler._defer_sibling.
+        self.parallel_group = parallel_group
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)

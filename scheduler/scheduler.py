@@ -60,6 +60,8 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._num_preemptions = 0
         self._finished_stats: list[FinishedRequestStats] = []
+        # parallel_group -> the sibling admitted first (until it finishes).
+        self._group_leaders: dict[str, Request] = {}
 
     # ---- requests in and out ------------------------------------------------
 
@@ -127,6 +129,9 @@ class Scheduler:
         """Free a request's blocks and retire it; the caller drops it from its queue."""
         if held_by_worker:
             self._finished_req_ids.add(request.request_id)
+        group = request.parallel_group
+        if group is not None and self._group_leaders.get(group) is request:
+            del self._group_leaders[group]
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -253,6 +258,8 @@ class Scheduler:
         now: float | None = None
         while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
+            if request.parallel_group is not None and self._defer_sibling(request):
+                break  # head-of-line, as when blocks are short: its turn comes in a step or two
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
             if 0 < threshold < num_new_tokens:
@@ -290,6 +297,21 @@ class Scheduler:
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
         return new_reqs
+
+    def _defer_sibling(self, request: Request) -> bool:
+        """Hold an n > 1 sibling until the first one's prompt KV is computed and cached.
+
+        Blocks enter the prefix cache only once computed, so siblings admitted
+        together would each compute the whole prompt; admitted after the first
+        one's prompt, they hit the cache for every full prompt block.
+        """
+        group = request.parallel_group
+        assert group is not None
+        leader = self._group_leaders.get(group)
+        if leader is None or leader is request:
+            self._group_leaders[group] = request
+            return False
+        return leader.status == _RUNNING and leader.num_computed_tokens < leader.num_prompt_tokens
 
     @staticmethod
     def _unschedule(

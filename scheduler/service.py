@@ -94,6 +94,7 @@ class SchedulerEngine:
             arrival_time=time.monotonic(),
             priority=msg.priority,
             cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+            parallel_group=msg.parallel_group if msg.HasField("parallel_group") else None,
         )
         self.core.add_request(request)  # ValueError -> INVALID_ARGUMENT
         self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
@@ -268,6 +269,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
 
     async def AddRequest(self, request, context):
+        if request.sampling_params.HasField("structured_output"):
+            # Awaited here, not in the step loop: this request waits for its
+            # grammar while the loop keeps stepping the others.
+            await self.engine.worker.prepare_structured_output(
+                request.request_id, request.sampling_params.structured_output
+            )
         self.engine.add_request(request)
         return scheduler_pb2.AddRequestResponse()
 

@@ -42,6 +42,7 @@ def make_request(
     arrival_time: float = 0.0,
     priority: int = 0,
     cache_salt: str | None = None,
+    parallel_group: str | None = None,
     **sampling: object,
 ) -> Request:
     """A request with ``n_prompt`` prompt tokens, unique to it unless given (so
@@ -58,6 +59,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         cache_salt=cache_salt,
+        parallel_group=parallel_group,
     )
 
 

@@ -11,8 +11,8 @@ import logging
 
 import grpc
 
-from protos import worker_pb2, worker_pb2_grpc
-from services.errors import UnavailableError
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.errors import InvalidRequestError, UnavailableError
 from services.grpc_server import insecure_channel, wait_until_serving
 from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import model_runner_output_from_proto, scheduler_output_to_proto
@@ -49,6 +49,24 @@ class WorkerClient:
         try:
             return await self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            raise UnavailableError(f"worker unreachable: {e.code().name} {e.details()}") from e
+
+    async def prepare_structured_output(
+        self, request_id: str, structured_output: common_pb2.StructuredOutput, timeout: float = 60.0
+    ) -> None:
+        """Have the worker compile a grammar; InvalidRequestError if it does not compile."""
+        if self._stub is None:
+            raise UnavailableError("worker not connected")
+        try:
+            await self._stub.PrepareStructuredOutput(
+                worker_pb2.PrepareStructuredOutputRequest(
+                    request_id=request_id, structured_output=structured_output
+                ),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(e.details() or "invalid structured output") from e
             raise UnavailableError(f"worker unreachable: {e.code().name} {e.details()}") from e
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

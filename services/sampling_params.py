@@ -9,9 +9,28 @@ detokenizer reads the text fields. They travel on the wire as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 # Below this temperature sampling is greedy (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+
+
+StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """A constraint on the generated text, compiled by the worker into a token grammar.
+
+    ``value`` by kind: "json" a JSON schema (serialized), "json_object" unused
+    (any JSON object), "regex" a regular expression, "choice" a JSON array of
+    the allowed strings, "grammar" an EBNF grammar whose root rule is ``root``.
+    Hashable, so the worker's compile cache is keyed by the spec itself.
+    """
+
+    kind: StructuredOutputKind
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no logprobs; k >= 0: sampled token's logprob plus the top k.
     logprobs: int | None = None
+    # None: unconstrained. Otherwise every sampled token keeps the text a
+    # prefix of the spec's language, and EOS is forced when it is complete.
+    structured_output: StructuredOutputSpec | None = None
 
     @property
     def is_greedy(self) -> bool:

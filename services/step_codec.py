@@ -8,7 +8,12 @@ wire format has exactly one definition. Token ids travel as packed
 from __future__ import annotations
 
 from protos import common_pb2, worker_pb2
-from services.sampling_params import DetokenizeParams, SamplingParams
+from services.sampling_params import (
+    STRUCTURED_OUTPUT_KINDS,
+    DetokenizeParams,
+    SamplingParams,
+    StructuredOutputSpec,
+)
 from services.step import (
     CachedRequestData,
     Logprobs,
@@ -38,7 +43,21 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(p.structured_output))
     return msg
+
+
+def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=spec.kind, value=spec.value)
+
+
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """ValueError for an unknown kind (the services map it to INVALID_ARGUMENT)."""
+    if msg.kind not in STRUCTURED_OUTPUT_KINDS:
+        expected = ", ".join(STRUCTURED_OUTPUT_KINDS)
+        raise ValueError(f"unknown structured output kind {msg.kind!r}; expected one of {expected}")
+    return StructuredOutputSpec(kind=msg.kind, value=msg.value)  # type: ignore[arg-type]
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -57,6 +76,11 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values, strict=True)),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured_output=(
+            structured_output_from_proto(msg.structured_output)
+            if msg.HasField("structured_output")
+            else None
+        ),
     )
 
 

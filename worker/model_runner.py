@@ -23,6 +23,7 @@ from worker.model_loader import load_model
 from worker.sampler import Sampler
 from worker.sampling_metadata import build_sampling_metadata
 from worker.step_inputs import StepInputs, check_schedulable, prepare_step_inputs
+from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.structured_output = StructuredOutputManager(
+            GrammarCompilerCache(
+                model_config.path, model_config.vocab_size, model_config.eos_token_ids
+            )
+        )
         self.timings = StepTimings()
 
     @property
@@ -92,6 +98,7 @@ class ModelRunner:
         """Drop every request of the persistent batch (a new scheduler starts from scratch)."""
         for req_id in list(self.input_batch.row_of):
             self.input_batch.remove_request(req_id)
+            self.structured_output.remove_request(req_id)
 
     def _apply_scheduler_deltas(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
         """Drop finished requests, add new ones, apply cached deltas; returns errors."""
@@ -99,10 +106,15 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             batch.remove_request(req_id)
+            self.structured_output.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             try:
                 batch.add_request(new)
+                spec = new.sampling_params.structured_output
+                if spec is not None:
+                    self.structured_output.add_request(new.req_id, spec, new.output_token_ids)
             except (ValueError, TypeError) as exc:
+                batch.remove_request(new.req_id)
                 errors[new.req_id] = f"invalid request: {exc}"
                 logger.warning("request %s rejected: %s", new.req_id, exc)
         cached = scheduler_output.scheduled_cached_reqs
@@ -185,6 +197,7 @@ class ModelRunner:
         for position, index in enumerate(np.flatnonzero(inputs.sample_mask)):
             output.sampled_token_ids[index] = [token_list[position]]
             output.logprobs[index] = logprobs[position]
+        output.errors.update(self.structured_output.pop_errors())
         self.timings.prepare += prepared - started
         self.timings.num_steps += 1
         return output
@@ -216,6 +229,12 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+        step_grammar = self.structured_output.constrain(sample_rows, batch.row_of)
+        if step_grammar is not None:
+            metadata.grammar_bitmask = step_grammar.bitmask
+            metadata.grammar_rows = step_grammar.positions
         result = self.sampler(logits, metadata)
+        if step_grammar is not None:
+            step_grammar.accept(result.token_ids.tolist())
         self.timings.sample += time.perf_counter() - sample_started
         return result.token_ids, result.logprobs

@@ -1,6 +1,7 @@
 """Batched token sampling with mixed per-request parameters, in vLLM's order.
 
-raw logprobs snapshot -> float32 -> allowed/banned token masks -> min_tokens
+raw logprobs snapshot -> float32 -> structured-output grammar bitmask and
+allowed/banned token masks -> min_tokens
 and logit_bias -> repetition/presence/frequency penalties -> (greedy argmax
 here) -> temperature -> min_p -> top_k/top_p -> sample.
 
@@ -16,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from services.step import Logprobs
 from worker.sampling_metadata import SamplingMetadata
@@ -30,6 +32,11 @@ class SamplerOutput:
 
 
 def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.grammar_bitmask is not None:
+        # In place on the float32 copy made by apply_logits_processors.
+        xgr.apply_token_bitmask_inplace(
+            logits, metadata.grammar_bitmask.to(logits.device), indices=metadata.grammar_rows
+        )
     if metadata.allowed_token_mask is not None:
         logits = logits.masked_fill(~metadata.allowed_token_mask, float("-inf"))
     if metadata.banned_token_mask is not None:

@@ -65,6 +65,10 @@ class SamplingMetadata:
     # Optional hooks for structured output and bad words: True = allowed / banned.
     allowed_token_mask: torch.Tensor | None = None  # [n, vocab] bool
     banned_token_mask: torch.Tensor | None = None  # [n, vocab] bool
+    # Structured outputs: xgrammar's packed bitmask [n, ceil(vocab / 32)] int32
+    # (bit set = allowed) and the rows it constrains (worker/structured_output.py).
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] = field(default_factory=list)
     # Row -> generator of a seeded request; other rows use the global RNG.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)

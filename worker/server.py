@@ -23,7 +23,11 @@ from services.config import WorkerConfig
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
-from services.step_codec import model_runner_output_to_proto, scheduler_output_from_proto
+from services.step_codec import (
+    model_runner_output_to_proto,
+    scheduler_output_from_proto,
+    structured_output_from_proto,
+)
 from worker.config import CacheConfig, ModelConfig
 from worker.model_runner import ModelRunner
 
@@ -47,6 +51,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.info: worker_pb2.WorkerInfo | None = None
         # One thread: steps are strictly ordered and the runner is not reentrant.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step")
+        # Grammar compiles run beside the steps, never in the step thread.
+        self._compile_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._stream_open = False
 
     def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
@@ -82,6 +88,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # A new scheduler starts from an empty batch.
             await loop.run_in_executor(self._executor, self.runner.reset)
             logger.info("scheduler detached; persistent batch cleared")
+
+    async def PrepareStructuredOutput(
+        self, request: worker_pb2.PrepareStructuredOutputRequest, context
+    ) -> worker_pb2.PrepareStructuredOutputResponse:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        started = time.perf_counter()
+        try:
+            spec = structured_output_from_proto(request.structured_output)
+            await asyncio.get_running_loop().run_in_executor(
+                self._compile_executor, self.runner.structured_output.compiler.compile, spec
+            )
+        except ValueError as exc:
+            logger.info("request %s: structured output refused: %s", request.request_id, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        logger.debug(
+            "request %s: %s grammar ready in %.3fs",
+            request.request_id,
+            spec.kind,
+            time.perf_counter() - started,
+        )
+        return worker_pb2.PrepareStructuredOutputResponse()
 
     async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
         if self.info is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from services.sampling_params import DetokenizeParams, SamplingParams
+import pytest
+
+from protos import common_pb2
+from services.sampling_params import DetokenizeParams, SamplingParams, StructuredOutputSpec
 from services.step import (
     CachedRequestData,
     Logprobs,
@@ -48,6 +51,30 @@ def test_sampling_params_round_trip() -> None:
     plain = SamplingParams()
     back = sampling_params_from_proto(sampling_params_to_proto(plain))
     assert back == plain and back.seed is None and back.logprobs is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputSpec("json", '{"type": "object"}'),
+        StructuredOutputSpec("json_object"),
+        StructuredOutputSpec("regex", "[0-9]+"),
+        StructuredOutputSpec("choice", '["yes", "no"]'),
+        StructuredOutputSpec("grammar", 'root ::= "a"'),
+    ],
+)
+def test_structured_output_round_trip(spec: StructuredOutputSpec) -> None:
+    p = _params(structured_output=spec)
+    back = sampling_params_from_proto(sampling_params_to_proto(p))
+    assert back == p and back.structured_output == spec
+    assert sampling_params_from_proto(sampling_params_to_proto(_params())).structured_output is None
+
+
+def test_unknown_structured_output_kind_is_a_value_error() -> None:
+    msg = sampling_params_to_proto(SamplingParams())
+    msg.structured_output.CopyFrom(common_pb2.StructuredOutput(kind="yaml", value="x"))
+    with pytest.raises(ValueError, match="yaml"):
+        sampling_params_from_proto(msg)
 
 
 def test_seed_zero_and_logprobs_zero_are_not_lost() -> None:

@@ -1,0 +1,166 @@
+"""Structured outputs in the worker: grammars compile (or are refused), the bitmask
+constrains only its rows, and the real model's constrained output parses."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from services.sampling_params import SamplingParams, StructuredOutputSpec
+from worker.config import CacheConfig, ModelConfig
+from worker.local_driver import LocalDriver
+from worker.model_runner import ModelRunner
+from worker.sampler import Sampler, apply_logits_processors
+from worker.sampling_metadata import sampling_metadata_from_lists
+from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
+
+from .conftest import truncate_at_eos
+
+VOCAB = 49152
+EOS = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Berlin"]},
+        "population": {"type": "integer"},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(model_path: Path) -> GrammarCompilerCache:
+    return GrammarCompilerCache(model_path, VOCAB, [EOS])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        (StructuredOutputSpec("json", "{not json"), "json"),
+        (StructuredOutputSpec("regex", "(unclosed"), "regex"),
+        (StructuredOutputSpec("grammar", "root ::= "), "grammar"),
+        (StructuredOutputSpec("choice", "[]"), "non-empty"),
+        (StructuredOutputSpec("choice", '["a", 3]'), "string"),
+    ],
+)
+def test_bad_specs_are_value_errors_that_say_why(compiler, spec, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        compiler.compile(spec)
+
+
+def test_compiled_grammars_are_cached_by_spec(compiler) -> None:
+    spec = StructuredOutputSpec("regex", "[0-9]{3}")
+    assert compiler.get(spec) is None
+    compiled = compiler.compile(spec)
+    assert compiler.get(StructuredOutputSpec("regex", "[0-9]{3}")) is compiled
+
+
+def _allowed(logits_row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(logits_row).nonzero().flatten().tolist())
+
+
+def test_bitmask_masks_only_its_rows_and_forces_eos_when_complete(compiler, tokenizer) -> None:
+    manager = StructuredOutputManager(compiler)
+    manager.add_request("choice", StructuredOutputSpec("choice", '["yes", "no"]'), [])
+    rows = torch.tensor([5, 9])  # batch rows; sampling position 0 is unconstrained
+    step = manager.constrain(rows.numpy(), {"free": 5, "choice": 9})
+    assert step is not None and step.positions == [1]
+    params = [SamplingParams(temperature=0.0)] * 2
+    metadata = sampling_metadata_from_lists(params, [[1], [1]], [[], []], {}, [EOS], VOCAB)
+    metadata.grammar_bitmask, metadata.grammar_rows = step.bitmask, step.positions
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    processed = apply_logits_processors(logits, metadata)
+    assert torch.equal(processed[0], logits[0])  # the free row is untouched
+    allowed = _allowed(processed[1])
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    # Feed "yes": afterwards only EOS is allowed, so greedy sampling ends it.
+    yes_ids = tokenizer.encode("yes", add_special_tokens=False).ids
+    manager.accept(["choice"] * len(yes_ids), yes_ids)
+    step = manager.constrain(rows.numpy(), {"free": 5, "choice": 9})
+    metadata.grammar_bitmask, metadata.grammar_rows = step.bitmask, step.positions
+    out = Sampler()(logits, metadata)
+    assert out.token_ids[1].item() == EOS
+    step.accept(out.token_ids.tolist())
+    assert manager.constrain(rows.numpy(), {"free": 5, "choice": 9}) is None  # terminated
+
+
+def test_a_token_outside_the_grammar_is_reported_as_the_request_error(compiler) -> None:
+    manager = StructuredOutputManager(compiler)
+    manager.add_request("r", StructuredOutputSpec("regex", "[0-9]+"), [])
+    manager.accept(["r"], [EOS + 1000])
+    assert list(manager.pop_errors()) == ["r"]
+    assert manager.pop_errors() == {}
+
+
+@pytest.fixture(scope="module")
+def runner(model_path: Path) -> ModelRunner:
+    return ModelRunner(
+        ModelConfig.from_pretrained(model_path, max_model_len=256),
+        CacheConfig(block_size=16, num_kv_blocks=64),
+        num_threads=1,
+    )
+
+
+def _run(runner: ModelRunner, requests: dict[str, tuple[list[int], SamplingParams]], n: int):
+    driver = LocalDriver(runner)
+    for req_id, (prompt, params) in requests.items():
+        driver.add_request(req_id, prompt, params, n)
+    finished = driver.run()
+    for req_id in requests:
+        assert finished[req_id].error is None, finished[req_id].error
+    return {r: truncate_at_eos(finished[r].output_token_ids, (EOS,)) for r in requests}
+
+
+@pytest.mark.model
+def test_model_output_follows_schema_and_regex_in_a_mixed_batch(runner, tokenizer) -> None:
+    prompt = tokenizer.encode("Give me a city as JSON:").ids
+    schema = StructuredOutputSpec("json", json.dumps(SCHEMA))
+    date = StructuredOutputSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+    greedy = SamplingParams(temperature=0.0)
+    outputs = _run(
+        runner,
+        {
+            "json": (prompt, SamplingParams(temperature=0.0, structured_output=schema)),
+            "date": (prompt, SamplingParams(temperature=0.7, seed=3, structured_output=date)),
+            "free": (prompt, greedy),
+        },
+        n=30,
+    )
+    assert outputs["json"][-1] == EOS
+    value = json.loads(tokenizer.decode(outputs["json"][:-1]))
+    jsonschema.validate(value, SCHEMA)
+    assert outputs["date"][-1] == EOS
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", tokenizer.decode(outputs["date"][:-1]))
+    # The unconstrained neighbour is exactly what it is alone.
+    assert outputs["free"] == _run(runner, {"alone": (prompt, greedy)}, n=30)["alone"]
+
+
+@pytest.mark.model
+def test_resumed_request_replays_its_tokens_into_a_fresh_matcher(runner, tokenizer) -> None:
+    prompt = tokenizer.encode("Pick a city:").ids
+    params = SamplingParams(
+        temperature=0.0, structured_output=StructuredOutputSpec("json", json.dumps(SCHEMA))
+    )
+    whole = _run(runner, {"whole": (prompt, params)}, n=24)["whole"]
+    assert len(whole) > 6
+    # As after a preemption: the first 5 tokens come back as output_token_ids.
+    driver = LocalDriver(runner)
+    request = driver.add_request("resumed", prompt, params, 24)
+    request.output_token_ids = list(whole[:5])
+    finished = driver.run()["resumed"]
+    assert finished.error is None
+    assert truncate_at_eos(finished.output_token_ids, (EOS,)) == whole
