@@ -77,9 +77,12 @@ class SchedulerServicer:
 
     def AddRequest(self, request, context):
         """Queue a new request. Returns once it is accepted (or rejected with
-        INVALID_ARGUMENT for a duplicate id, an empty prompt or invalid params;
+        INVALID_ARGUMENT for a duplicate id, an empty prompt, invalid params or a
+        structured output the worker cannot compile;
         RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE when the
-        worker is down or no detokenizer is subscribed to StreamOutputs).
+        worker is down or no detokenizer is subscribed to StreamOutputs). A
+        request with a structured output waits here until the worker compiled
+        its grammar; the step loop keeps running meanwhile.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
