@@ -31,6 +31,11 @@ class SchedulerConfig:
     # "sha256" is collision-resistant and stable across processes; "builtin" is
     # faster but 64-bit and process-local (never share its hashes).
     prefix_hash: str = "sha256"
+    # Schedule step n+1 before step n's output is back (one step in flight
+    # ahead): num_computed_tokens advances at schedule time and a running
+    # request's next decode slot is scheduled against a placeholder token that
+    # the worker fills in itself. Outputs are identical; see Scheduler.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         positive = {

@@ -61,6 +61,7 @@ class Request:
         "first_token_time",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
@@ -100,6 +101,10 @@ class Request:
         # prompt + output, kept as one list so blocks can be hashed by slicing.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling only: tokens the worker samples in steps already
+        # scheduled whose ids the scheduler has not seen yet. They count as
+        # computed (their slot is scheduled) but are not in all_token_ids.
+        self.num_output_placeholders = 0
         # Prefix-cache hit tokens at first scheduling (reported to the client).
         self.num_cached_tokens = 0
         # Hashes of the full blocks of all_token_ids, extended as tokens arrive.

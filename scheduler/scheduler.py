@@ -9,8 +9,18 @@ cannot get a block, the policy's victim is preempted (recompute: its blocks are
 freed and it goes back to the front of the waiting queue).
 
 Not thread-safe: the service loop owns one Scheduler and calls it from one task.
-``schedule()`` and ``update_from_output()`` alternate; ``num_computed_tokens``
-advances when the worker's output comes back.
+Synchronous mode: ``schedule()`` and ``update_from_output()`` alternate and
+``num_computed_tokens`` advances when the worker's output comes back.
+
+Asynchronous mode (``config.async_scheduling``): step n+1 is scheduled while
+step n is still in the worker, so ``num_computed_tokens`` advances at schedule
+time. A running request whose last scheduled step samples gets one output
+placeholder (``num_output_placeholders``); its next decode is scheduled against
+that placeholder, since the worker appends the token it samples itself and the
+step contract carries no token ids for requests the worker holds. Outputs for a
+request that finished (or was preempted or aborted) after being scheduled
+again are discarded, and a request whose placeholders already reach its length
+limit is not scheduled again. Outputs are identical to synchronous mode.
 """
 
 from __future__ import annotations
@@ -156,6 +166,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token still in flight is dropped: the resumed request recomputes it.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
@@ -186,13 +198,19 @@ class Scheduler:
 
         req_to_blocks = kv.req_to_blocks
         block_size = kv.block_size
+        async_scheduling = config.async_scheduling
+        max_model_len = config.max_model_len
 
         # Running requests first, in admission order.
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
             num_computed_tokens = request.num_computed_tokens
-            num_new_tokens = len(request.all_token_ids) - num_computed_tokens
+            num_placeholders = request.num_output_placeholders
+            num_new_tokens = len(request.all_token_ids) + num_placeholders - num_computed_tokens
+            if num_placeholders and self._length_reached_in_flight(request, max_model_len):
+                index += 1  # its in-flight token is its last one; nothing more to compute
+                continue
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -226,6 +244,8 @@ class Scheduler:
             cached_req_ids.append(request_id)
             cached_new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached_num_computed.append(num_computed_tokens)
+            if async_scheduling:
+                self._advance_at_schedule(request, num_new_tokens)
             index += 1
 
         # Then waiting ones, unless blocks were just too short to keep everyone.
@@ -296,7 +316,28 @@ class Scheduler:
             )
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if config.async_scheduling:
+                self._advance_at_schedule(request, num_new_tokens)
         return new_reqs
+
+    @staticmethod
+    def _advance_at_schedule(request: Request, num_new_tokens: int) -> None:
+        """Async mode: scheduled tokens count as computed now; sampling adds a placeholder."""
+        num_computed = request.num_computed_tokens = request.num_computed_tokens + num_new_tokens
+        if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+
+    @staticmethod
+    def _length_reached_in_flight(request: Request, max_model_len: int) -> bool:
+        """Whether the tokens in flight already take the request to max_tokens or max_model_len.
+
+        Scheduling it again would only compute a token that is thrown away.
+        """
+        num_placeholders = request.num_output_placeholders
+        return (
+            len(request.output_token_ids) + num_placeholders >= request.sampling_params.max_tokens
+            or len(request.all_token_ids) + num_placeholders >= max_model_len
+        )
 
     def _defer_sibling(self, request: Request) -> bool:
         """Hold an n > 1 sibling until the first one's prompt KV is computed and cached.
@@ -352,14 +393,26 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         now: float | None = None
+        # Async mode: num_computed_tokens already counts later steps, so this
+        # step's end is its start (as sent to the worker) plus its tokens.
+        computed_before = (
+            self._computed_before(scheduler_output) if self.config.async_scheduling else None
+        )
 
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None or request.status != _RUNNING:
-                continue  # aborted or finished by a stop string since schedule()
+                # Aborted or finished by a stop string since schedule(); in async
+                # mode also finished, preempted or failed by the previous step.
+                continue
             if errors and request_id in errors:
                 continue  # handled below
-            num_computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
+            if computed_before is None:
+                num_computed = request.num_computed_tokens = (
+                    request.num_computed_tokens + num_tokens
+                )
+            else:
+                num_computed = computed_before[request_id] + num_tokens
             if caching and num_computed // block_size > num_cached_blocks.get(request_id, 1 << 62):
                 kv.cache_blocks(request, num_computed)
             token_ids = sampled_by_id.get(request_id)
@@ -375,6 +428,8 @@ class Scheduler:
                     len(all_token_ids),
                 )
                 continue
+            if computed_before is not None:
+                request.num_output_placeholders -= 1
             new_token_ids: list[int] = []
             stopped = False
             output_token_ids = request.output_token_ids
@@ -429,6 +484,15 @@ class Scheduler:
         if finished:
             self._retire(finished)
         return outputs
+
+    @staticmethod
+    def _computed_before(scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """req_id -> num_computed_tokens at the start of the step, as the worker was told."""
+        cached = scheduler_output.scheduled_cached_reqs
+        computed_before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for new in scheduler_output.scheduled_new_reqs:
+            computed_before[new.req_id] = new.num_computed_tokens
+        return computed_before
 
     def _retire(self, finished: list[Request]) -> None:
         """Free running requests that finished in update_from_output (status set)."""

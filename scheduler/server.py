@@ -43,6 +43,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
         enable_prefix_caching=config.prefix_caching,
+        async_scheduling=config.async_scheduling,
     )
     logger.info("scheduler config: %s", core_config)
     engine = SchedulerEngine(

@@ -1,7 +1,10 @@
 """The scheduler service: gRPC front, the engine step loop, and output fan-out.
 
 All scheduler state lives on one asyncio loop, so the pure-Python core
-(scheduler.scheduler.Scheduler) needs no locks. Control calls that arrive
+(scheduler.scheduler.Scheduler) needs no locks. With ``async_scheduling`` the
+loop keeps one step in flight ahead: it schedules and sends step n+1, then
+waits for step n's result, so the worker never idles while the scheduler
+updates, publishes and schedules. Control calls that arrive
 while a step is in flight (aborts, stop-string finishes) are queued and
 applied between steps, so ``update_from_output`` never sees a request vanish
 under it.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -68,6 +72,8 @@ class SchedulerEngine:
         self._wakeup = asyncio.Event()
         self._subscribers: dict[int, asyncio.Queue[scheduler_pb2.StepOutputs]] = {}
         self._step_id = 0
+        # Steps sent to the worker whose results are not back: (step, send time).
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self.healthy = True
 
     # ---- control (called from RPC handlers) -------------------------------
@@ -205,7 +211,7 @@ class SchedulerEngine:
         while not stop.is_set():
             try:
                 info = await self.worker.connect(timeout=30)
-            except Exception as e:  # noqa: BLE001 - keep retrying whatever went wrong
+            except Exception as e:
                 logger.warning("worker not back yet: %s", e)
                 await asyncio.sleep(1)
                 continue
@@ -219,7 +225,36 @@ class SchedulerEngine:
             logger.info("worker reconnected")
             return
 
+    async def _async_step(self) -> None:
+        """Send the next step if fewer than two are in flight, then collect the oldest."""
+        self._apply_pending_control()
+        scheduled = False
+        if len(self._in_flight) < 2 and self.core.has_unfinished_requests():
+            scheduler_output = self.core.schedule()
+            self._step_id += 1
+            scheduler_output.step_id = self._step_id
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                self._in_flight.append((scheduler_output, time.perf_counter()))
+                await self.worker.submit(scheduler_output)
+                scheduled = True
+        if not self._in_flight or (len(self._in_flight) < 2 and scheduled):
+            return  # first step of a burst: schedule the next one before waiting
+        scheduler_output, start = self._in_flight[0]
+        runner_output = await self.worker.receive(scheduler_output.step_id)
+        self._in_flight.popleft()
+        # Aborts and stop-string finishes that arrived meanwhile go first, so a
+        # request finished by a stop string publishes no tokens past it.
+        self._apply_pending_control()
+        outputs = self.core.update_from_output(scheduler_output, runner_output)
+        self._publish(scheduler_output.step_id, outputs)
+        self.metrics.step_seconds.labels(self.metrics.model_name).observe(
+            time.perf_counter() - start
+        )
+
     async def _step(self) -> None:
+        if self.config.async_scheduling:
+            await self._async_step()
+            return
         self._apply_pending_control()
         scheduler_output: SchedulerOutput = self.core.schedule()
         self._step_id += 1
@@ -243,7 +278,11 @@ class SchedulerEngine:
                 if not self.healthy:
                     await self._reconnect(stop)
                     continue
-                if not self.core.has_unfinished_requests() and not self._pending_aborts:
+                if (
+                    not self.core.has_unfinished_requests()
+                    and not self._pending_aborts
+                    and not self._in_flight
+                ):
                     self.metrics.record(self.core.make_stats())
                     self._wakeup.clear()
                     wake = asyncio.ensure_future(self._wakeup.wait())
@@ -254,6 +293,7 @@ class SchedulerEngine:
                     await self._step()
                 except UnavailableError as e:
                     self.healthy = False
+                    self._in_flight.clear()
                     self._fail_all(f"worker unavailable: {e}")
                     continue
                 self.metrics.record(self.core.make_stats())

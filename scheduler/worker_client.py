@@ -70,10 +70,25 @@ class WorkerClient:
             raise UnavailableError(f"worker unreachable: {e.code().name} {e.details()}") from e
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send one step and wait for its result (synchronous scheduling)."""
+        await self.submit(scheduler_output)
+        return await self.receive(scheduler_output.step_id)
+
+    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send one step without waiting for it; results come back in submit order."""
         if self._call is None:
             raise UnavailableError("worker not connected")
         try:
             await self._call.write(scheduler_output_to_proto(scheduler_output))
+        except grpc.aio.AioRpcError as e:
+            self._call = None
+            raise UnavailableError(f"worker stream failed: {e.code().name} {e.details()}") from e
+
+    async def receive(self, step_id: int) -> ModelRunnerOutput:
+        """The result of the oldest submitted step, which must be ``step_id``."""
+        if self._call is None:
+            raise UnavailableError("worker not connected")
+        try:
             result = await self._call.read()
         except grpc.aio.AioRpcError as e:
             self._call = None
@@ -81,11 +96,9 @@ class WorkerClient:
         if result is grpc.aio.EOF:
             self._call = None
             raise UnavailableError("worker closed the step stream")
-        if result.step_id != scheduler_output.step_id:
+        if result.step_id != step_id:
             self._call = None
-            raise UnavailableError(
-                f"worker answered step {result.step_id} to step {scheduler_output.step_id}"
-            )
+            raise UnavailableError(f"worker answered step {result.step_id} to step {step_id}")
         self.last_execute_seconds = result.execute_seconds
         return model_runner_output_from_proto(result)
 

@@ -176,6 +176,10 @@ class SchedulerServiceConfig(CommonConfig):
         True, "reuse KV blocks of shared prefixes (--no-prefix-caching: off)"
     )
     max_waiting_requests: int = opt(4096, "queue bound; beyond it new requests get 429")
+    async_scheduling: bool = opt(
+        True,
+        "schedule step n+1 while the worker runs step n (--no-async-scheduling: one at a time)",
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
