@@ -41,6 +41,9 @@ class GenerationRequest:
     priority: int = 0
     # Mixed into prefix-cache block hashes so tenants cannot probe each other's cache.
     cache_salt: str | None = None
+    # Shared by the n > 1 samples of one prompt: the scheduler computes the
+    # prompt once for the first of them and lets the others hit its cached KV.
+    parallel_group: str | None = None
 
 
 @dataclass(frozen=True)

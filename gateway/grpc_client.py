@@ -203,6 +203,8 @@ class GrpcEngineClient:
             )
             if request.cache_salt is not None:
                 msg.cache_salt = request.cache_salt
+            if request.parallel_group is not None:
+                msg.parallel_group = request.parallel_group
             try:
                 await self._scheduler.AddRequest(msg, timeout=30)
             except grpc.aio.AioRpcError as e:

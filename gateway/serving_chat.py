@@ -1,4 +1,10 @@
-"""POST /v1/chat/completions: messages rendered by the model's chat template, text out."""
+"""POST /v1/chat/completions: messages rendered by the model's chat template, text out.
+
+With tools, gateway/tool_calling.py decides how they are rendered and whether
+the output is constrained (tool_choice "required" or a named function) or
+parsed (Hermes ``<tool_call>`` blocks for "auto"); calls come back as
+``tool_calls`` in the message, or in streamed deltas once each call is complete.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from gateway.engine_client import EngineClient
-from gateway.errors import error_body
+from gateway.errors import RequestError, error_body
 from gateway.generation_stream import MultiGeneration
 from gateway.logprobs_format import chat_logprobs
 from gateway.metrics import GatewayMetrics
@@ -32,7 +38,15 @@ from gateway.serving_common import (
     start_generation,
     usage_info,
 )
+from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calling import (
+    StreamingToolParser,
+    ToolPlan,
+    plan_tools,
+    tool_call_deltas,
+    tool_call_models,
+)
 from gateway.validation import Prompt, chat_prompt, check_model, check_unsupported
 
 logger = logging.getLogger(__name__)
@@ -54,10 +68,17 @@ class ChatServing:
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
-        prompt = chat_prompt(request, self._tokenizer)
+        plan = plan_tools(request)
+        prompt = chat_prompt(request, self._tokenizer, plan.tools if plan.renders_tools else None)
         request_id = new_request_id("chatcmpl")
+        constraint = plan.constraint()
+        if constraint is not None and structured_output_spec(request) is not None:
+            raise RequestError(
+                "a forced tool_choice cannot be combined with another structured output",
+                param="tool_choice",
+            )
         engine_requests = build_engine_requests(
-            request_id, [prompt], request, self._engine.model_info
+            request_id, [prompt], request, self._engine.model_info, structured_output=constraint
         )
         logger.info(
             "request %s: chat, %d prompt tokens, n=%d, stream=%s",
@@ -71,11 +92,11 @@ class ChatServing:
         )
         if request.stream:
             return StreamingResponse(
-                self._stream(request_id, request, prompt, generation),
+                self._stream(request_id, request, prompt, generation, plan),
                 media_type="text/event-stream",
             )
         try:
-            return await self._respond(request_id, request, prompt, generation)
+            return await self._respond(request_id, request, prompt, generation, plan)
         finally:
             await generation.close()
 
@@ -88,19 +109,27 @@ class ChatServing:
         request: ChatCompletionRequest,
         prompt: Prompt,
         generation: MultiGeneration,
+        plan: ToolPlan,
     ) -> Response:
         results = await collect_choices(generation, request.n)
         num_top = self._num_top_logprobs(request)
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content=result.text),
-                logprobs=None if num_top is None else chat_logprobs(result.logprobs, num_top),
-                finish_reason=result.finish_reason,
-                stop_reason=result.stop_reason,
+        choices = []
+        for index, result in enumerate(results):
+            parsed = plan.parse(result.text)
+            finish_reason = result.finish_reason
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=ChatResponseMessage(
+                        content=parsed.content, tool_calls=tool_call_models(parsed.tool_calls)
+                    ),
+                    logprobs=None if num_top is None else chat_logprobs(result.logprobs, num_top),
+                    finish_reason=finish_reason,
+                    stop_reason=result.stop_reason,
+                )
             )
-            for index, result in enumerate(results)
-        ]
         usage = usage_info(
             [prompt],
             [result.num_output_tokens for result in results],
@@ -111,12 +140,50 @@ class ChatServing:
         )
         return JSONResponse(response.model_dump())
 
+    @staticmethod
+    def _tool_stream_chunks(
+        index: int, delta, logprobs, parser: StreamingToolParser
+    ) -> list[ChatStreamChoice]:
+        """Content that is safe to send now; at the end, the calls and the finish reason."""
+        content = parser.feed(delta.text)
+        events = []
+        if content or logprobs:
+            events.append(
+                ChatStreamChoice(
+                    index=index, delta=DeltaMessage(content=content or None), logprobs=logprobs
+                )
+            )
+        if not delta.finished:
+            return events
+        rest, calls = parser.finish()
+        if rest:
+            events.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=rest)))
+        if calls:
+            events.append(
+                ChatStreamChoice(
+                    index=index, delta=DeltaMessage(tool_calls=tool_call_deltas(calls))
+                )
+            )
+        finish_reason = delta.finish_reason
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        events.append(
+            ChatStreamChoice(
+                index=index,
+                delta=DeltaMessage(),
+                finish_reason=finish_reason,
+                stop_reason=delta.stop_reason,
+            )
+        )
+        return events
+
     async def _stream(
         self,
         request_id: str,
         request: ChatCompletionRequest,
         prompt: Prompt,
         generation: MultiGeneration,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -124,6 +191,7 @@ class ChatServing:
         num_top = self._num_top_logprobs(request)
         num_output_tokens = [0] * request.n
         num_cached_tokens = [0] * request.n
+        parsers = [StreamingToolParser(plan) for _ in range(request.n)]
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
@@ -148,15 +216,19 @@ class ChatServing:
                 logprobs = None
                 if num_top is not None and delta.logprobs:
                     logprobs = chat_logprobs(delta.logprobs, num_top)
-                yield chunk(
-                    ChatStreamChoice(
-                        index=index,
-                        delta=DeltaMessage(content=delta.text or None),
-                        logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
+                if plan.mode == "none":
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=index,
+                            delta=DeltaMessage(content=delta.text or None),
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason,
+                        )
                     )
-                )
+                    continue
+                for event in self._tool_stream_chunks(index, delta, logprobs, parsers[index]):
+                    yield chunk(event)
             else:
                 if include_usage:
                     usage = usage_info([prompt], num_output_tokens, [num_cached_tokens[0]])

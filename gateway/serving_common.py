@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from gateway.protocol import (
     UsageInfo,
 )
 from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
+from services.sampling_params import StructuredOutputSpec
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -46,17 +48,22 @@ def build_engine_requests(
     prompts: list[Prompt],
     request: CompletionRequest | ChatCompletionRequest,
     model: ModelInfo,
+    structured_output: StructuredOutputSpec | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
 
-    Siblings carry the same prompt, so the scheduler's prefix cache computes
-    its blocks once and shares them.
+    Siblings carry the same prompt and one ``parallel_group``, so the scheduler
+    computes the prompt's blocks once and shares them through its prefix cache.
+    ``structured_output`` replaces the request's own constraint (forced tool calls).
     """
     check_cache_salt(request.cache_salt)
     detokenize = detokenize_params(request)
     engine_requests = []
     for prompt_index, prompt in enumerate(prompts):
         params = sampling_params(request, len(prompt.token_ids), model)
+        if structured_output is not None:
+            params = dataclasses.replace(params, structured_output=structured_output)
+        group = f"{request_id}-p{prompt_index}" if request.n > 1 else None
         for sample in range(request.n):
             choice_index = prompt_index * request.n + sample
             engine_requests.append(
@@ -67,6 +74,7 @@ def build_engine_requests(
                     detokenize_params=detokenize,
                     priority=request.priority,
                     cache_salt=request.cache_salt,
+                    parallel_group=group,
                 )
             )
     return engine_requests

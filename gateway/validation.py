@@ -14,7 +14,9 @@ from typing import Any
 from gateway.engine_client import ModelInfo
 from gateway.errors import RequestError
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
 from services.sampling_params import DetokenizeParams, SamplingParams
 
 MAX_N = 128
@@ -129,10 +131,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             "role": "system" if message.role == "developer" else message.role,
             "content": text if text is not None else "",
         }
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             value = getattr(message, key)
             if value is not None:
                 entry[key] = value
+        if message.tool_calls:
+            entry["tool_calls"] = tool_calls_for_template(message.tool_calls)
         rendered.append(entry)
     return rendered
 
@@ -142,26 +146,51 @@ def render_chat(
     tokenizer: Tokenizer,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation as prompt text, through the model's own chat template."""
+    """The conversation as prompt text, through the model's own chat template.
+
+    With ``tools``, a template that ignores them (renders the same text with and
+    without) gets the tools and earlier calls written into the messages instead.
+    """
     reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
     if reserved:
         raise RequestError(
             f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
         )
+    conversation = template_messages(messages)
+    kwargs = template_kwargs or {}
     try:
+        plain = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        if not tools:
+            return plain
+        with_tools = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        if with_tools != plain:
+            return with_tools
         return tokenizer.apply_chat_template(
-            template_messages(messages),
+            messages_with_tools_in_text(conversation, tools),
             add_generation_prompt=add_generation_prompt,
-            **(template_kwargs or {}),
+            **kwargs,
         )
     except ChatTemplateError as exc:
         raise RequestError(str(exc), param="messages") from exc
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer: Tokenizer) -> Prompt:
+def chat_prompt(
+    request: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    tools: list[dict[str, Any]] | None = None,
+) -> Prompt:
     text = render_chat(
-        request.messages, tokenizer, request.add_generation_prompt, request.chat_template_kwargs
+        request.messages,
+        tokenizer,
+        request.add_generation_prompt,
+        request.chat_template_kwargs,
+        tools,
     )
     # The template already wrote any BOS it wants.
     token_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -182,14 +211,7 @@ def _check_range(
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse features that are not implemented yet instead of ignoring them."""
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        raise RequestError("response_format is not supported yet", param="response_format")
-    if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise RequestError("tools are not supported yet", param="tools")
-        if request.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice is not supported yet", param="tool_choice")
-    else:
+    if isinstance(request, CompletionRequest):
         if request.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -324,6 +346,7 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         logit_bias=_logit_bias(request.logit_bias, model.vocab_size),
         logprobs=_requested_logprobs(request),
+        structured_output=structured_output_spec(request),
     )
 
 

@@ -36,6 +36,8 @@ class FakeEngineClient:
     hang_after_deltas: int | None = None
     # Prompt tokens reported as prefix-cache hits.
     num_cached_tokens: int = 0
+    # When set, every request generates these token ids instead of echoing its prompt.
+    script: list[int] | None = None
     ready: bool = True
     requests: list[GenerationRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -56,6 +58,8 @@ class FakeEngineClient:
         self.aborted.append(request_id)
 
     def expected_token_ids(self, request: GenerationRequest, count: int) -> list[int]:
+        if self.script is not None:
+            return self.script[:count]
         prompt = request.prompt_token_ids
         offset = _choice_offset(request.request_id)
         return [prompt[(i + offset) % len(prompt)] for i in range(count)]
