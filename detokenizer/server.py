@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from detokenizer.registry import DetokenizerTable
@@ -33,7 +34,5 @@ async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     await stop.wait()
     await service.stop(grace=2.0)
     run_task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await run_task
-    except asyncio.CancelledError:
-        pass

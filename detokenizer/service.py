@@ -19,8 +19,13 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from detokenizer.registry import DetokenizerTable, StepInput
-from protos import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
-from protos import scheduler_pb2_grpc
+from protos import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.grpc_server import insecure_channel
 from services.step_codec import detokenize_params_from_proto
 
@@ -50,6 +55,8 @@ class DetokenizerEngine:
         self._subscribers: dict[str, asyncio.Queue[detokenizer_pb2.DetokenizedBatch]] = {}
         self.connected = False
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+        # Fire-and-forget FinishRequests calls, referenced until done.
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- gateway side ------------------------------------------------------
 
@@ -84,7 +91,7 @@ class DetokenizerEngine:
                         list(out.header.prompt_token_ids),
                         detokenize_params_from_proto(out.header.detokenize_params),
                     )
-                except Exception as e:  # noqa: BLE001 - reported for this request only
+                except Exception as e:
                     logger.warning("request %s: cannot start detokenizing: %s", rid, e)
             finished = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
             inputs.append(
@@ -196,7 +203,9 @@ class DetokenizerEngine:
                         self._route(step.step_id, per_client)
                         _STEP_SECONDS.observe(time.perf_counter() - start)
                         if stop_finishes:
-                            asyncio.create_task(self._finish(stop_finishes))
+                            task = asyncio.create_task(self._finish(stop_finishes))
+                            self._background.add(task)
+                            task.add_done_callback(self._background.discard)
             except grpc.aio.AioRpcError as e:
                 failures += 1
                 # Quiet while the scheduler is still starting; loud once it was up.

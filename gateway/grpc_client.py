@@ -24,8 +24,13 @@ from gateway.engine_client import (
     TokenLogprob,
     TopLogprob,
 )
-from protos import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
-from protos import scheduler_pb2_grpc
+from protos import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.grpc_server import insecure_channel
 from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
 
@@ -65,6 +70,8 @@ class GrpcEngineClient:
         self._dispatcher: asyncio.Task[None] | None = None
         self._model_info: ModelInfo | None = None
         self._closing = False
+        # Fire-and-forget aborts, referenced until done.
+        self._background: set[asyncio.Future[None]] = set()
 
     async def start(self, timeout: float = 600.0) -> None:
         """Fetch model info from the scheduler and subscribe to the detokenizer."""
@@ -223,7 +230,9 @@ class GrpcEngineClient:
             self._queues.pop(rid, None)
             if not finished:
                 # The consumer went away (client disconnect, cancellation).
-                asyncio.ensure_future(self.abort(rid))
+                task = asyncio.ensure_future(self.abort(rid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -64,10 +65,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.LeaseBlocksResponse(lease_id=str(lease_id), leased=present)
 
     async def ReleaseLease(self, request, context: grpc.aio.ServicerContext):
-        try:
+        with contextlib.suppress(ValueError):  # not one of ours: nothing to release
             self.store.release(int(request.lease_id))
-        except ValueError:
-            pass  # not one of ours: nothing to release
         return kvstore_pb2.ReleaseLeaseResponse()
 
     async def GetStats(self, request, context: grpc.aio.ServicerContext):

@@ -23,7 +23,7 @@ ENV_PREFIX = "KVMESH_"
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+def opt(default: Any, help: str) -> Any:
     """A config field with its help text."""
     return field(default=default, metadata={"help": help})
 

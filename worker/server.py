@@ -9,6 +9,7 @@ the GIL inside its kernels).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -170,6 +171,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         info.attention_backend,
     )
     servicer.attach(runner, info)
+    # Everything allocated so far (modules, weights' Python wrappers, protobuf
+    # descriptors) lives for the whole process: move it out of the collector's
+    # generations, so that a collection during a step scans only per-step garbage.
+    gc.collect()
+    gc.freeze()
     await service.set_serving(True)
     await stop.wait()
     await service.stop()

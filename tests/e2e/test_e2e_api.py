@@ -145,16 +145,22 @@ def test_every_service_exports_prometheus_metrics(stack) -> None:
 
 
 def test_client_disconnect_aborts_and_frees_blocks(stack) -> None:
-    body = {"prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=stack.http_url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            chunks = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks += 1
-                if chunks >= 3:
-                    break
+    body = {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=stack.http_url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks >= 3:
+                break
     # The scheduler must see the abort and release the request's KV blocks.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -169,8 +175,13 @@ def test_client_disconnect_aborts_and_frees_blocks(stack) -> None:
 
 
 def test_grpc_health_reflection_and_public_api(stack) -> None:
-    for port_name in ("grpc_port", "scheduler_port", "worker_port", "detokenizer_port",
-                      "kvstore_port"):
+    for port_name in (
+        "grpc_port",
+        "scheduler_port",
+        "worker_port",
+        "detokenizer_port",
+        "kvstore_port",
+    ):
         with grpc.insecure_channel(f"127.0.0.1:{stack.ports[port_name]}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=5
@@ -188,8 +199,13 @@ def test_grpc_health_reflection_and_public_api(stack) -> None:
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
         assert info.max_model_len == 2048 and info.vocab_size == 49152
         with pytest.raises(grpc.RpcError) as excinfo:
-            list(stub.Generate(generation_pb2.GenerateRequest(
-                text="hi", sampling=generation_pb2.SamplingParameters(temperature=-3.0)
-            ), timeout=10))
+            list(
+                stub.Generate(
+                    generation_pb2.GenerateRequest(
+                        text="hi", sampling=generation_pb2.SamplingParameters(temperature=-3.0)
+                    ),
+                    timeout=10,
+                )
+            )
         assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "temperature" in excinfo.value.details()

@@ -1,8 +1,8 @@
 """A KV pool too small for the load: requests get preempted, and outputs do not change.
 
 16 concurrent greedy generations need ~64 KV blocks at their peak (prompt ~12 +
-48 new tokens each); the pool has 32. The scheduler must preempt (recompute) and resume, every request must
-finish, the preemption counter must move, and every output must equal
+48 new tokens each); the pool has 32. The scheduler must preempt (recompute) and
+resume, every request must finish, the preemption counter must move, and every output must equal
 Hugging Face's greedy output for that prompt alone.
 """
 
@@ -31,16 +31,30 @@ def small_stack():
 
 def _prompts() -> list[list[int]]:
     tok = hf_oracle.tokenizer()
-    topics = ["rivers", "mountains", "bread", "clocks", "trains", "owls", "glass", "music",
-              "salt", "maps", "bees", "ships", "paper", "rain", "chess", "stars"]
+    topics = [
+        "rivers",
+        "mountains",
+        "bread",
+        "clocks",
+        "trains",
+        "owls",
+        "glass",
+        "music",
+        "salt",
+        "maps",
+        "bees",
+        "ships",
+        "paper",
+        "rain",
+        "chess",
+        "stars",
+    ]
     return [tok(f"Here are three facts about {t}:\n1.")["input_ids"] for t in topics]
 
 
 def _scheduler_metric(stack, name: str) -> float:
     text = httpx.get(stack.metrics_url("scheduler"), timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_preempted_requests_finish_with_unchanged_outputs(small_stack) -> None:
@@ -50,8 +64,7 @@ def test_preempted_requests_finish_with_unchanged_outputs(small_stack) -> None:
     async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
         r = await client.post(
             "/v1/completions",
-            json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                  "ignore_eos": True},
+            json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
         )
         assert r.status_code == 200, r.text
         return r.json()

@@ -50,39 +50,42 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
     stack = start_stack(["--num-kv-blocks", "256", "--max-model-len", "1024"])
     try:
         url = stack.http_url
-        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True,
-                "stream": True}
+        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
         old_worker = _worker_pid(stack.process.pid)
         events = []
-        with httpx.Client(base_url=url, timeout=120) as client:
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    events.append(json.loads(line[6:]))
-                    if len(events) == 3:
-                        os.kill(old_worker, signal.SIGKILL)
+        with (
+            httpx.Client(base_url=url, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    os.kill(old_worker, signal.SIGKILL)
         # The stream ended (no hang) with an error, not with a normal finish.
         assert len(events) >= 3
         assert "error" in events[-1], events[-1]
 
         # While the worker is down the stack is not ready and refuses work clearly.
         def refused() -> bool:
-            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                           timeout=30)
+            r = httpx.post(
+                url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30
+            )
             return r.status_code == 503 and "error" in r.json()
 
-        down_seen = _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 503,
-                              10)
+        down_seen = _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 503, 10)
         assert down_seen or refused(), "readiness never reflected the dead worker"
 
         # The launcher restarts the worker; readiness returns and requests succeed again.
         assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 200, 120)
         assert _worker_pid(stack.process.pid) != old_worker
-        r = httpx.post(url + "/v1/completions",
-                       json={"prompt": "The sky is", "max_tokens": 8, "temperature": 0},
-                       timeout=120)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "The sky is", "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
     finally:
