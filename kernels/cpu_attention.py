@@ -11,7 +11,9 @@ call over its gathered prefix + chunk with a causal mask shifted by the cached
 prefix length. K/V are expanded over the group as stride-0 views, never copied.
 
 Everything derived from the step's batch shape (index tensors, masks) is built
-once per step in ``build_metadata`` and reused by all layers.
+once per step in ``build_metadata`` and reused by all layers, and so are the
+buffers the decode gathers K/V into: a fresh multi-megabyte tensor per layer
+would cost an mmap, page faults and zeroing 60 times a step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class CpuAttentionPlan:
     # Slot indices depend on the cache's block size, which the metadata does
     # not carry; they are computed by the first layer and reused by the rest.
     _slots_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Gather destinations for the decode K/V, shared by all layers of the step.
+    _gather_buffers: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_decodes(self) -> int:
@@ -75,6 +79,15 @@ class CpuAttentionPlan:
             slots = (block_ids * block_size + positions % block_size).reshape(-1)
             self._slots_by_block_size[block_size] = slots
         return slots
+
+    def gather_buffer(self, name: str, like: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """A ``[num_rows, *like.shape[2:]]`` scratch tensor, allocated once per step."""
+        key = (name, num_rows, like.shape[2:], like.dtype, like.device)
+        buffer = self._gather_buffers.get(key)
+        if buffer is None:
+            buffer = torch.empty((num_rows, *like.shape[2:]), dtype=like.dtype, device=like.device)
+            self._gather_buffers[key] = buffer
+        return buffer
 
 
 def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
@@ -117,9 +130,14 @@ def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
     )
 
 
-def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather_slots(
+    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows ``[len(slots), H_kv, D]`` of a ``[num_blocks, block_size, H_kv, D]`` cache."""
-    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+    rows = cache.view(-1, *cache.shape[2:])
+    if out is None:
+        return rows.index_select(0, slots)
+    return torch.index_select(rows, 0, slots, out=out)
 
 
 def _context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -163,7 +181,12 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        # Already one vectorized scatter; nothing faster to do with torch ops.
+        if slot_mapping.numel() and bool((slot_mapping >= 0).all()):
+            # The worker's case: no skipped tokens, so no boolean masks (each a
+            # nonzero + gather) per layer, just two scatters.
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+            return
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(
@@ -203,9 +226,11 @@ class CpuAttentionBackend(AttentionBackend):
         num_decodes, length = plan.num_decodes, plan.max_decode_context
         num_kv_heads, head_dim = k_cache.shape[2:]
         slots = plan.decode_slots(k_cache.shape[1])
+        k_rows = plan.gather_buffer("k", k_cache, slots.shape[0])
+        v_rows = plan.gather_buffer("v", v_cache, slots.shape[0])
         # [N, L, H_kv, D] -> [N, H_kv, L, D] as a view; SDPA reads the strides.
-        k = _gather_slots(k_cache, slots).view(num_decodes, length, num_kv_heads, head_dim)
-        v = _gather_slots(v_cache, slots).view(num_decodes, length, num_kv_heads, head_dim)
+        k = _gather_slots(k_cache, slots, k_rows).view(num_decodes, length, num_kv_heads, head_dim)
+        v = _gather_slots(v_cache, slots, v_rows).view(num_decodes, length, num_kv_heads, head_dim)
         q = query.index_select(0, plan.decode_rows).view(num_decodes, num_kv_heads, group, -1)
         attended = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale

@@ -6,6 +6,7 @@ service only decodes the ``SchedulerOutput`` and encodes the answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -58,6 +59,11 @@ class ModelRunner:
         # model runner.
         if device == "cpu" or num_threads is not None:
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
+            # One step runs at a time and each op is parallelized inside; an
+            # inter-op pool would only add threads competing for the same cores.
+            # torch allows this once, before any inter-op work has started.
+            with contextlib.suppress(RuntimeError):
+                torch.set_num_interop_threads(1)
         self.device = torch.device(device)
         self.model_config = model_config
         self.cache_config = cache_config

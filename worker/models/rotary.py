@@ -63,10 +63,14 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, H_kv, D] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        cos, sin = self.tables(positions)
+        return self.rotate(query, cos, sin), self.rotate(key, cos, sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, D/2]: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of ``x`` [T, heads, D] (query and key heads may come together)."""
         x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,361 @@
+"""Output throughput of kvmesh against its own engine and transformers, in one run.
+
+Usage: .venv/bin/python benchmarks/baselines.py [--num-prompts 64] [--concurrency 16]
+
+Same model, same prompts (``--num-prompts`` random token-id prompts of
+``--input-len`` tokens), greedy, ``ignore_eos``, exactly ``--output-len``
+tokens each, through:
+
+  (a) the full stack over HTTP: ``kvmesh up`` on free ports, driven by the
+      ``kvmesh bench`` client at ``--concurrency`` (and again at
+      ``--concurrency-large``);
+  (b) kvmesh's engine in process: Scheduler + ModelRunner, no services
+      (benchmarks/inprocess_engine.py), same concurrency;
+  (c) transformers ``generate`` in static batches of ``--hf-batch-size``.
+
+It prints output tokens/s of each, the ratios a/c and a/b, and the load
+average next to every number: on a shared 2-core machine, a busy neighbour
+changes everything, so read the numbers with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.client import ClientConfig, CompletionsClient  # noqa: E402
+from bench.dataset import SampleRequest  # noqa: E402
+from bench.metrics import compute_metrics  # noqa: E402
+from bench.runner import LoadConfig, run_load  # noqa: E402
+from benchmarks.inprocess_engine import InProcessEngine  # noqa: E402
+from services.model_prep import default_model_path  # noqa: E402
+from services.sampling_params import SamplingParams  # noqa: E402
+
+STACK_PORTS = (
+    "http_port",
+    "grpc_port",
+    "scheduler_port",
+    "scheduler_metrics_port",
+    "worker_port",
+    "worker_metrics_port",
+    "detokenizer_port",
+    "detokenizer_metrics_port",
+    "kvstore_port",
+    "kvstore_metrics_port",
+)
+
+
+@dataclass
+class Measurement:
+    label: str
+    output_tokens: int
+    seconds: float
+    load_before: str
+    load_after: str
+    detail: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def line(self) -> str:
+        return (
+            f"{self.label:<44} {self.tokens_per_s:8.1f} output tok/s "
+            f"({self.output_tokens} tokens in {self.seconds:.1f}s; "
+            f"load {self.load_before} -> {self.load_after}) {self.detail}"
+        )
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # Ids from 3 up: no special tokens (bos/eos/pad) inside a random prompt.
+    return torch.randint(3, vocab_size, (num_prompts, input_len), generator=generator).tolist()
+
+
+# ---- (a) the full stack over HTTP ---------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class StackProcess:
+    """``kvmesh up`` on free ports, as tests/e2e/conftest.py starts it."""
+
+    def __init__(self, model: Path, extra_args: list[str]) -> None:
+        self.ports = dict(zip(STACK_PORTS, _free_ports(len(STACK_PORTS)), strict=True))
+        args = [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+        for name, port in self.ports.items():
+            args += ["--" + name.replace("_", "-"), str(port)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log: list[str] = []
+        self.process = subprocess.Popen(
+            [*args, *extra_args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log.append(line)
+            if line.startswith("KVMESH_READY"):
+                self._ready.set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http_port']}"
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.5):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("stack did not start:\n" + "".join(self.log[-60:]))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+async def _http_run(
+    url: str, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[int, float, str]:
+    requests = [
+        SampleRequest(f"bench-{i}", prompt, len(prompt), output_len)
+        for i, prompt in enumerate(prompts)
+    ]
+    config = ClientConfig(base_url=url, ignore_eos=True, temperature=0.0)
+    async with CompletionsClient(config) as client:
+        client.config = ClientConfig(
+            base_url=url,
+            model=await client.first_model_id(),
+            ignore_eos=True,
+            temperature=0.0,
+            max_connections=concurrency,
+        )
+        # Warm-up: first requests pay for lazy initialisation in every service.
+        await run_load(
+            client.send, requests[:2], LoadConfig(max_concurrency=2, show_progress=False)
+        )
+        result = await run_load(
+            client.send,
+            requests,
+            LoadConfig(request_rate=math.inf, max_concurrency=concurrency, show_progress=False),
+        )
+    failed = [o for o in result.outputs if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
+    metrics = compute_metrics(result.outputs, result.duration_s, (50.0, 99.0))
+    ttft, tpot = metrics.latencies.get("ttft"), metrics.latencies.get("tpot")
+    detail = ""
+    if ttft is not None and tpot is not None:
+        detail = f"mean TTFT {ttft.mean_ms:.0f} ms, mean TPOT {tpot.mean_ms:.1f} ms"
+    return metrics.total_output_tokens, result.duration_s, detail
+
+
+def measure_stack(
+    model: Path,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrencies: list[int],
+    extra_args: list[str],
+) -> list[Measurement]:
+    stack = StackProcess(model, extra_args)
+    try:
+        stack.wait_ready()
+        results = []
+        for concurrency in concurrencies:
+            before = load_average()
+            tokens, seconds, detail = asyncio.run(
+                _http_run(stack.url, prompts, output_len, concurrency)
+            )
+            results.append(
+                Measurement(
+                    f"(a) full stack over HTTP, concurrency {concurrency}",
+                    tokens,
+                    seconds,
+                    before,
+                    load_average(),
+                    detail,
+                )
+            )
+            print(results[-1].line(), flush=True)
+        return results
+    finally:
+        stack.stop()
+
+
+# ---- (b) the engine in process -------------------------------------------------------
+
+
+def measure_inprocess(
+    model: Path, prompts: list[list[int]], output_len: int, concurrency: int, threads: int
+) -> Measurement:
+    from worker.config import CacheConfig, ModelConfig
+    from worker.model_runner import ModelRunner
+
+    model_config = ModelConfig.from_pretrained(model, dtype="float32", max_model_len=2048)
+    runner = ModelRunner(
+        model_config, CacheConfig(block_size=16, num_kv_blocks=2048), num_threads=threads
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    InProcessEngine(runner).generate(prompts[:2], params, 2)  # warm-up
+    engine = InProcessEngine(runner)
+    before = load_average()
+    started = time.perf_counter()
+    results = engine.generate(prompts, params, concurrency)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.output_token_ids) for r in results)
+    assert tokens == len(prompts) * output_len, tokens
+    return Measurement(
+        f"(b) engine in process, concurrency {concurrency}",
+        tokens,
+        seconds,
+        before,
+        load_average(),
+    )
+
+
+# ---- (c) transformers ----------------------------------------------------------------
+
+
+def measure_hf(
+    model: Path, prompts: list[list[int]], output_len: int, batch_size: int
+) -> Measurement:
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def generate(batch: list[list[int]]) -> int:
+        input_ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = hf_model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=hf_model.config.eos_token_id,
+            )
+        return (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+
+    generate(prompts[:2])  # warm-up
+    before = load_average()
+    started = time.perf_counter()
+    tokens = sum(generate(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size))
+    seconds = time.perf_counter() - started
+    return Measurement(
+        f"(c) transformers, static batches of {batch_size}",
+        tokens,
+        seconds,
+        before,
+        load_average(),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency-large", type=int, default=32)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stack-arg",
+        action="append",
+        default=[],
+        help="extra `kvmesh up` flag, repeatable (e.g. --stack-arg=--no-async-scheduling)",
+    )
+    parser.add_argument("--skip", action="append", default=[], choices=["a", "b", "c"])
+    args = parser.parse_args()
+    model = args.model or default_model_path()
+    from worker.config import ModelConfig
+
+    vocab_size = ModelConfig.from_pretrained(model, dtype="float32").vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    print(
+        f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, "
+        f"ignore_eos; {os.cpu_count()} CPUs; load {load_average()}",
+        flush=True,
+    )
+    torch.set_num_threads(args.threads)
+    results: dict[str, Measurement] = {}
+    if "a" not in args.skip:
+        concurrencies = [args.concurrency]
+        if args.concurrency_large:
+            concurrencies.append(args.concurrency_large)
+        for m in measure_stack(model, prompts, args.output_len, concurrencies, args.stack_arg):
+            results.setdefault("a", m)
+            results[f"a{m.label.rsplit(' ', 1)[-1]}"] = m
+    if "b" not in args.skip:
+        results["b"] = measure_inprocess(
+            model, prompts, args.output_len, args.concurrency, args.threads
+        )
+        print(results["b"].line(), flush=True)
+    if "c" not in args.skip:
+        results["c"] = measure_hf(model, prompts, args.output_len, args.hf_batch_size)
+        print(results["c"].line(), flush=True)
+    print()
+    for label in sorted(results):
+        if label in ("a", "b", "c"):
+            print(results[label].line())
+    if "a" in results and "c" in results:
+        print(f"a/c = {results['a'].tokens_per_s / results['c'].tokens_per_s:.2f}  (target >= 2.5)")
+    if "a" in results and "b" in results:
+        print(
+            f"a/b = {results['a'].tokens_per_s / results['b'].tokens_per_s:.2f}  (target >= 0.85)"
+        )
+    large = results.get(f"a{args.concurrency_large}")
+    if large is not None:
+        print(
+            f"(a) at concurrency {args.concurrency_large}: {large.tokens_per_s:.1f} tok/s "
+            f"(target >= 240, half the ~480 tok/s decode ceiling)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
