@@ -7,9 +7,25 @@ ready, restarts a service that dies (its dependents see it unavailable
 meanwhile, as in production), and on SIGINT/SIGTERM stops them all, the
 gateway first so that no new work arrives while the rest drain.
 
-Thread placement (2-core machines): the worker gets the torch threads; every
-other service runs with one BLAS/OpenMP thread, since their per-step work is
-small and extra threads would only compete with the worker's matmuls.
+Thread placement is deliberate, for small machines (2 cores) first:
+
+- the worker owns the cores: ``--num-threads`` torch intra-op threads (0, the
+  default, means one per CPU), one inter-op thread (a step is one chain of
+  ops, each parallelized inside), and its step runs on a single executor
+  thread while its event loop only moves protobufs;
+- every other service (scheduler, detokenizer, gateway, kvstore) runs with
+  ``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``TOKENIZERS_PARALLELISM=false``:
+  their per-step work is a few milliseconds of Python, and a second thread
+  would only compete with the worker's matrix multiplies;
+- the scheduler keeps that work off the worker's critical path with
+  asynchronous scheduling (``--async-scheduling``, on by default): it updates,
+  publishes and schedules step n+1 while the worker computes step n.
+
+The cost of sharing: an OpenMP team of 2 on 2 cores stalls at every barrier
+while another process holds one core, so anything else busy on the machine
+(a test run, a second stack) slows the worker far more than its own CPU share.
+Measure on a quiet machine, or pass ``--num-threads 1`` when the worker must
+share its cores for long.
 """
 
 from __future__ import annotations
