@@ -16,11 +16,14 @@ from typing import Any
 import grpc
 import pydantic
 
-from gateway.engine_client import EngineClient, EngineError, GenerationRequest
+from gateway.engine_client import EngineClient, EngineError, GenerationDelta
 from gateway.errors import RequestError
+from gateway.generation_stream import MultiGeneration
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import CompletionRequest
+from gateway.serving_common import build_engine_requests, start_generation
 from gateway.tokenizer import Tokenizer
-from gateway.validation import completion_prompts, detokenize_params, sampling_params
+from gateway.validation import check_unsupported, completion_prompts
 from protos import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ _STATUS_FOR_HTTP = {
 }
 
 _OPTIONAL_SAMPLING_FIELDS = (
+    "n",
     "max_tokens",
     "temperature",
     "top_p",
@@ -57,7 +61,19 @@ def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> Comple
         "stop": list(sampling.stop),
         "include_stop_str_in_output": sampling.include_stop_str_in_output,
         "priority": msg.priority,
+        "echo": sampling.echo,
     }
+    if sampling.user:
+        body["user"] = sampling.user
+    constraint = sampling.WhichOneof("structured_output")
+    if constraint == "json_schema":
+        body["structured_outputs"] = {"json": sampling.json_schema}
+    elif constraint == "json_object":
+        body["structured_outputs"] = {"json_object": sampling.json_object}
+    elif constraint == "choice":
+        body["structured_outputs"] = {"choice": list(sampling.choice.choices)}
+    elif constraint in ("regex", "grammar"):
+        body["structured_outputs"] = {constraint: getattr(sampling, constraint)}
     for name in _OPTIONAL_SAMPLING_FIELDS:
         if sampling.HasField(name):
             body[name] = getattr(sampling, name)
@@ -69,9 +85,18 @@ def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> Comple
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        model_name: str,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.model_name = model_name
+        # The same vllm:* series as the HTTP API: one model, one set of counters.
+        self.metrics = metrics or GatewayMetrics.for_registry()
 
     async def _abort_with(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, RequestError):
@@ -96,56 +121,72 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.WhichOneof("prompt") is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is required")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        generation: MultiGeneration | None = None
         try:
             completion = completion_request_from_proto(request)
-            prompt = completion_prompts(completion, self.tokenizer)[0]
-            params = sampling_params(completion, len(prompt.token_ids), self.engine.model_info)
-            generation = GenerationRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt.token_ids,
-                sampling_params=params,
-                detokenize_params=detokenize_params(completion),
-                priority=completion.priority or 0,
-                cache_salt=completion.cache_salt,
+            check_unsupported(completion)
+            prompts = completion_prompts(completion, self.tokenizer)
+            engine_requests = build_engine_requests(
+                request_id, prompts, completion, self.engine.model_info
             )
-            stream = self.engine.generate(generation)
-            async for delta in stream:
-                response = generation_pb2.GenerateResponse(
-                    request_id=request_id,
-                    token_ids=delta.token_ids,
-                    text=delta.text,
-                    finish_reason=delta.finish_reason or "",
-                )
-                if isinstance(delta.stop_reason, str):
-                    response.stop_string = delta.stop_reason
-                elif isinstance(delta.stop_reason, int):
-                    response.stop_token_id = delta.stop_reason
-                if delta.logprobs:
-                    response.logprobs.extend(
-                        generation_pb2.TokenLogprob(
-                            token_id=lp.token_id,
-                            logprob=lp.logprob,
-                            top_token_ids=[t.token_id for t in lp.top_logprobs],
-                            top_logprobs=[t.logprob for t in lp.top_logprobs],
-                        )
-                        for lp in delta.logprobs
+            if completion.n == 1:
+                # A single sample keeps the caller's id end to end.
+                engine_requests[0].request_id = request_id
+            generation = await start_generation(
+                self.engine, engine_requests, self.metrics, self.model_name
+            )
+            echoed: set[int] = set()
+            async for index, delta in generation.deltas():
+                text = delta.text
+                if completion.echo and index not in echoed:
+                    echoed.add(index)
+                    text = prompts[0].text + text
+                if delta.finish_reason == "error":
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, delta.error or "generation failed"
                     )
-                if delta.finished:
-                    if delta.finish_reason == "error":
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE, delta.error or "generation failed"
-                        )
-                    response.usage.CopyFrom(
-                        generation_pb2.Usage(
-                            prompt_tokens=delta.num_prompt_tokens,
-                            completion_tokens=delta.num_output_tokens,
-                            total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
-                            cached_tokens=delta.num_cached_tokens,
-                        )
-                    )
-                yield response
+                yield self._response(request_id, index, delta, text)
         except (RequestError, EngineError, pydantic.ValidationError) as exc:
             await self._abort_with(context, exc)
+        finally:
+            if generation is not None:
+                await generation.close()
+
+    @staticmethod
+    def _response(
+        request_id: str, index: int, delta: GenerationDelta, text: str
+    ) -> generation_pb2.GenerateResponse:
+        response = generation_pb2.GenerateResponse(
+            request_id=request_id,
+            index=index,
+            token_ids=delta.token_ids,
+            text=text,
+            finish_reason=delta.finish_reason or "",
+        )
+        if isinstance(delta.stop_reason, str):
+            response.stop_string = delta.stop_reason
+        elif isinstance(delta.stop_reason, int):
+            response.stop_token_id = delta.stop_reason
+        if delta.logprobs:
+            response.logprobs.extend(
+                generation_pb2.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top_token_ids=[t.token_id for t in lp.top_logprobs],
+                    top_logprobs=[t.logprob for t in lp.top_logprobs],
+                )
+                for lp in delta.logprobs
+            )
+        if delta.finished:
+            response.usage.CopyFrom(
+                generation_pb2.Usage(
+                    prompt_tokens=delta.num_prompt_tokens,
+                    completion_tokens=delta.num_output_tokens,
+                    total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+                    cached_tokens=delta.num_cached_tokens,
+                )
+            )
+        return response
 
     async def Tokenize(self, request, context):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True

@@ -48,13 +48,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         await engine.close()
         return
     start_task.result()
-    served_name = config.served_model_name or engine.model_info.served_model_name
 
+    served_name = config.served_model_name or engine.model_info.served_model_name
     grpc_service = GrpcService(
         "gateway", [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer), grpc_service.server
+        GenerationServicer(engine, tokenizer, served_name), grpc_service.server
     )
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
