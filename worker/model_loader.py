@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") ->
     model = model_class(model_config).to(device)
     model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
     model.eval()
+    # KVMESH_DENSE_LINEAR=1 keeps plain F.linear (e.g. to compare kernels).
+    model.pack_weights(use_onednn=os.environ.get("KVMESH_DENSE_LINEAR", "") != "1")
     logger.info(
         "loaded %s from %s (%s layers, dtype %s)",
         model_config.architecture,

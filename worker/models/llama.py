@@ -18,6 +18,7 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.config import ModelConfig
+from worker.models.linear import PackedLinear
 from worker.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,21 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = _empty(config.hidden_size, self.q_size, dtype=dtype)
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self._packed: dict[str, PackedLinear] | None = None
+
+    def pack_weights(self, use_onednn: bool) -> None:
+        """Freeze the projections into inference layouts (after load_weights)."""
+        self._packed = {
+            "qkv": PackedLinear(self.qkv_proj, self.qkv_bias, use_onednn),
+            "o": PackedLinear(self.o_proj, None, use_onednn),
+            "gate_up": PackedLinear(self.gate_up_proj, None, use_onednn),
+            "down": PackedLinear(self.down_proj, None, use_onednn),
+        }
+
+    def _linear(self, name: str, weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, weight, bias)
+        return self._packed[name](x)
 
     def forward(
         self,
@@ -72,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         residual = hidden
         hidden = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = self._linear("qkv", self.qkv_proj, hidden, self.qkv_bias)
         # Query and key heads rotate together: one set of elementwise ops per
         # layer instead of two (the same float ops, so the same results).
         query_key = qkv[:, : self.q_size + self.kv_size].view(
@@ -87,12 +103,12 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
-        hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        hidden = residual + self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
 
         residual = hidden
         hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
-        gate, up = F.linear(hidden, self.gate_up_proj).chunk(2, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self._linear("gate_up", self.gate_up_proj, hidden).chunk(2, dim=-1)
+        return residual + self._linear("down", self.down_proj, F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _empty(config.vocab_size, config.hidden_size, dtype=dtype)
         )
+        self._packed_lm_head: PackedLinear | None = None
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_model_len,
@@ -135,7 +152,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (the rows that sample); norm is per row."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head)
+        normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        if self._packed_lm_head is None:
+            return F.linear(normed, self.lm_head)
+        return self._packed_lm_head(normed)
+
+    def pack_weights(self, use_onednn: bool = True) -> None:
+        """Prepare every projection for inference once the weights are loaded."""
+        for layer in self.layers:
+            layer.pack_weights(use_onednn)
+        self._packed_lm_head = PackedLinear(self.lm_head, None, use_onednn)
 
     # -- loading -------------------------------------------------------------
 
