@@ -352,7 +352,11 @@ class Scheduler:
         if leader is None or leader is request:
             self._group_leaders[group] = request
             return False
-        return leader.status == _RUNNING and leader.num_computed_tokens < leader.num_prompt_tokens
+        # "Has its first token" rather than "num_computed_tokens covers the prompt":
+        # with async scheduling num_computed_tokens runs ahead at schedule time,
+        # while blocks are cached (and the first token appended) only when the
+        # step's output comes back.
+        return leader.status == _RUNNING and leader.num_output_tokens == 0
 
     @staticmethod
     def _unschedule(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler.testing import make_request, make_scheduler, run_step
+from services.step import ModelRunnerOutput
 
 PROMPT = list(range(500, 540))  # 40 tokens: 2 full blocks of 16 + 8
 
@@ -73,4 +74,25 @@ def test_an_aborted_first_sibling_hands_the_group_to_the_next() -> None:
     out, _ = run_step(sched)
     (new,) = out.scheduled_new_reqs
     assert new.req_id == third.request_id and new.num_computed_tokens == 32
+    sched.check_integrity()
+
+
+def test_async_scheduling_holds_siblings_until_the_leaders_output_returns() -> None:
+    """With a step in flight, the leader's num_computed_tokens covers the prompt before
+    its blocks are cached; siblings must still wait for the output, then hit the cache."""
+    sched = make_scheduler(async_scheduling=True)
+    first, *others = siblings = _siblings(3)
+    for request in siblings:
+        sched.add_request(request)
+    step1 = sched.schedule()
+    assert list(step1.num_scheduled_tokens) == [first.request_id]
+    step2 = sched.schedule()  # scheduled before step 1's output is known
+    assert list(step2.num_scheduled_tokens) == [first.request_id]
+    # The worker's answers: the prompt step and the decode step each sample one token.
+    for step, token in ((step1, 7), (step2, 8)):
+        output = ModelRunnerOutput(step.step_id, [first.request_id], [[token]])
+        sched.update_from_output(step, output)
+    step3 = sched.schedule()
+    admitted = {new.req_id: new.num_computed_tokens for new in step3.scheduled_new_reqs}
+    assert admitted == {r.request_id: 32 for r in others}
     sched.check_integrity()
