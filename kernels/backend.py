@@ -16,6 +16,7 @@ decodes from prefill chunks internally and write outputs back in place order.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -121,7 +122,7 @@ class AttentionBackend(ABC):
         Pass ``max_query_len``/``max_context_len`` if known on the host; otherwise
         they are computed here (one device sync on GPU).
         """
-        return basic_metadata(
+        metadata = basic_metadata(
             query_start_loc=query_start_loc,
             context_lens=context_lens,
             block_tables=block_tables,
@@ -129,6 +130,13 @@ class AttentionBackend(ABC):
             max_query_len=max_query_len,
             max_context_len=max_context_len,
         )
+        plan = cls.build_plan(metadata)
+        return metadata if plan is None else dataclasses.replace(metadata, plan=plan)
+
+    @classmethod
+    def build_plan(cls, metadata: AttentionMetadata) -> object | None:
+        """This backend's per-step precomputation (index tensors...), or None."""
+        return None
 
     @abstractmethod
     def write_kv_cache(

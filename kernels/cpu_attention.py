@@ -18,7 +18,6 @@ would cost an mmap, page faults and zeroing 60 times a step.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.backend import AttentionBackend, AttentionMetadata, basic_metadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -153,25 +152,8 @@ class CpuAttentionBackend(AttentionBackend):
         return None  # torch ops only; on CUDA Triton is preferred but this still runs
 
     @classmethod
-    def build_metadata(
-        cls,
-        *,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        max_query_len: int | None = None,
-        max_context_len: int | None = None,
-    ) -> AttentionMetadata:
-        metadata = basic_metadata(
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
-        )
-        return dataclasses.replace(metadata, plan=build_cpu_plan(metadata))
+    def build_plan(cls, metadata: AttentionMetadata) -> object:
+        return build_cpu_plan(metadata)
 
     def write_kv_cache(
         self,

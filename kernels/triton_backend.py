@@ -8,7 +8,6 @@ the process, whether kernels compile for a GPU or run in the interpreter.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import os
@@ -18,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata, basic_metadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 
 def triton_interpret_enabled() -> bool:
@@ -80,26 +79,9 @@ class TritonAttentionBackend(AttentionBackend):
         return f"device {device} is not CUDA and TRITON_INTERPRET is not set"
 
     @classmethod
-    def build_metadata(
-        cls,
-        *,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        max_query_len: int | None = None,
-        max_context_len: int | None = None,
-    ) -> AttentionMetadata:
-        metadata = basic_metadata(
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
-        )
+    def build_plan(cls, metadata: AttentionMetadata) -> object:
         block_m = _kernels("triton_attention").PREFILL_BLOCK_M
-        return dataclasses.replace(metadata, plan=build_triton_plan(metadata, block_m))
+        return build_triton_plan(metadata, block_m)
 
     def write_kv_cache(
         self,
