@@ -15,11 +15,9 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from gateway.engine_client import EngineClient
 from gateway.errors import RequestError, error_body
 from gateway.generation_stream import MultiGeneration
 from gateway.logprobs_format import chat_logprobs
-from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -31,6 +29,7 @@ from gateway.protocol import (
 )
 from gateway.serving_common import (
     SSE_DONE,
+    Serving,
     build_engine_requests,
     collect_choices,
     new_request_id,
@@ -39,7 +38,6 @@ from gateway.serving_common import (
     usage_info,
 )
 from gateway.structured_outputs import structured_output_spec
-from gateway.tokenizer import Tokenizer
 from gateway.tool_calling import (
     StreamingToolParser,
     ToolPlan,
@@ -52,19 +50,7 @@ from gateway.validation import Prompt, chat_prompt, check_model, check_unsupport
 logger = logging.getLogger(__name__)
 
 
-class ChatServing:
-    def __init__(
-        self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-    ) -> None:
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._model_name = served_model_name
-        self._metrics = metrics
-
+class ChatServing(Serving):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)

@@ -25,10 +25,27 @@ from gateway.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from gateway.tokenizer import Tokenizer
 from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
 from services.sampling_params import StructuredOutputSpec
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class Serving:
+    """What every OpenAI endpoint handler holds: the engine, tokenizer, name and metrics."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        served_model_name: str,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._model_name = served_model_name
+        self._metrics = metrics
 
 
 def new_request_id(prefix: str) -> str:

@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from gateway.engine_client import EngineClient
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
 from gateway.logprobs_format import completion_logprobs
-from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -23,6 +21,7 @@ from gateway.protocol import (
 )
 from gateway.serving_common import (
     SSE_DONE,
+    Serving,
     build_engine_requests,
     collect_choices,
     new_request_id,
@@ -30,7 +29,6 @@ from gateway.serving_common import (
     start_generation,
     usage_info,
 )
-from gateway.tokenizer import Tokenizer
 from gateway.validation import Prompt, check_model, check_unsupported, completion_prompts
 
 logger = logging.getLogger(__name__)
@@ -46,19 +44,7 @@ class _StreamCursor:
     num_cached_tokens: int = 0
 
 
-class CompletionServing:
-    def __init__(
-        self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-    ) -> None:
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._model_name = served_model_name
-        self._metrics = metrics
-
+class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
