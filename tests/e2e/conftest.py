@@ -68,7 +68,12 @@ def start_stack(extra_args: list[str]) -> Stack:
     for name, port in ports.items():
         args += ["--" + name.replace("_", "-"), str(port)]
     args += extra_args
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    # The stack reads only its flags, except where the model cache lives.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVMESH_") or k == "KVMESH_MODEL_CACHE"
+    }
     env["PYTHONUNBUFFERED"] = "1"
     process = subprocess.Popen(
         args,
