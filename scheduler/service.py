@@ -276,7 +276,11 @@ class SchedulerEngine:
         try:
             while not stop.is_set():
                 if not self.healthy:
-                    await self._reconnect(stop)
+                    # Shutdown must not wait for a worker that may never return.
+                    reconnect = asyncio.ensure_future(self._reconnect(stop))
+                    await asyncio.wait({reconnect, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                    if not reconnect.done():
+                        reconnect.cancel()
                     continue
                 if (
                     not self.core.has_unfinished_requests()

@@ -1,0 +1,142 @@
+"""The scheduler service around the core: admission errors, headers, aborts, worker loss."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from protos import common_pb2, scheduler_pb2
+from scheduler.config import SchedulerConfig
+from scheduler.metrics import SchedulerMetrics
+from scheduler.service import SchedulerEngine
+from services.errors import InvalidRequestError, OverloadedError, UnavailableError
+from services.step import ModelRunnerOutput
+from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
+
+
+class DyingWorkerClient(InMemoryWorkerClient):
+    """Answers ``healthy_steps`` steps, then behaves like a broken stream."""
+
+    def __init__(self, healthy_steps: int) -> None:
+        super().__init__()
+        self.healthy_steps = healthy_steps
+
+    async def receive(self, step_id: int) -> ModelRunnerOutput:
+        if self.healthy_steps <= 0:
+            raise UnavailableError("worker stream failed: UNAVAILABLE")
+        self.healthy_steps -= 1
+        return await super().receive(step_id)
+
+    async def connect(self, timeout: float):  # the reconnect loop: never comes back here
+        await asyncio.sleep(3600)
+
+
+def _engine(worker, max_waiting: int = 100) -> SchedulerEngine:
+    config = SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64)
+    return SchedulerEngine(
+        config,
+        worker,
+        [2],
+        SchedulerMetrics("test", registry=CollectorRegistry()),
+        max_waiting_requests=max_waiting,
+    )
+
+
+def _add(engine: SchedulerEngine, rid: str, max_tokens: int = 4, client: str = "gw") -> None:
+    engine.add_request(
+        scheduler_pb2.AddRequestRequest(
+            request_id=rid,
+            prompt_token_ids=[5, 6, 7, 8, 9],
+            sampling_params=common_pb2.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, temperature=0.0
+            ),
+            detokenize_params=common_pb2.DetokenizeParams(stop=["x"]),
+            client_id=client,
+        )
+    )
+
+
+def test_admission_errors_are_typed() -> None:
+    engine = _engine(InMemoryWorkerClient(), max_waiting=2)
+    with pytest.raises(UnavailableError, match="detokenizer"):
+        _add(engine, "a")  # nobody would receive its outputs
+    engine.subscribe()
+    _add(engine, "a")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        _add(engine, "a")
+    _add(engine, "b")
+    with pytest.raises(OverloadedError):
+        _add(engine, "c")  # two already waiting: the bound
+
+
+async def _run_until(engine, queue, done, timeout=10.0) -> list[scheduler_pb2.RequestOutput]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(engine.run(stop))
+    outputs: list[scheduler_pb2.RequestOutput] = []
+    try:
+        while not done(outputs):
+            batch = await asyncio.wait_for(queue.get(), timeout=timeout)
+            outputs.extend(batch.outputs)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+    return outputs
+
+
+async def test_first_output_carries_the_header_once() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    _, queue = engine.subscribe()
+    _add(engine, "a", client="gw-1")
+    outputs = await _run_until(engine, queue, lambda outs: any(o.finish_reason for o in outs))
+    with_header = [o for o in outputs if o.HasField("header")]
+    assert len(with_header) == 1 and with_header[0] is outputs[0]
+    header = with_header[0].header
+    assert list(header.prompt_token_ids) == [5, 6, 7, 8, 9]
+    assert header.client_id == "gw-1" and list(header.detokenize_params.stop) == ["x"]
+    assert sum(len(o.new_token_ids) for o in outputs) == 4
+    assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_abort_and_stop_string_free_everything() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    _, queue = engine.subscribe()
+    _add(engine, "long", max_tokens=40)
+    _add(engine, "stopped", max_tokens=40)
+    seen: set[str] = set()
+
+    def control(outputs) -> bool:
+        for o in outputs:
+            if o.request_id not in seen:
+                seen.add(o.request_id)
+                if o.request_id == "long":
+                    engine.abort(["long"])
+                else:
+                    engine.finish_on_stop_string(["stopped"])
+        return len(seen) == 2 and not engine.core.has_unfinished_requests()
+
+    await _run_until(engine, queue, control)
+    assert engine.core.live_request_ids() == []
+    engine.core.check_integrity()
+    assert engine.core.make_stats().kv_cache_usage == 0
+
+
+async def test_worker_loss_fails_live_requests_with_an_error() -> None:
+    engine = _engine(DyingWorkerClient(healthy_steps=2))
+    _, queue = engine.subscribe()
+    _add(engine, "a", max_tokens=40)
+    _add(engine, "b", max_tokens=40)
+    outputs = await _run_until(
+        engine, queue, lambda outs: sum(bool(o.finish_reason) for o in outs) == 2
+    )
+    finals = {o.request_id: o for o in outputs if o.finish_reason}
+    assert set(finals) == {"a", "b"}
+    for final in finals.values():
+        assert final.finish_reason == common_pb2.FINISH_REASON_ERROR
+        assert "worker unavailable" in final.error
+    assert not engine.healthy
+    with pytest.raises(UnavailableError):
+        _add(engine, "c")
+    assert engine.core.live_request_ids() == []
+    engine.core.check_integrity()
