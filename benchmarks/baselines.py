@@ -24,11 +24,7 @@ import argparse
 import asyncio
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,21 +39,9 @@ from bench.dataset import SampleRequest  # noqa: E402
 from bench.metrics import compute_metrics  # noqa: E402
 from bench.runner import LoadConfig, run_load  # noqa: E402
 from benchmarks.inprocess_engine import InProcessEngine  # noqa: E402
+from services.local_stack import LocalStack  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
 from services.sampling_params import SamplingParams  # noqa: E402
-
-STACK_PORTS = (
-    "http_port",
-    "grpc_port",
-    "scheduler_port",
-    "scheduler_metrics_port",
-    "worker_port",
-    "worker_metrics_port",
-    "detokenizer_port",
-    "detokenizer_metrics_port",
-    "kvstore_port",
-    "kvstore_metrics_port",
-)
 
 
 @dataclass
@@ -92,68 +76,6 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
 
 
 # ---- (a) the full stack over HTTP ---------------------------------------------------
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-class StackProcess:
-    """``kvmesh up`` on free ports, as tests/e2e/conftest.py starts it."""
-
-    def __init__(self, model: Path, extra_args: list[str]) -> None:
-        self.ports = dict(zip(STACK_PORTS, _free_ports(len(STACK_PORTS)), strict=True))
-        args = [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
-        for name, port in self.ports.items():
-            args += ["--" + name.replace("_", "-"), str(port)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        self.log: list[str] = []
-        self.process = subprocess.Popen(
-            [*args, *extra_args],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.log.append(line)
-            if line.startswith("KVMESH_READY"):
-                self._ready.set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['http_port']}"
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("stack did not start:\n" + "".join(self.log[-60:]))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
 
 
 async def _http_run(
@@ -199,14 +121,14 @@ def measure_stack(
     concurrencies: list[int],
     extra_args: list[str],
 ) -> list[Measurement]:
-    stack = StackProcess(model, extra_args)
+    stack = LocalStack(extra_args, model=model)
     try:
-        stack.wait_ready()
+        stack.wait_ready(timeout=600.0)
         results = []
         for concurrency in concurrencies:
             before = load_average()
             tokens, seconds, detail = asyncio.run(
-                _http_run(stack.url, prompts, output_len, concurrency)
+                _http_run(stack.http_url, prompts, output_len, concurrency)
             )
             results.append(
                 Measurement(

@@ -1,0 +1,110 @@
+"""Run ``kvmesh up`` as a child process on free loopback ports (tests and benchmarks).
+
+The child is started in its own session so that stopping it (SIGTERM, then
+SIGKILL of the whole group after a timeout) reaches every service process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+PORT_NAMES = (
+    "http_port",
+    "grpc_port",
+    "scheduler_port",
+    "scheduler_metrics_port",
+    "worker_port",
+    "worker_metrics_port",
+    "detokenizer_port",
+    "detokenizer_metrics_port",
+    "kvstore_port",
+    "kvstore_metrics_port",
+)
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class LocalStack:
+    """``kvmesh up`` with every port chosen free; ``log`` collects its output."""
+
+    def __init__(self, extra_args: list[str], model: Path | None = None) -> None:
+        self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+        args = [sys.executable, "-m", "services.cli", "up"]
+        if model is not None:
+            args += ["--model", str(model)]
+        for name, port in self.ports.items():
+            args += ["--" + name.replace("_", "-"), str(port)]
+        # The stack reads only its flags, except where the model cache lives.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("KVMESH_") or k == "KVMESH_MODEL_CACHE"
+        }
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log: list[str] = []
+        self.process = subprocess.Popen(
+            [*args, *extra_args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log.append(line)
+            if line.startswith("KVMESH_READY"):
+                self._ready.set()
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http_port']}"
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc_port']}"
+
+    def metrics_url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.ports[service + '_metrics_port']}/metrics"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.5):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("stack did not start:\n" + "".join(self.log[-80:]))
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (a clean stop); SIGKILL the whole group if it hangs. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+                raise
+        return self.process.returncode
