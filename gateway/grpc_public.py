@@ -8,6 +8,7 @@ cancelling the call aborts the request.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -91,12 +92,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tokenizer: Tokenizer,
         model_name: str,
         metrics: GatewayMetrics | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # Same rule as the HTTP API: with a key, every call must carry
+        # "authorization: Bearer <key>" metadata (health/reflection stay open).
+        self._expected_auth = f"Bearer {api_key}".encode() if api_key else None
         # The same vllm:* series as the HTTP API: one model, one set of counters.
         self.metrics = metrics or GatewayMetrics.for_registry()
+
+    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        if self._expected_auth is None:
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(given.encode(), self._expected_auth):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
 
     async def _abort_with(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, RequestError):
@@ -118,6 +130,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        await self._check_auth(context)
         if request.WhichOneof("prompt") is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is required")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
@@ -189,12 +202,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
     async def Tokenize(self, request, context):
+        await self._check_auth(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         return generation_pb2.TokenizeResponse(
             token_ids=self.tokenizer.encode(request.text, add_special_tokens=add_special)
         )
 
     async def GetModelInfo(self, request, context):
+        await self._check_auth(context)
         info = self.engine.model_info
         return generation_pb2.ModelInfo(
             model_name=info.served_model_name,

@@ -54,7 +54,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         "gateway", [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, served_name), grpc_service.server
+        GenerationServicer(engine, tokenizer, served_name, api_key=config.api_key or None),
+        grpc_service.server,
     )
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
