@@ -17,7 +17,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -42,11 +41,6 @@ _FINISH_TO_PROTO = {
 
 # Outputs queued for one subscriber before it is considered stuck and dropped.
 _MAX_SUBSCRIBER_BACKLOG = 10_000
-
-
-@dataclass
-class _PendingHeader:
-    header: scheduler_pb2.RequestHeader
 
 
 class SchedulerEngine:
@@ -163,13 +157,11 @@ class SchedulerEngine:
             msg.stop_token_id = out.stop_reason
         if out.new_logprobs:
             msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
-        header = self._headers.get(out.request_id)
+        # A header waits here until the request's first output carries it to
+        # the detokenizer; aborts and stop-string finishes drop unsent ones.
+        header = self._headers.pop(out.request_id, None)
         if header is not None:
-            # First output of this request: the detokenizer learns it here.
             msg.header.CopyFrom(header)
-            self._headers[out.request_id] = None  # type: ignore[assignment]
-        if out.finish_reason is not None:
-            self._headers.pop(out.request_id, None)
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
