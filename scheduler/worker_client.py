@@ -26,7 +26,6 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
-        self.last_execute_seconds = 0.0
 
     async def connect(self, timeout: float) -> worker_pb2.WorkerInfo:
         """Wait for the worker to be SERVING, open the step stream, return its info."""
@@ -99,7 +98,6 @@ class WorkerClient:
         if result.step_id != step_id:
             self._call = None
             raise UnavailableError(f"worker answered step {result.step_id} to step {step_id}")
-        self.last_execute_seconds = result.execute_seconds
         return model_runner_output_from_proto(result)
 
     async def close(self) -> None:
