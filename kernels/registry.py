@@ -1,8 +1,9 @@
 """Pick an attention backend for a device, and say why each candidate was taken or refused.
 
 Default order: on CUDA, Triton then the torch path then the reference; on CPU,
-the fast CPU path then the reference. Triton's interpreter also runs on CPU
-but is far too slow to serve, so it is only used there when asked for by name.
+the C++ decode kernels, then the torch CPU path, then the reference. Triton's
+interpreter also runs on CPU but is far too slow to serve, so it is only used
+there when asked for by name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
+from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from kernels.triton_backend import TritonAttentionBackend
 
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchReferenceBackend.name: TorchReferenceBackend,
     CpuAttentionBackend.name: CpuAttentionBackend,
+    NativeCpuAttentionBackend.name: NativeCpuAttentionBackend,
     TritonAttentionBackend.name: TritonAttentionBackend,
 }
 
@@ -28,7 +31,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 def _default_order(device: torch.device) -> list[str]:
     if device.type == "cuda":
         return ["triton", "cpu", "torch_reference"]
-    return ["cpu", "torch_reference"]
+    return ["cpu_native", "cpu", "torch_reference"]
 
 
 def _as_device(device: torch.device | str) -> torch.device:

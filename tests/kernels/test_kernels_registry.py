@@ -5,14 +5,37 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import native
 from kernels.registry import BACKENDS, explain_backend_choice, select_attention_backend
 
 
-def test_cpu_device_gets_the_fast_cpu_backend() -> None:
-    assert select_attention_backend(torch.device("cpu")).name == "cpu"
+def test_cpu_device_gets_the_native_cpu_backend() -> None:
+    assert select_attention_backend(torch.device("cpu")).name == "cpu_native"
 
 
-@pytest.mark.parametrize("name", ["torch_reference", "cpu"])
+def test_native_backend_turned_off_falls_back_to_torch_cpu_path_with_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native._load.cache_clear()
+    try:
+        lines = explain_backend_choice(torch.device("cpu"))
+        assert (
+            lines[0]
+            == f"cpu_native: refused: C++ kernels unavailable: turned off by {native.DISABLE_ENV}=0"
+        )
+        assert lines[1] == "cpu: chosen for device cpu (first supported)"
+        assert select_attention_backend(torch.device("cpu")).name == "cpu"
+    finally:
+        native._load.cache_clear()
+
+
+def test_native_backend_refuses_cuda_devices() -> None:
+    lines = explain_backend_choice(torch.device("cuda"), preferred="cpu_native")
+    assert lines[0] == "cpu_native: refused: C++ kernels run on CPU tensors only, not cuda"
+
+
+@pytest.mark.parametrize("name", ["torch_reference", "cpu", "cpu_native"])
 def test_preferred_backend_is_forced(name: str) -> None:
     assert select_attention_backend(torch.device("cpu"), preferred=name).name == name
 
@@ -36,7 +59,7 @@ def test_unknown_preferred_backend_names_the_known_ones() -> None:
 def test_explanation_covers_every_backend() -> None:
     lines = explain_backend_choice(torch.device("cpu"))
     assert {line.split(":")[0] for line in lines} == set(BACKENDS)
-    assert lines[0] == "cpu: chosen for device cpu (first supported)"
+    assert lines[0] == "cpu_native: chosen for device cpu (first supported)"
 
 
 def test_cuda_device_prefers_triton_when_available() -> None:

@@ -1,0 +1,221 @@
+// Paged decode attention for CPU, float32, as a torch custom op.
+//
+// One query token per sequence attends to its whole context, read in place
+// from the paged KV cache through the sequence's block table: no gather into
+// a padded tensor, no mask, no padding work. Work is split over
+// (sequence, KV head) pairs on torch's own intra-op thread pool
+// (at::parallel_for), so it shares threads with the matmuls instead of
+// competing with them. The query heads of a GQA group are done together so
+// every K/V row is read from memory once per group, not once per query head.
+//
+// Numerics: scores and the softmax are float32 with the max subtracted; the
+// value sum accumulates in float32. Only the order of additions differs from
+// the PyTorch reference (kernels/reference.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// One (sequence, KV head) pair: the `group` query heads that share the KV head.
+// HEAD_DIM is a compile-time constant so the per-head accumulators live in
+// vector registers (4 zmm or 8 ymm for 64 floats) instead of memory.
+template <int HEAD_DIM>
+void attend_one(const float* const* q, float* const* out, int64_t group, const float* k_base,
+                const float* v_base, const int64_t* table, int64_t len, int64_t block_size,
+                int64_t row_stride, float scale, float* scores) {
+  // Scores: one dot product per (head, token), K rows read through the block table.
+  for (int64_t g = 0; g < group; ++g) {
+    float qg[HEAD_DIM];
+    for (int d = 0; d < HEAD_DIM; ++d) qg[d] = q[g][d] * scale;
+    float* s = scores + g * len;
+    // Block-major walk: no division per token.
+    for (int64_t start = 0; start < len; start += block_size) {
+      const float* k = k_base + table[start / block_size] * block_size * row_stride;
+      const int64_t n = std::min(block_size, len - start);
+      for (int64_t j = 0; j < n; ++j, k += row_stride) {
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * k[d];
+        s[start + j] = sum;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float m = s[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    float acc[HEAD_DIM] = {};
+    for (int64_t start = 0; start < len; start += block_size) {
+      const float* v = v_base + table[start / block_size] * block_size * row_stride;
+      const int64_t n = std::min(block_size, len - start);
+      for (int64_t j = 0; j < n; ++j, v += row_stride) {
+        const float p = s[start + j];
+#pragma omp simd
+        for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * v[d];
+      }
+    }
+    float* o = out[g];
+#pragma omp simd
+    for (int d = 0; d < HEAD_DIM; ++d) o[d] = acc[d] * inv;
+  }
+}
+
+// Any head size: same math, accumulators in memory.
+void attend_one_generic(const float* const* q, float* const* out, int64_t group, int64_t head_dim,
+                        const float* k_base, const float* v_base, const int64_t* table,
+                        int64_t len, int64_t block_size, int64_t row_stride, float scale,
+                        float* scores, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    for (int64_t t = 0; t < len; ++t) {
+      const float* k = k_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < head_dim; ++d) sum += q[g][d] * k[d];
+      s[t] = sum * scale;
+    }
+    float m = s[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      total += s[t];
+    }
+    std::fill(acc, acc + head_dim, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * v[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) out[g][d] = acc[d] / total;
+  }
+}
+
+// out[rows[i]] = softmax(q K^T * scale) V for every decode i.
+//   out, query:   [num_tokens, num_heads, head_dim] float32, last dim contiguous
+//   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+//   block_tables: [num_decodes, max_blocks_per_seq] int64
+//   context_lens: [num_decodes] int64 (>= 1)
+//   rows:         [num_decodes] int64, query/out row of each decode
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, const at::Tensor& rows, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention: query and out must be float32");
+  TORCH_CHECK(key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: caches must be float32");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4,
+              "paged_decode_attention: bad ranks");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_decode_attention: caches must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(),
+              "paged_decode_attention: key and value caches differ in shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
+              "paged_decode_attention: head_dim must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
+              "paged_decode_attention: index tensors must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() && rows.is_contiguous(),
+              "paged_decode_attention: index tensors must be contiguous");
+
+  const int64_t num_decodes = rows.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && out.size(2) == head_dim && out.size(1) == num_heads,
+              "paged_decode_attention: head shape mismatch");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_decode_attention: heads do not group");
+  TORCH_CHECK(block_tables.size(0) == num_decodes && context_lens.size(0) == num_decodes,
+              "paged_decode_attention: one block table and length per decode");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t row_stride = num_kv_heads * head_dim;  // between tokens in a block
+  const float scale_f = static_cast<float>(scale);
+
+  const float* q_base = query.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const float* k_base = key_cache.data_ptr<float>();
+  const float* v_base = value_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+
+  // Validate every index once, outside the parallel region: a bad block id
+  // would otherwise read outside the cache.
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < num_decodes; ++i) {
+    const int64_t len = lens[i];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "paged_decode_attention: context length ",
+                len, " out of range");
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < query.size(0) && row_ids[i] < out.size(0),
+                "paged_decode_attention: row out of range");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[i * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block,
+                  " out of range");
+    }
+    max_len = std::max(max_len, len);
+  }
+
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * max_len);
+    std::vector<float> acc(head_dim);
+    std::vector<const float*> q(group);
+    std::vector<float*> o(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t row = row_ids[seq];
+      for (int64_t g = 0; g < group; ++g) {
+        q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
+        o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
+      }
+      const float* k = k_base + kv_head * head_dim;
+      const float* v = v_base + kv_head * head_dim;
+      const int64_t* table = tables + seq * max_blocks;
+      const int64_t len = lens[seq];
+      switch (head_dim) {
+        case 64:
+          attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
+                         scale_f, scores.data());
+          break;
+        case 128:
+          attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
+                          scale_f, scores.data());
+          break;
+        default:
+          attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
+                             row_stride, scale_f, scores.data(), acc.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvmesh, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor context_lens, Tensor rows, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

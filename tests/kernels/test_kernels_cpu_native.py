@@ -1,0 +1,138 @@
+"""The C++ decode kernel computes what kernels/reference.py defines, and refuses bad input.
+
+The ops are built on first use (or by ``make install``); a machine without a
+compiler fails here rather than silently testing nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kernels.testing import SCENARIOS, PagedBatch, make_paged_batch
+from kernels.torch_reference_backend import TorchReferenceBackend
+
+# float32; the kernel sums in another order than the reference and uses a
+# vectorized exp (glibc libmvec, within 4 ulp): differences are a few ulps of
+# O(1) outputs.
+ATOL = 1e-5
+RTOL = 1e-5
+
+GQA_SHAPES = [(9, 3), (4, 4), (8, 1), (12, 3)]  # (num_heads, num_kv_heads)
+# 64 and 128 take the register-accumulator specializations, 32 and 80 the generic loop.
+HEAD_DIMS = [64, 128, 32, 80]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    native.ensure_loaded()
+
+
+def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
+    k_cache, v_cache = batch.fresh_caches()
+    metadata = batch.metadata(backend)
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_native_backend_matches_reference(
+    scenario: str, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    batch = make_paged_batch(
+        SCENARIOS[scenario],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    expected = run_backend(TorchReferenceBackend(), batch)
+    actual = run_backend(NativeCpuAttentionBackend(), batch)
+    assert not torch.isnan(actual).any(), "read a never-written (NaN) cache slot"
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_decode_long_ragged_contexts(seed: int) -> None:
+    """Many decodes, contexts of hundreds of tokens ending anywhere in a block."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 600, (24,), generator=generator).tolist()
+    batch = make_paged_batch(
+        [(length - 1, 1) for length in lengths],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        seed=seed,
+    )
+    expected = run_backend(TorchReferenceBackend(), batch)
+    actual = run_backend(NativeCpuAttentionBackend(), batch)
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """The max is subtracted before exp: scores of ~1e4 stay finite."""
+    batch = make_paged_batch(
+        [(40, 1), (7, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16
+    )
+    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 1000.0})
+    expected = run_backend(TorchReferenceBackend(), big)
+    actual = run_backend(NativeCpuAttentionBackend(), big)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def _decode_args(num_blocks: int = 4) -> dict[str, torch.Tensor]:
+    return {
+        "out": torch.zeros(2, 4, 64),
+        "query": torch.randn(2, 4, 64),
+        "key_cache": torch.randn(num_blocks, 16, 2, 64),
+        "value_cache": torch.randn(num_blocks, 16, 2, 64),
+        "block_tables": torch.tensor([[0, 1], [2, 3]]),
+        "context_lens": torch.tensor([20, 5]),
+        "rows": torch.tensor([0, 1]),
+    }
+
+
+def _call(args: dict[str, torch.Tensor]) -> None:
+    torch.ops.kvmesh.paged_decode_attention(
+        args["out"],
+        args["query"],
+        args["key_cache"],
+        args["value_cache"],
+        args["block_tables"],
+        args["context_lens"],
+        args["rows"],
+        0.125,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"block_tables": torch.tensor([[0, 9], [2, 3]])}, "block id 9 out of range"),
+        ({"context_lens": torch.tensor([20, 0])}, "context length 0 out of range"),
+        ({"context_lens": torch.tensor([33, 5])}, "context length 33 out of range"),
+        ({"rows": torch.tensor([0, 2])}, "row out of range"),
+        ({"block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}, "int64"),
+        ({"query": torch.randn(2, 4, 64, dtype=torch.float64)}, "float32"),
+        ({"key_cache": torch.randn(4, 16, 3, 64)}, "differ in shape"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message: str) -> None:
+    args = {**_decode_args(), **change}
+    with pytest.raises(RuntimeError, match=message):
+        _call(args)
+
+
+def test_cache_key_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    before = native.build_key()
+    source = tmp_path / native.SOURCES[0]
+    source.write_text((native.CSRC / native.SOURCES[0]).read_text() + "\n// edited\n")
+    monkeypatch.setattr(native, "CSRC", tmp_path)
+    assert native.build_key() != before
