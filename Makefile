@@ -13,6 +13,8 @@ DEPS_STAMP := $(VENV)/.deps-installed
 install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
 	@$(BIN)/python -m services.model_prep >/dev/null
+	@# Compiles the C++ CPU kernels once per source/torch/CPU (kernels/native.py).
+	@$(BIN)/python -m kernels.native build >/dev/null
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

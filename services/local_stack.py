@@ -52,11 +52,13 @@ class LocalStack:
             args += ["--model", str(model)]
         for name, port in self.ports.items():
             args += ["--" + name.replace("_", "-"), str(port)]
-        # The stack reads only its flags, except where the model cache lives.
+        # The stack reads only its flags, except where the caches live and
+        # whether the C++ kernels are on (an A/B switch for benchmarks).
+        passed_through = {"KVMESH_MODEL_CACHE", "KVMESH_KERNEL_CACHE", "KVMESH_NATIVE_KERNELS"}
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith("KVMESH_") or k == "KVMESH_MODEL_CACHE"
+            if not k.startswith("KVMESH_") or k in passed_through
         }
         env["PYTHONUNBUFFERED"] = "1"
         self.log: list[str] = []

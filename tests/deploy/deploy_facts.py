@@ -22,9 +22,10 @@ DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
 
-# KVMESH_* variables that are not config fields but are read on purpose
-# (services/model_prep.py reads this one to find the prepared model).
-DOCUMENTED_EXTRA_ENV = frozenset({"KVMESH_MODEL_CACHE"})
+# KVMESH_* variables that are not config fields but are read on purpose:
+# services/model_prep.py finds the prepared model with the first,
+# kernels/native.py its compiled C++ kernels with the second.
+DOCUMENTED_EXTRA_ENV = frozenset({"KVMESH_MODEL_CACHE", "KVMESH_KERNEL_CACHE"})
 
 
 @dataclasses.dataclass(frozen=True)
