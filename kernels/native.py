@@ -37,7 +37,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp",)
+SOURCES = ("paged_attention_cpu.cpp", "block_code_linear.cpp")
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 DISABLE_ENV = "KVMESH_NATIVE_KERNELS"
 

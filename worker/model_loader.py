@@ -66,7 +66,12 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") ->
     model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
     model.eval()
     # KVMESH_DENSE_LINEAR=1 keeps plain F.linear (e.g. to compare kernels).
-    model.pack_weights(use_onednn=os.environ.get("KVMESH_DENSE_LINEAR", "") != "1")
+    dense = os.environ.get("KVMESH_DENSE_LINEAR", "") == "1"
+    model.pack_weights(use_onednn=not dense, use_block_codes=not dense)
+    with_codes, total = model.block_code_coverage()
+    logger.info(
+        "%d of %d projections run small batches on exact 8-bit block codes", with_codes, total
+    )
     logger.info(
         "loaded %s from %s (%s layers, dtype %s)",
         model_config.architecture,

@@ -212,7 +212,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(kvmesh, m) {
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, Tensor rows, float scale) -> ()");

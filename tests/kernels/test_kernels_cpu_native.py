@@ -132,7 +132,10 @@ def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message:
 
 def test_cache_key_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     before = native.build_key()
-    source = tmp_path / native.SOURCES[0]
-    source.write_text((native.CSRC / native.SOURCES[0]).read_text() + "\n// edited\n")
+    for name in native.SOURCES:
+        (tmp_path / name).write_text((native.CSRC / name).read_text())
+    (tmp_path / native.SOURCES[-1]).write_text(
+        (native.CSRC / native.SOURCES[-1]).read_text() + "\n// edited\n"
+    )
     monkeypatch.setattr(native, "CSRC", tmp_path)
     assert native.build_key() != before

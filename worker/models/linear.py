@@ -9,6 +9,13 @@ On CPU in float32, oneDNN over weights reordered once into its blocked layout
 float32 accuracy (relative error vs float64 ~7e-7, F.linear ~4e-7). The default
 path re-packs every weight on every call. Elsewhere (CUDA, other dtypes, a torch
 without these ops) it is plain ``F.linear``.
+
+Small batches (decode steps) of a weight that is exactly a set of 8-bit block
+codes (a checkpoint converted from GGUF Q4_1/Q8_0, such as the default model;
+kernels/block_codes.py proves it bit for bit at load) run the C++ kernel over
+the codes instead: a quarter of the bytes to read per weight, the very same
+float32 weights and arithmetic. Large batches (prefill) stay on oneDNN, which
+is compute-bound there and faster.
 """
 
 from __future__ import annotations
@@ -16,8 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+from kernels.block_codes import BlockCodes, find_block_codes
+
 # The reorder is tuned for a typical decode batch; any batch size works with it.
 _BATCH_SIZE_HINT = 16
+# Up to this many rows the block-code kernel beats oneDNN on the default model
+# (benchmarks/linear_bench.py); above it the matmul is compute-bound.
+MAX_BLOCK_CODE_ROWS = 32
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
@@ -34,13 +47,20 @@ def onednn_available(weight: torch.Tensor) -> bool:
 class PackedLinear:
     """A frozen weight (and bias) prepared once for inference."""
 
-    __slots__ = ("_bias", "_packed", "out_features", "weight")
+    __slots__ = ("_bias", "_codes", "_packed", "out_features", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_onednn: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        use_onednn: bool = True,
+        use_block_codes: bool = True,
     ) -> None:
         self.out_features = weight.shape[0]
         self._bias = bias
+        self._codes: BlockCodes | None = None
+        if use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None:
+            self._codes = find_block_codes(weight)
         if use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
                 weight.contiguous(), _BATCH_SIZE_HINT
@@ -50,7 +70,17 @@ class PackedLinear:
             self._packed = None
             self.weight = weight
 
+    @property
+    def uses_block_codes(self) -> bool:
+        return self._codes is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes = self._codes
+        if codes is not None and x.dim() == 2 and x.shape[0] <= MAX_BLOCK_CODE_ROWS:
+            y = torch.ops.kvmesh.block_code_linear(
+                x.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
+            )
+            return y if self._bias is None else y.add_(self._bias)
         if self._packed is None:
             return F.linear(x, self.weight, self._bias)
         return torch.ops.mkldnn._linear_pointwise(

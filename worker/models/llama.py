@@ -62,13 +62,16 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
         self._packed: dict[str, PackedLinear] | None = None
 
-    def pack_weights(self, use_onednn: bool) -> None:
+    def pack_weights(self, use_onednn: bool, use_block_codes: bool = True) -> None:
         """Freeze the projections into inference layouts (after load_weights)."""
         self._packed = {
-            "qkv": PackedLinear(self.qkv_proj, self.qkv_bias, use_onednn),
-            "o": PackedLinear(self.o_proj, None, use_onednn),
-            "gate_up": PackedLinear(self.gate_up_proj, None, use_onednn),
-            "down": PackedLinear(self.down_proj, None, use_onednn),
+            name: PackedLinear(weight, bias, use_onednn, use_block_codes)
+            for name, weight, bias in (
+                ("qkv", self.qkv_proj, self.qkv_bias),
+                ("o", self.o_proj, None),
+                ("gate_up", self.gate_up_proj, None),
+                ("down", self.down_proj, None),
+            )
         }
 
     def _linear(self, name: str, weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
@@ -157,11 +160,18 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(normed, self.lm_head)
         return self._packed_lm_head(normed)
 
-    def pack_weights(self, use_onednn: bool = True) -> None:
+    def pack_weights(self, use_onednn: bool = True, use_block_codes: bool = True) -> None:
         """Prepare every projection for inference once the weights are loaded."""
         for layer in self.layers:
-            layer.pack_weights(use_onednn)
-        self._packed_lm_head = PackedLinear(self.lm_head, None, use_onednn)
+            layer.pack_weights(use_onednn, use_block_codes)
+        self._packed_lm_head = PackedLinear(self.lm_head, None, use_onednn, use_block_codes)
+
+    def block_code_coverage(self) -> tuple[int, int]:
+        """(projections running on exact block codes for small batches, all projections)."""
+        packed = [self._packed_lm_head] + [
+            p for layer in self.layers for p in (layer._packed or {}).values()
+        ]
+        return sum(p is not None and p.uses_block_codes for p in packed), len(packed)
 
     # -- loading -------------------------------------------------------------
 

@@ -1,0 +1,149 @@
+"""Exact 8-bit block codes: found only where they are exact, and the kernel over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.block_codes import BLOCK, find_block_codes
+from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    native.ensure_loaded()
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """What GGUF Q4_1 dequantizes to: float16 scale and minimum, codes 0..15 per 32."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (out_features, in_features // BLOCK, 1)
+    scale = (torch.rand(blocks, generator=g) * 0.02 + 1e-3).half().float()
+    low = (torch.randn(blocks, generator=g) * 0.1).half().float()
+    codes = torch.randint(0, 16, (out_features, in_features // BLOCK, BLOCK), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # the quantizer maps min to 0 and max to 15
+    return (codes.float() * scale + low).reshape(out_features, in_features)
+
+
+def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """What GGUF Q8_0 dequantizes to: a float16 scale, codes -127..127 per 32."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (out_features, in_features // BLOCK, 1)
+    scale = (torch.rand(blocks, generator=g) * 0.01 + 1e-4).half().float()
+    codes = torch.randint(-127, 128, (out_features, in_features // BLOCK, BLOCK), generator=g)
+    codes[..., 0] = torch.where(torch.rand(blocks[:2], generator=g) < 0.5, -127, 127)
+    return (codes.float() * scale).reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize("make", [q4_1_weight, q8_0_weight])
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (37, 96), (5, 32)])
+def test_quantized_weights_round_trip_bit_for_bit(
+    make, out_features: int, in_features: int
+) -> None:
+    weight = make(out_features, in_features)
+    codes = find_block_codes(weight)
+    assert codes is not None
+    assert codes.codes.dtype == torch.uint8
+    if out_features % 16 == 0:  # else padding lanes dominate a tiny tensor
+        # 1 byte per weight + 8 bytes of scale and offset per 32: 1.25 of 4 bytes.
+        assert codes.nbytes == weight.numel() * 1.25
+    assert torch.equal(codes.dequantize().view(torch.int32), weight.view(torch.int32))
+
+
+def test_blocks_of_both_layouts_in_one_tensor() -> None:
+    weight = torch.cat([q4_1_weight(16, 64, seed=1), q8_0_weight(16, 64, seed=2)])
+    weight = weight[torch.randperm(32, generator=torch.Generator().manual_seed(0))]
+    codes = find_block_codes(weight)
+    assert codes is not None and torch.equal(codes.dequantize(), weight)
+
+
+def test_constant_blocks_have_zero_scale() -> None:
+    weight = torch.full((16, 64), 0.25)
+    codes = find_block_codes(weight)
+    assert codes is not None and torch.equal(codes.dequantize(), weight)
+
+
+def test_one_changed_weight_refuses_the_whole_tensor() -> None:
+    weight = q4_1_weight(32, 64)
+    weight[7, 13] = torch.nextafter(weight[7, 13], torch.tensor(1.0))
+    assert find_block_codes(weight) is None
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.randn(32, 64),  # never quantized
+        torch.randn(32, 48),  # in_features not a multiple of 32
+        torch.randn(32, 64).double(),  # not float32
+        torch.randn(64),  # not a matrix
+    ],
+)
+def test_weights_without_exact_codes_are_refused(weight: torch.Tensor) -> None:
+    assert find_block_codes(weight) is None
+
+
+def test_non_finite_weights_are_refused() -> None:
+    weight = q4_1_weight(16, 64)
+    weight[0, 0] = float("inf")
+    assert find_block_codes(weight) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 15, 16, 17, 31, 40])
+@pytest.mark.parametrize("out_features", [16, 37, 200])
+def test_kernel_matches_float64_matmul(rows: int, out_features: int) -> None:
+    """Every row-tile size (1..16 plus remainders) and panels with padding lanes."""
+    weight = q4_1_weight(out_features, 128, seed=rows)
+    codes = find_block_codes(weight)
+    assert codes is not None
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(out_features))
+    y = torch.ops.kvmesh.block_code_linear(
+        x, codes.codes, codes.scales, codes.offsets, codes.out_features
+    )
+    expected = (x.double() @ weight.double().T).float()
+    assert y.shape == (rows, out_features)
+    # float32 accumulation over 128 products of O(0.1) terms: ~1e-6 relative.
+    torch.testing.assert_close(y, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_linear_uses_codes_only_for_small_batches() -> None:
+    weight = q8_0_weight(64, 96, seed=3)
+    bias = torch.randn(64)
+    linear = PackedLinear(weight, bias)
+    assert linear.uses_block_codes
+    for rows in (1, MAX_BLOCK_CODE_ROWS, MAX_BLOCK_CODE_ROWS + 1, 300):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=2e-5, rtol=1e-5)
+    assert not PackedLinear(torch.randn(64, 96)).uses_block_codes
+    assert not PackedLinear(weight, use_block_codes=False).uses_block_codes
+
+
+def _args() -> dict[str, torch.Tensor | int]:
+    codes = find_block_codes(q4_1_weight(32, 64))
+    assert codes is not None
+    return {
+        "x": torch.randn(4, 64),
+        "codes": codes.codes,
+        "scales": codes.scales,
+        "offsets": codes.offsets,
+        "out_features": 32,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"x": torch.randn(4, 96)}, "x has 96 features"),
+        ({"x": torch.randn(4, 64).double()}, "float32"),
+        ({"x": torch.randn(64, 4).T}, "contiguous"),
+        ({"out_features": 40}, "does not match 2 panels"),
+        ({"out_features": 16}, "does not match 2 panels"),
+        ({"scales": torch.zeros(2, 3, 16)}, "scales and offsets"),
+        ({"codes": torch.zeros(2, 64, 16, dtype=torch.int32)}, "uint8"),
+    ],
+)
+def test_kernel_rejects_bad_inputs(change: dict, message: str) -> None:
+    args = {**_args(), **change}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvmesh.block_code_linear(*args.values())
