@@ -100,3 +100,14 @@ def test_greedy_with_reused_prefix_blocks(runner, prompts, expected) -> None:
     assert first.sampled_token_ids == [[expected[index][0]]]
     result = _outputs(driver, runner, ["prefix-reuser"])
     assert result == [expected[index]]
+
+
+def test_default_checkpoint_runs_small_batches_on_exact_block_codes(runner) -> None:
+    """SmolLM2's GGUF weights are Q4_1/Q8_0 images: every projection gets codes.
+
+    The greedy tests above then cover the block-code kernel (decode steps of a
+    few rows) and oneDNN (prefill steps) against transformers.
+    """
+    with_codes, total = runner.model.block_code_coverage()
+    assert total == runner.model_config.num_layers * 4 + 1
+    assert with_codes == total
