@@ -77,8 +77,8 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((CSRC / name).read_bytes())
+    for path in sorted(CSRC.iterdir()):  # sources and the headers they include
+        digest.update(path.name.encode() + path.read_bytes())
     for part in (
         torch.__version__,
         sys.version,

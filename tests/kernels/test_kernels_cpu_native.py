@@ -130,12 +130,13 @@ def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message:
         _call(args)
 
 
-def test_cache_key_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_cache_key_changes_with_any_file_in_csrc(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     before = native.build_key()
-    for name in native.SOURCES:
-        (tmp_path / name).write_text((native.CSRC / name).read_text())
-    (tmp_path / native.SOURCES[-1]).write_text(
-        (native.CSRC / native.SOURCES[-1]).read_text() + "\n// edited\n"
-    )
+    for path in native.CSRC.iterdir():
+        copy = tmp_path / path.name
+        copy.write_bytes(path.read_bytes())
     monkeypatch.setattr(native, "CSRC", tmp_path)
+    assert native.build_key() == before
+    source = tmp_path / native.SOURCES[-1]
+    source.write_text(source.read_text() + "\n// edited\n")
     assert native.build_key() != before
