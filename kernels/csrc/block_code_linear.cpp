@@ -37,6 +37,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kCodeBlock = 32;
 constexpr int64_t kMaxRows = 16;  // rows per register tile: 16 accumulators
+constexpr int64_t kPrefetchAhead = 256;  // k steps (16 bytes each) of codes
 
 #ifdef __AVX512F__
 template <int ROWS>
@@ -47,6 +48,12 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* sc
   for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
     const __m512 scale = _mm512_loadu_ps(scales + kb * kLanes);
     const __m512 offset = _mm512_loadu_ps(offsets + kb * kLanes);
+    // The codes stream from DRAM once per step; ask for them a few KB ahead
+    // (past the end of this panel that is the next panel, laid out after it).
+    const uint8_t* ahead = codes + (kb * kCodeBlock + kPrefetchAhead) * kLanes;
+    for (int64_t line = 0; line < kCodeBlock * kLanes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
     for (int64_t kk = 0; kk < kCodeBlock; ++kk) {
       const int64_t k = kb * kCodeBlock + kk;
       const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kLanes));
