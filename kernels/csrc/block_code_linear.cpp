@@ -16,7 +16,6 @@
 //   offsets: [num_panels, K / 32, 16]  float32
 // Panels past out_features are zero padding.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -32,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include "work_stealing.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -41,8 +42,9 @@ constexpr int64_t kPrefetchAhead = 256;  // k steps (16 bytes each) of codes
 
 #ifdef __AVX512F__
 template <int ROWS>
-void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales,
-                const float* offsets, float* y, int64_t ldy, int64_t valid_lanes) {
+void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* next_codes,
+                const float* scales, const float* offsets, float* y, int64_t ldy,
+                int64_t valid_lanes) {
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
@@ -50,9 +52,13 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* sc
     const __m512 offset = _mm512_loadu_ps(offsets + kb * kLanes);
     // The codes stream from DRAM once per step; ask for them a few KB ahead
     // (past the end of this panel that is the next panel, laid out after it).
-    const uint8_t* ahead = codes + (kb * kCodeBlock + kPrefetchAhead) * kLanes;
-    for (int64_t line = 0; line < kCodeBlock * kLanes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    const int64_t ahead_k = kb * kCodeBlock + kPrefetchAhead;
+    const uint8_t* ahead = ahead_k < K ? codes + ahead_k * kLanes
+                                       : next_codes + (ahead_k - K) * kLanes;
+    if (ahead_k < K || next_codes != nullptr) {
+      for (int64_t line = 0; line < kCodeBlock * kLanes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+      }
     }
     for (int64_t kk = 0; kk < kCodeBlock; ++kk) {
       const int64_t k = kb * kCodeBlock + kk;
@@ -68,8 +74,9 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* sc
 }
 #else
 template <int ROWS>
-void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales,
-                const float* offsets, float* y, int64_t ldy, int64_t valid_lanes) {
+void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* /*next_codes*/,
+                const float* scales, const float* offsets, float* y, int64_t ldy,
+                int64_t valid_lanes) {
   float acc[ROWS][kLanes] = {};
   float w[kLanes];
   for (int64_t k = 0; k < K; ++k) {
@@ -90,8 +97,8 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const float* sc
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, float*,
-                        int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const uint8_t*, const uint8_t*, const float*,
+                        const float*, float*, int64_t, int64_t);
 
 template <int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
@@ -129,16 +136,16 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
   float* yp = y.data_ptr<float>();
   const int64_t blocks = K / kCodeBlock;
 
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kLanes;
-      const int64_t valid = std::min(kLanes, out_features - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, M - m0);
-        kTiles[rows - 1](xp + m0 * K, K, cp + p * K * kLanes, sp + p * blocks * kLanes,
-                         op + p * blocks * kLanes, yp + m0 * out_features + n0, out_features,
-                         valid);
-      }
+  kvmesh::parallel_items(panels, [&](int64_t p, bool forward) {
+    const int64_t n0 = p * kLanes;
+    const int64_t valid = std::min(kLanes, out_features - n0);
+    // The panel this thread most likely takes next, for the prefetcher.
+    const int64_t next = forward ? p + 1 : p - 1;
+    const uint8_t* next_codes = next >= 0 && next < panels ? cp + next * K * kLanes : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, M - m0);
+      kTiles[rows - 1](xp + m0 * K, K, cp + p * K * kLanes, next_codes, sp + p * blocks * kLanes,
+                       op + p * blocks * kLanes, yp + m0 * out_features + n0, out_features, valid);
     }
   });
   return y;

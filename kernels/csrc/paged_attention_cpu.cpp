@@ -4,7 +4,7 @@
 // from the paged KV cache through the sequence's block table: no gather into
 // a padded tensor, no mask, no padding work. Work is split over
 // (sequence, KV head) pairs on torch's own intra-op thread pool
-// (at::parallel_for), so it shares threads with the matmuls instead of
+// (work_stealing.h), so it shares threads with the matmuls instead of
 // competing with them. The query heads of a GQA group are done together so
 // every K/V row is read from memory once per group, not once per query head.
 //
@@ -12,7 +12,6 @@
 // value sum accumulates in float32. Only the order of additions differs from
 // the PyTorch reference (kernels/reference.py).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -21,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "work_stealing.h"
 
 namespace {
 
@@ -176,36 +177,38 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     max_len = std::max(max_len, len);
   }
 
-  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * max_len);
-    std::vector<float> acc(head_dim);
-    std::vector<const float*> q(group);
-    std::vector<float*> o(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
-      const int64_t row = row_ids[seq];
-      for (int64_t g = 0; g < group; ++g) {
-        q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
-        o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
-      }
-      const float* k = k_base + kv_head * head_dim;
-      const float* v = v_base + kv_head * head_dim;
-      const int64_t* table = tables + seq * max_blocks;
-      const int64_t len = lens[seq];
-      switch (head_dim) {
-        case 64:
-          attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
-                         scale_f, scores.data());
-          break;
-        case 128:
-          attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
-                          scale_f, scores.data());
-          break;
-        default:
-          attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
-                             row_stride, scale_f, scores.data(), acc.data());
-      }
+  kvmesh::parallel_items(num_decodes * num_kv_heads, [&](int64_t item, bool) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<float> acc;
+    thread_local std::vector<const float*> q;
+    thread_local std::vector<float*> o;
+    scores.resize(group * max_len);
+    acc.resize(head_dim);
+    q.resize(group);
+    o.resize(group);
+    const int64_t seq = item / num_kv_heads;
+    const int64_t kv_head = item % num_kv_heads;
+    const int64_t row = row_ids[seq];
+    for (int64_t g = 0; g < group; ++g) {
+      q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
+      o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
+    }
+    const float* k = k_base + kv_head * head_dim;
+    const float* v = v_base + kv_head * head_dim;
+    const int64_t* table = tables + seq * max_blocks;
+    const int64_t len = lens[seq];
+    switch (head_dim) {
+      case 64:
+        attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
+                       scale_f, scores.data());
+        break;
+      case 128:
+        attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
+                        scale_f, scores.data());
+        break;
+      default:
+        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
+                           row_stride, scale_f, scores.data(), acc.data());
     }
   });
 }

@@ -147,3 +147,24 @@ def test_kernel_rejects_bad_inputs(change: dict, message: str) -> None:
     args = {**_args(), **change}
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvmesh.block_code_linear(*args.values())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_kernel_result_does_not_depend_on_thread_count(threads: int) -> None:
+    """Threads steal panels from each other (work_stealing.h): every panel must
+    be computed exactly once whatever the split, and each panel's arithmetic is
+    the same on any thread, so results are bitwise equal."""
+    weight = q8_0_weight(16 * 37 + 5, 64, seed=9)
+    codes = find_block_codes(weight)
+    assert codes is not None
+    x = torch.randn(19, 64, generator=torch.Generator().manual_seed(1))
+    args = (x, codes.codes, codes.scales, codes.offsets, codes.out_features)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = torch.ops.kvmesh.block_code_linear(*args)
+        torch.set_num_threads(threads)
+        for _ in range(5):
+            assert torch.equal(torch.ops.kvmesh.block_code_linear(*args), expected)
+    finally:
+        torch.set_num_threads(before)
