@@ -1,6 +1,9 @@
-"""Decode attention: the reference (one Python iteration per sequence) vs the batched CPU path.
+"""Decode attention: the reference (one Python iteration per sequence) vs the CPU paths.
 
-Prints milliseconds per layer call and the speed-up, both measured in this run.
+``cpu`` gathers contexts into a padded tensor for one masked SDPA; ``cpu_native``
+reads the paged cache in place in C++ (kernels/csrc/paged_attention_cpu.cpp).
+Prints milliseconds per layer call and speed-ups over the reference and over
+``cpu``, all measured in this run.
 Shapes follow the default model (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
 """
@@ -15,6 +18,7 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
+from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.testing import make_paged_batch
 from kernels.torch_reference_backend import TorchReferenceBackend
 
@@ -52,13 +56,17 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
-    print(f"{'batch':>5} {'context':>7} {'reference ms':>13} {'cpu ms':>8} {'speed-up':>9}")
+    print(
+        f"{'batch':>5} {'context':>7} {'reference ms':>13} {'cpu ms':>8} {'native ms':>10} "
+        f"{'native/ref':>11} {'native/cpu':>11}"
+    )
     for batch_size in args.batch_sizes:
         reference = time_decode(TorchReferenceBackend(), batch_size, args.context, args.repeats)
         fast = time_decode(CpuAttentionBackend(), batch_size, args.context, args.repeats)
+        native = time_decode(NativeCpuAttentionBackend(), batch_size, args.context, args.repeats)
         print(
-            f"{batch_size:>5} {args.context:>7} {reference:>13.3f} {fast:>8.3f} "
-            f"{reference / fast:>8.1f}x"
+            f"{batch_size:>5} {args.context:>7} {reference:>13.3f} {fast:>8.3f} {native:>10.3f} "
+            f"{reference / native:>10.1f}x {fast / native:>10.1f}x"
         )
 
 

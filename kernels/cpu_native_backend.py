@@ -26,6 +26,9 @@ from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan
 class NativeCpuAttentionBackend(CpuAttentionBackend):
     name: ClassVar[str] = "cpu_native"
 
+    def __init__(self) -> None:
+        native.ensure_loaded()  # builds and loads the ops, or says why it cannot
+
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
         if device.type != "cpu":

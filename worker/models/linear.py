@@ -47,7 +47,7 @@ def onednn_available(weight: torch.Tensor) -> bool:
 class PackedLinear:
     """A frozen weight (and bias) prepared once for inference."""
 
-    __slots__ = ("_bias", "_codes", "_packed", "out_features", "weight")
+    __slots__ = ("_bias", "_codes", "_packed", "in_features", "out_features", "weight")
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class PackedLinear:
         use_onednn: bool = True,
         use_block_codes: bool = True,
     ) -> None:
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self._bias = bias
         self._codes: BlockCodes | None = None
         if use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None:

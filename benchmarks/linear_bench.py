@@ -1,0 +1,72 @@
+"""Small-batch projections: oneDNN over float32 weights vs the C++ kernel over exact block codes.
+
+Runs every projection of the default model (30 layers x qkv/o/gate_up/down,
+plus the LM head) once per "step", in model order, as a decode step does, so
+that the weights stream from memory rather than sit in cache; prints
+milliseconds per step for each path and batch size and the ratio, measured in
+this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]``.
+
+The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` in
+worker/models/linear.py is set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.model_prep import default_model_path
+from worker.config import ModelConfig
+from worker.model_loader import load_model
+from worker.models.linear import PackedLinear
+
+
+def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], force: str) -> float:
+    """Best of 5 passes over every projection; ``force`` picks the path."""
+    import worker.models.linear as linear_module
+
+    saved = linear_module.MAX_BLOCK_CODE_ROWS
+    linear_module.MAX_BLOCK_CODE_ROWS = 1 << 30 if force == "codes" else 0
+    try:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for projection in projections:
+                projection(inputs[projection.in_features])
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+    finally:
+        linear_module.MAX_BLOCK_CODE_ROWS = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = ModelConfig.from_pretrained(default_model_path(), dtype="float32")
+    model = load_model(config)
+    projections = [p for layer in model.layers for p in layer._packed.values()]
+    projections.append(model._packed_lm_head)
+    with_codes, total = model.block_code_coverage()
+    threads = torch.get_num_threads()
+    print(f"{with_codes}/{total} projections have exact block codes; {threads} threads")
+    print(f"{'rows':>5} {'oneDNN ms':>10} {'codes ms':>9} {'speed-up':>9}")
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = {n: torch.randn(rows, n) for n in {p.in_features for p in projections}}
+            dense = step_ms(projections, inputs, "onednn")
+            codes = step_ms(projections, inputs, "codes")
+            print(f"{rows:>5} {dense:>10.2f} {codes:>9.2f} {dense / codes:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
