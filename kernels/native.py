@@ -9,9 +9,9 @@ of loading a stale or illegal binary. ``make install`` builds ahead of time
 on first use, under a file lock so that concurrent workers build once.
 
 ``-march=native`` because the binary is built where it runs; ``-ffast-math``
-only at compile time, for the vectorized ``exp`` and reassociated sums (the
-link step omits it, so ``crtfastmath.o`` never flips the whole process into
-flush-to-zero mode).
+only for the sources that need a vectorized ``exp`` (``SOURCES``), and only at
+compile time: the link step omits it, so ``crtfastmath.o`` never flips the
+whole process into flush-to-zero mode.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,14 +38,21 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "block_code_linear.cpp")
+# Each source with its own extra flags: -ffast-math where a vectorized exp
+# matters and a few ulps do not; none where results must round like torch's.
+FAST_MATH = ("-ffast-math",)
+SOURCES: dict[str, tuple[str, ...]] = {
+    "paged_attention_cpu.cpp": FAST_MATH,
+    "block_code_linear.cpp": (),
+    "rms_norm_cpu.cpp": ("-fno-math-errno",),
+    "silu_and_mul_cpu.cpp": FAST_MATH,
+}
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 DISABLE_ENV = "KVMESH_NATIVE_KERNELS"
 
 COMPILE_FLAGS = (
     "-O3",
     "-march=native",
-    "-ffast-math",
     "-fopenmp",
     "-std=c++20",
     "-fPIC",
@@ -86,6 +94,7 @@ def build_key() -> str:
         _cpu_flags(),
         *COMPILE_FLAGS,
         *LINK_FLAGS,
+        *(flag for flags in SOURCES.values() for flag in flags),
     ):
         digest.update(part.encode())
     return digest.hexdigest()[:20]
@@ -127,22 +136,18 @@ def build(force: bool = False) -> Path:
         lib_dirs = cpp_extension.library_paths()
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             objects = []
-            for name in SOURCES:
+            abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+            commands = []
+            for name, extra in SOURCES.items():
                 obj = Path(scratch) / f"{Path(name).stem}.o"
-                abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-                _run(
-                    [
-                        compiler,
-                        *COMPILE_FLAGS,
-                        abi,
-                        *includes,
-                        "-c",
-                        str(CSRC / name),
-                        "-o",
-                        str(obj),
-                    ]
+                source = str(CSRC / name)
+                commands.append(
+                    [compiler, *COMPILE_FLAGS, *extra, abi, *includes, "-c", source, "-o", str(obj)]
                 )
                 objects.append(str(obj))
+            # One compiler per core: each file spends seconds in torch's headers.
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(_run, commands))
             partial = Path(scratch) / LIBRARY_NAME
             _run(
                 [

@@ -137,6 +137,6 @@ def test_cache_key_changes_with_any_file_in_csrc(monkeypatch: pytest.MonkeyPatch
         copy.write_bytes(path.read_bytes())
     monkeypatch.setattr(native, "CSRC", tmp_path)
     assert native.build_key() == before
-    source = tmp_path / native.SOURCES[-1]
+    source = tmp_path / next(iter(native.SOURCES))
     source.write_text(source.read_text() + "\n// edited\n")
     assert native.build_key() != before

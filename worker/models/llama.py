@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.config import ModelConfig
 from worker.models.linear import PackedLinear
@@ -61,9 +62,12 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
         self._packed: dict[str, PackedLinear] | None = None
+        self._fused_elementwise = False
 
     def pack_weights(self, use_onednn: bool, use_block_codes: bool = True) -> None:
         """Freeze the projections into inference layouts (after load_weights)."""
+        # RMSNorm and SwiGLU as single C++ ops (kernels/csrc), where they load.
+        self._fused_elementwise = use_block_codes and native.unavailable_reason() is None
         self._packed = {
             name: PackedLinear(weight, bias, use_onednn, use_block_codes)
             for name, weight, bias in (
@@ -89,8 +93,12 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        fused = self._fused_elementwise and hidden.dtype == torch.float32 and hidden.is_cpu
         residual = hidden
-        hidden = rms_norm(hidden, self.input_norm, self.eps)
+        if fused:
+            hidden = torch.ops.kvmesh.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            hidden = rms_norm(hidden, self.input_norm, self.eps)
         qkv = self._linear("qkv", self.qkv_proj, hidden, self.qkv_bias)
         # Query and key heads rotate together: one set of elementwise ops per
         # layer instead of two (the same float ops, so the same results).
@@ -106,8 +114,18 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
-        hidden = residual + self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
+        attn_out = self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
 
+        if fused:
+            # The same float ops as below, fused into two kernels.
+            hidden, residual = torch.ops.kvmesh.add_rms_norm(
+                attn_out, residual, self.post_attention_norm, self.eps
+            )
+            gate_up = self._linear("gate_up", self.gate_up_proj, hidden)
+            return residual + self._linear(
+                "down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up)
+            )
+        hidden = residual + attn_out
         residual = hidden
         hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate, up = self._linear("gate_up", self.gate_up_proj, hidden).chunk(2, dim=-1)
@@ -155,7 +173,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (the rows that sample); norm is per row."""
-        normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        if self.layers[0]._fused_elementwise and hidden.dtype == torch.float32 and hidden.is_cpu:
+            normed = torch.ops.kvmesh.rms_norm(
+                hidden.contiguous(), self.norm, self.config.rms_norm_eps
+            )
+        else:
+            normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         if self._packed_lm_head is None:
             return F.linear(normed, self.lm_head)
         return self._packed_lm_head(normed)
