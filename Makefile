@@ -14,7 +14,9 @@ install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
 	@$(BIN)/python -m services.model_prep >/dev/null
 	@# Compiles the C++ CPU kernels once per source/torch/CPU (kernels/native.py).
-	@$(BIN)/python -m kernels.native build >/dev/null
+	@# Without a compiler the stack still runs (torch CPU path); the tests fail.
+	@$(BIN)/python -m kernels.native build >/dev/null \
+		|| echo "kvmesh: C++ kernels not built (reason above); serving falls back to the torch CPU path"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
