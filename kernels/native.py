@@ -46,6 +46,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_linear.cpp": (),
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
     "silu_and_mul_cpu.cpp": FAST_MATH,
+    "rotary_cpu.cpp": ("-ffp-contract=off",),
 }
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 DISABLE_ENV = "KVMESH_NATIVE_KERNELS"

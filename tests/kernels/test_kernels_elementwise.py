@@ -77,3 +77,29 @@ def test_silu_and_mul_saturates_without_nan() -> None:
 def test_bad_inputs_raise_clear_errors(call, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 700])
+def test_rotary_is_bit_identical_to_the_torch_ops(tokens: int) -> None:
+    """Built with -ffp-contract=off: the same roundings as torch's separate ops."""
+    from worker.models.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 4096, 100000.0, None, torch.float32)
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 960, generator=g) * 5
+    query_key = qkv[:, :768].view(tokens, 12, 64)  # a strided view, as in the model
+    cos, sin = rotary.tables(torch.randint(0, 4096, (tokens,), generator=g))
+    expected = rotary.rotate(query_key, cos, sin)
+    actual = torch.ops.kvmesh.rotary_embedding(query_key, cos, sin)
+    assert actual.is_contiguous()
+    assert torch.equal(actual, expected)
+
+
+def test_rotary_rejects_bad_tables() -> None:
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.kvmesh.rotary_embedding(x, torch.randn(4, 1, 3), torch.randn(4, 1, 4))
+    with pytest.raises(RuntimeError, match="odd head_dim"):
+        torch.ops.kvmesh.rotary_embedding(
+            torch.randn(4, 2, 7), torch.randn(4, 3), torch.randn(4, 3)
+        )

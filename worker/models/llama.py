@@ -187,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         """Prepare every projection for inference once the weights are loaded."""
         for layer in self.layers:
             layer.pack_weights(use_onednn, use_block_codes)
+        self.rotary.use_native = self.layers[0]._fused_elementwise
         self._packed_lm_head = PackedLinear(self.lm_head, None, use_onednn, use_block_codes)
 
     def block_code_coverage(self) -> tuple[int, int]:

@@ -58,6 +58,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
         self.half_dim = head_dim // 2
+        # Set by the model once the C++ ops are known to load.
+        self.use_native = False
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -72,5 +74,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate every head of ``x`` [T, heads, D] (query and key heads may come together)."""
+        if self.use_native and x.dtype == torch.float32 and x.is_cpu and cos.is_contiguous():
+            # One C++ op with the same float ops (kernels/csrc/rotary_cpu.cpp).
+            return torch.ops.kvmesh.rotary_embedding(x, cos, sin)
         x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
