@@ -67,7 +67,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") ->
     model.eval()
     # KVMESH_DENSE_LINEAR=1 keeps plain F.linear (e.g. to compare kernels).
     dense = os.environ.get("KVMESH_DENSE_LINEAR", "") == "1"
-    model.pack_weights(use_onednn=not dense, use_block_codes=not dense)
+    model.pack_weights(use_onednn=not dense, use_native=not dense)
     with_codes, total = model.block_code_coverage()
     logger.info(
         "%d of %d projections run small batches on exact 8-bit block codes", with_codes, total

@@ -62,14 +62,17 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
         self._packed: dict[str, PackedLinear] | None = None
-        self._fused_elementwise = False
+        self._native_ops = False
 
-    def pack_weights(self, use_onednn: bool, use_block_codes: bool = True) -> None:
-        """Freeze the projections into inference layouts (after load_weights)."""
-        # RMSNorm and SwiGLU as single C++ ops (kernels/csrc), where they load.
-        self._fused_elementwise = use_block_codes and native.unavailable_reason() is None
+    def pack_weights(self, use_onednn: bool, use_native: bool = False) -> None:
+        """Freeze the projections into inference layouts (after load_weights).
+
+        ``use_native``: the C++ ops (kernels/csrc) are loaded and fit this
+        layer (float32 on CPU): fused RMSNorm/SwiGLU, block-code projections.
+        """
+        self._native_ops = use_native
         self._packed = {
-            name: PackedLinear(weight, bias, use_onednn, use_block_codes)
+            name: PackedLinear(weight, bias, use_onednn, use_block_codes=use_native)
             for name, weight, bias in (
                 ("qkv", self.qkv_proj, self.qkv_bias),
                 ("o", self.o_proj, None),
@@ -93,9 +96,8 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        fused = self._fused_elementwise and hidden.dtype == torch.float32 and hidden.is_cpu
         residual = hidden
-        if fused:
+        if self._native_ops:
             hidden = torch.ops.kvmesh.rms_norm(hidden, self.input_norm, self.eps)
         else:
             hidden = rms_norm(hidden, self.input_norm, self.eps)
@@ -116,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
         attn_out = self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
 
-        if fused:
+        if self._native_ops:
             # The same float ops as below, fused into two kernels.
             hidden, residual = torch.ops.kvmesh.add_rms_norm(
                 attn_out, residual, self.post_attention_norm, self.eps
@@ -148,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
             else _empty(config.vocab_size, config.hidden_size, dtype=dtype)
         )
         self._packed_lm_head: PackedLinear | None = None
+        self._native_ops = False
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_model_len,
@@ -173,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (the rows that sample); norm is per row."""
-        if self.layers[0]._fused_elementwise and hidden.dtype == torch.float32 and hidden.is_cpu:
+        if self._native_ops:
             normed = torch.ops.kvmesh.rms_norm(
                 hidden.contiguous(), self.norm, self.config.rms_norm_eps
             )
@@ -183,12 +186,24 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(normed, self.lm_head)
         return self._packed_lm_head(normed)
 
-    def pack_weights(self, use_onednn: bool = True, use_block_codes: bool = True) -> None:
-        """Prepare every projection for inference once the weights are loaded."""
+    def pack_weights(self, use_onednn: bool = True, use_native: bool = True) -> None:
+        """Prepare every projection for inference once the weights are loaded.
+
+        ``use_native`` asks for kvmesh's C++ CPU ops; they are used where they
+        load and fit (float32 weights on CPU), decided here once for every layer.
+        """
+        self._native_ops = (
+            use_native
+            and self.embed_tokens.dtype == torch.float32
+            and self.embed_tokens.device.type == "cpu"
+            and native.unavailable_reason() is None
+        )
         for layer in self.layers:
-            layer.pack_weights(use_onednn, use_block_codes)
-        self.rotary.use_native = self.layers[0]._fused_elementwise
-        self._packed_lm_head = PackedLinear(self.lm_head, None, use_onednn, use_block_codes)
+            layer.pack_weights(use_onednn, self._native_ops)
+        self.rotary.use_native = self._native_ops
+        self._packed_lm_head = PackedLinear(
+            self.lm_head, None, use_onednn, use_block_codes=self._native_ops
+        )
 
     def block_code_coverage(self) -> tuple[int, int]:
         """(projections running on exact block codes for small batches, all projections)."""

@@ -74,7 +74,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate every head of ``x`` [T, heads, D] (query and key heads may come together)."""
-        if self.use_native and x.dtype == torch.float32 and x.is_cpu and cos.is_contiguous():
+        if self.use_native:
             # One C++ op with the same float ops (kernels/csrc/rotary_cpu.cpp).
             return torch.ops.kvmesh.rotary_embedding(x, cos, sin)
         x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
