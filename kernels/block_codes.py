@@ -24,8 +24,6 @@ quantized) returns None and stays on the dense path.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,24 +79,21 @@ def _try_layout(
     return codes - code_min, offset + code_min * scale, exact
 
 
-NUM_GUESSES = 8  # two layouts x four scale roundings, as _guesses yields them
+Guess = tuple[torch.Tensor, torch.Tensor, int, int]  # offset, scale, code_min, code_max
 
 
-def _guesses(blocks: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """(offset, scale, code_min, code_max) per layout and scale rounding, likeliest first."""
+def _guesses(blocks: torch.Tensor) -> list[Guess]:
+    """One guess per layout and scale rounding, for every block at once."""
     low = blocks.amin(dim=-1, keepdim=True)
     high = blocks.amax(dim=-1, keepdim=True)
-    # Affine 4-bit (Q4_1): the minimum is the offset, code 15 the maximum.
-    for scale in _float16_candidates((high - low) / 15):
-        yield low, scale, 0, 15
-    # Symmetric 8-bit (Q8_0): codes -127..127 stored shifted by 128.
     amax = torch.maximum(high.abs(), low.abs())
-    for scale in _float16_candidates(amax / 127):
-        yield torch.zeros_like(low), scale, -128, 127
-
-
-def _nth_guess(blocks: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    return next(itertools.islice(_guesses(blocks), index, None))
+    zero = torch.zeros_like(low)
+    return [
+        # Affine 4-bit (Q4_1): the minimum is the offset, code 15 the maximum.
+        *((low, scale, 0, 15) for scale in _float16_candidates((high - low) / 15)),
+        # Symmetric 8-bit (Q8_0): codes -127..127 stored shifted by 128.
+        *((zero, scale, -128, 127) for scale in _float16_candidates(amax / 127)),
+    ]
 
 
 def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
@@ -117,13 +112,14 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     # in the order they fare on a sample: one of them solves (nearly) every
     # block of a quantized checkpoint, and it should run first.
     sample = blocks[:: max(1, blocks.shape[0] // 256)]
+    sample_guesses = _guesses(sample)
     order = sorted(
-        range(NUM_GUESSES),
-        key=lambda i: -int(_try_layout(sample, *_nth_guess(sample, i))[2].sum()),
+        range(len(sample_guesses)),
+        key=lambda i: -int(_try_layout(sample, *sample_guesses[i])[2].sum()),
     )
     for step, index in enumerate(order):
         rest = blocks if step == 0 else blocks[unsolved]
-        offset, scale, code_min, code_max = _nth_guess(rest, index)
+        offset, scale, code_min, code_max = _guesses(rest)[index]
         found, stored_offset, exact = _try_layout(rest, offset, scale, code_min, code_max)
         done = unsolved[exact]
         codes[done] = found[exact].to(torch.uint8)
