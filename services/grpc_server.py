@@ -40,8 +40,8 @@ SERVER_OPTIONS = [
 
 async def _report(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     """The one exception -> status conversion of every kvmesh gRPC server."""
-    error = reported_error(exc, method)
-    if error is exc:
+    error = reported_error(exc, method)  # a bug: traceback logged, reported as INTERNAL
+    if error is exc:  # raised on purpose: one line says why
         logger.info("%s failed with %s: %s", method, error.kind.name, error.details)
     await context.abort(error.kind.grpc_code, error.details)
 
