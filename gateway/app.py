@@ -19,13 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.engine_client import EngineClient, EngineError
-from gateway.errors import (
-    RequestError,
-    error_response,
-    install_exception_handlers,
-    response_for_exception,
-)
+from gateway.engine_client import EngineClient
+from gateway.errors import error_response, install_exception_handlers, response_for_exception
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -41,6 +36,12 @@ from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_model, render_chat
+from services.errors import (
+    InvalidRequestError,
+    KvmeshError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _package_version() -> str:
 
 
 class _InternalErrorMiddleware:
-    """Turn any exception that escaped a route into a logged 500 with an OpenAI body.
+    """Answer any exception that escaped a route with its OpenAI body (a bug: a logged 500).
 
     Starlette's own catch-all re-raises after answering; this one keeps the
     failure inside the gateway, and stays silent toward a client whose
@@ -83,10 +84,10 @@ class _InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracking_start)
-        except Exception:
-            logger.exception("unhandled error serving %s %s", scope.get("method"), scope["path"])
+        except Exception as exc:
+            response = response_for_exception(exc, f"{scope.get('method')} {scope['path']}")
             if not started:
-                await error_response("internal server error", 500)(scope, receive, send)
+                await response(scope, receive, send)
 
 
 class _ApiKeyMiddleware:
@@ -103,7 +104,8 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             headers = dict(scope.get("headers") or [])
             if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
-                response = error_response("invalid or missing API key", 401, code="invalid_api_key")
+                refusal = UnauthenticatedError("invalid or missing API key", code="invalid_api_key")
+                response = error_response(refusal)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -178,10 +180,10 @@ def build_app(
     async def ready() -> Response:
         try:
             await asyncio.wait_for(engine.check_ready(), timeout=READY_TIMEOUT_S)
-        except EngineError as exc:
-            return error_response(f"engine not ready: {exc.message}", 503)
+        except KvmeshError as exc:
+            return error_response(UnavailableError(f"engine not ready: {exc.message}"))
         except TimeoutError:
-            return error_response("engine not ready: readiness check timed out", 503)
+            return error_response(UnavailableError("engine not ready: readiness check timed out"))
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
@@ -196,7 +198,7 @@ def build_app(
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(request.model, served_model_name)
         if (request.prompt is None) == (request.messages is None):
-            raise RequestError("send exactly one of prompt or messages", param="prompt")
+            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
         if request.prompt is not None:
             text = request.prompt
             add_special = request.add_special_tokens is not False
@@ -221,7 +223,9 @@ def build_app(
         check_model(request.model, served_model_name)
         for token_id in request.tokens:
             if not 0 <= token_id < tokenizer.vocab_size:
-                raise RequestError(f"token id {token_id} is outside the vocabulary", "tokens")
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary", "tokens"
+                )
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     return app

@@ -8,8 +8,9 @@ Contract for implementations:
 
 - ``generate`` yields one ``GenerationDelta`` per engine step in which the
   request produced news, and its last delta has ``finish_reason`` set. It
-  raises ``EngineError`` before yielding anything when the request cannot be
-  admitted (engine unreachable: 503, queue full: 429, rejected: 400). A failure
+  raises a ``services.errors.KvmeshError`` before yielding anything when the
+  request cannot be admitted (engine unreachable: ``UnavailableError``, queue
+  full: ``OverloadedError``, rejected: ``InvalidRequestError``). A failure
   after admission is reported in-band as a final delta with
   ``finish_reason="error"`` and ``error`` set.
 - Texts in deltas are already detokenized and stop-truncated: concatenating
@@ -86,19 +87,6 @@ class GenerationDelta:
         return self.finish_reason is not None
 
 
-class EngineError(Exception):
-    """The engine could not take or run a request.
-
-    ``status_code`` is the HTTP status the gateway answers with: 503 engine
-    unavailable, 429 overloaded, 400 rejected as invalid.
-    """
-
-    def __init__(self, message: str, status_code: int = 503) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     """What the gateway needs to know about the served model."""
@@ -112,7 +100,7 @@ class ModelInfo:
 @runtime_checkable
 class EngineClient(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Submit ``request`` and stream its deltas; raises ``EngineError``.
+        """Submit ``request`` and stream its deltas; raises ``KvmeshError`` if refused.
 
         Implemented as an async generator (``async def`` with ``yield``), so
         calling it returns the iterator directly.
@@ -124,7 +112,7 @@ class EngineClient(Protocol):
         ...
 
     async def check_ready(self) -> None:
-        """Raise ``EngineError`` unless a scheduler/worker round trip succeeds."""
+        """Raise ``KvmeshError`` unless a scheduler/worker round trip succeeds."""
         ...
 
     @property

@@ -2,7 +2,7 @@
 
 A response with ``n`` choices, or a batch of prompts, becomes one engine
 request per choice. ``MultiGeneration`` submits them all, waits until each has
-either been admitted (its first delta arrived) or refused (``EngineError``),
+either been admitted (its first delta arrived) or refused (``KvmeshError``),
 and then merges their deltas in arrival order. Waiting for admission before
 answering lets a full queue or a dead engine become a proper HTTP status
 instead of an error in the middle of a 200 stream.
@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 
-from gateway.engine_client import EngineClient, EngineError, GenerationDelta, GenerationRequest
+from gateway.engine_client import EngineClient, GenerationDelta, GenerationRequest
+from services.errors import KvmeshError
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +91,10 @@ class MultiGeneration:
 
     def _failure_delta(self, index: int, failure: object) -> GenerationDelta:
         request_id = self._requests[index].request_id
-        if isinstance(failure, EngineError):
+        if isinstance(failure, KvmeshError):
             message = failure.message
         elif isinstance(failure, BaseException):
-            logger.error("request %s: engine stream failed: %r", request_id, failure)
+            logger.error("request %s: engine stream failed", request_id, exc_info=failure)
             message = "the engine failed while generating"
         else:
             logger.error("request %s: engine stream ended without a finish reason", request_id)

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from gateway.engine_client import (
-    EngineError,
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
@@ -31,6 +30,7 @@ from protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.errors import InvalidRequestError, UnavailableError, error_from_rpc
 from services.grpc_server import insecure_channel
 from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
 
@@ -42,12 +42,6 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
-}
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 503,
 }
 
 
@@ -84,7 +78,7 @@ class GrpcEngineClient:
                 break
             except grpc.aio.AioRpcError as e:
                 if asyncio.get_running_loop().time() > deadline:
-                    raise EngineError(f"scheduler unreachable: {e.details()}") from e
+                    raise UnavailableError(f"scheduler unreachable: {e.details()}") from e
                 await asyncio.sleep(0.5)
         self._model_info = ModelInfo(
             served_model_name=info.model_name,
@@ -106,7 +100,7 @@ class GrpcEngineClient:
     @property
     def model_info(self) -> ModelInfo:
         if self._model_info is None:
-            raise EngineError("engine client not started", 503)
+            raise UnavailableError("engine client not started")
         return self._model_info
 
     # ---- outputs -----------------------------------------------------------
@@ -192,10 +186,10 @@ class GrpcEngineClient:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         if not self._subscribed.is_set():
-            raise EngineError("engine unavailable: not subscribed to the detokenizer", 503)
+            raise UnavailableError("engine unavailable: not subscribed to the detokenizer")
         rid = request.request_id
         if rid in self._queues:
-            raise EngineError(f"duplicate request id {rid!r}", 400)
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
         queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
@@ -216,9 +210,7 @@ class GrpcEngineClient:
                 await self._scheduler.AddRequest(msg, timeout=30)
             except grpc.aio.AioRpcError as e:
                 finished = True  # never admitted: nothing to abort
-                raise EngineError(
-                    e.details() or e.code().name, _HTTP_STATUS.get(e.code(), 503)
-                ) from e
+                raise error_from_rpc(e) from e
             while True:
                 delta = await queue.get()
                 if delta.finished:
@@ -244,8 +236,8 @@ class GrpcEngineClient:
 
     async def check_ready(self) -> None:
         if not self._subscribed.is_set():
-            raise EngineError("not subscribed to the detokenizer", 503)
+            raise UnavailableError("not subscribed to the detokenizer")
         try:
             await self._scheduler.CheckReady(scheduler_pb2.CheckReadyRequest(), timeout=5)
         except grpc.aio.AioRpcError as e:
-            raise EngineError(f"engine not ready: {e.details() or e.code().name}", 503) from e
+            raise UnavailableError(f"engine not ready: {e.details() or e.code().name}") from e

@@ -1,9 +1,11 @@
 """The public gRPC API (kvmesh.v1.Generation), served next to the HTTP API.
 
 A GenerateRequest is mapped onto the same pydantic CompletionRequest the HTTP
-API validates, so both APIs accept and refuse exactly the same inputs.
-Validation errors become INVALID_ARGUMENT with the offending parameter named;
-cancelling the call aborts the request.
+API validates, so both APIs accept and refuse exactly the same inputs. Errors
+are raised, never aborted with here: the server's interceptor
+(``services.grpc_server``) gives each its kind's status, so a refusal is
+INVALID_ARGUMENT with the offending parameter named, and a bug is INTERNAL.
+Cancelling the call aborts the request.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any
 import grpc
 import pydantic
 
-from gateway.engine_client import EngineClient, EngineError, GenerationDelta
-from gateway.errors import RequestError
+from gateway.engine_client import EngineClient, GenerationDelta
+from gateway.errors import invalid_request_from_validation
 from gateway.generation_stream import MultiGeneration
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import CompletionRequest
@@ -26,15 +28,9 @@ from gateway.serving_common import build_engine_requests, start_generation
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_unsupported, completion_prompts
 from protos import generation_pb2, generation_pb2_grpc
+from services.errors import InvalidRequestError, UnauthenticatedError, UnavailableError
 
 logger = logging.getLogger(__name__)
-
-_STATUS_FOR_HTTP = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "n",
@@ -82,7 +78,10 @@ def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> Comple
         body["logit_bias"] = {str(k): v for k, v in sampling.logit_bias.items()}
     if msg.HasField("cache_salt"):
         body["cache_salt"] = msg.cache_salt
-    return CompletionRequest.model_validate(body)
+    try:
+        return CompletionRequest.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise invalid_request_from_validation(exc.errors()) from None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -103,36 +102,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # The same vllm:* series as the HTTP API: one model, one set of counters.
         self.metrics = metrics or GatewayMetrics.for_registry()
 
-    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if self._expected_auth is None:
             return
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(given.encode(), self._expected_auth):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
-
-    async def _abort_with(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, RequestError):
-            where = f" (param {exc.param})" if exc.param else ""
-            await context.abort(
-                _STATUS_FOR_HTTP.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT),
-                exc.message + where,
-            )
-        if isinstance(exc, EngineError):
-            await context.abort(
-                _STATUS_FOR_HTTP.get(exc.status_code, grpc.StatusCode.UNAVAILABLE), exc.message
-            )
-        if isinstance(exc, pydantic.ValidationError):
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{first['msg']} (param {param})")
-        raise exc
+            raise UnauthenticatedError("invalid or missing API key", code="invalid_api_key")
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        await self._check_auth(context)
+        self._check_auth(context)
         if request.WhichOneof("prompt") is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is required")
+            raise InvalidRequestError("prompt is required", param="prompt")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         generation: MultiGeneration | None = None
         try:
@@ -155,12 +137,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     echoed.add(index)
                     text = prompts[0].text + text
                 if delta.finish_reason == "error":
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, delta.error or "generation failed"
-                    )
+                    raise UnavailableError(delta.error or "generation failed")
                 yield self._response(request_id, index, delta, text)
-        except (RequestError, EngineError, pydantic.ValidationError) as exc:
-            await self._abort_with(context, exc)
         finally:
             if generation is not None:
                 await generation.close()
@@ -202,14 +180,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
     async def Tokenize(self, request, context):
-        await self._check_auth(context)
+        self._check_auth(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         return generation_pb2.TokenizeResponse(
             token_ids=self.tokenizer.encode(request.text, add_special_tokens=add_special)
         )
 
     async def GetModelInfo(self, request, context):
-        await self._check_auth(context)
+        self._check_auth(context)
         info = self.engine.model_info
         return generation_pb2.ModelInfo(
             model_name=info.served_model_name,

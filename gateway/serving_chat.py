@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from gateway.errors import RequestError, error_body
+from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
 from gateway.logprobs_format import chat_logprobs
 from gateway.protocol import (
@@ -46,6 +46,7 @@ from gateway.tool_calling import (
     tool_call_models,
 )
 from gateway.validation import Prompt, chat_prompt, check_model, check_unsupported
+from services.errors import InvalidRequestError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ChatServing(Serving):
         request_id = new_request_id("chatcmpl")
         constraint = plan.constraint()
         if constraint is not None and structured_output_spec(request) is not None:
-            raise RequestError(
+            raise InvalidRequestError(
                 "a forced tool_choice cannot be combined with another structured output",
                 param="tool_choice",
             )
@@ -193,7 +194,9 @@ class ChatServing(Serving):
                 )
             async for index, delta in generation.deltas():
                 if delta.finish_reason == "error":
-                    yield sse_event(error_body(delta.error or "generation failed", 503))
+                    yield sse_event(
+                        error_body(UnavailableError(delta.error or "generation failed"))
+                    )
                     break
                 num_output_tokens[index] = delta.num_output_tokens
                 num_cached_tokens[index] = delta.num_cached_tokens

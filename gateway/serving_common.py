@@ -11,7 +11,6 @@ from pydantic import BaseModel
 
 from gateway.engine_client import (
     EngineClient,
-    EngineError,
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
@@ -27,6 +26,7 @@ from gateway.protocol import (
 )
 from gateway.tokenizer import Tokenizer
 from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
+from services.errors import UnavailableError
 from services.sampling_params import StructuredOutputSpec
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -140,12 +140,12 @@ class ChoiceResult:
             self.stop_reason = delta.stop_reason
 
 
-def failure_error(delta: GenerationDelta) -> EngineError | None:
+def failure_error(delta: GenerationDelta) -> UnavailableError | None:
     """The error to answer with when a choice ended by failure rather than by stopping."""
     if delta.finish_reason == "error":
-        return EngineError(delta.error or "the engine failed to generate", status_code=503)
+        return UnavailableError(delta.error or "the engine failed to generate")
     if delta.finish_reason == "abort":
-        return EngineError(delta.error or "the engine aborted the request", status_code=503)
+        return UnavailableError(delta.error or "the engine aborted the request")
     return None
 
 

@@ -30,6 +30,7 @@ from gateway.serving_common import (
     usage_info,
 )
 from gateway.validation import Prompt, check_model, check_unsupported, completion_prompts
+from services.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ class CompletionServing(Serving):
         try:
             async for index, delta in generation.deltas():
                 if delta.finish_reason == "error":
-                    yield sse_event(error_body(delta.error or "generation failed", 503))
+                    yield sse_event(
+                        error_body(UnavailableError(delta.error or "generation failed"))
+                    )
                     break
                 cursor = cursors[index]
                 cursor.num_output_tokens = delta.num_output_tokens

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import RequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.errors import InvalidRequestError
 from services.sampling_params import StructuredOutputSpec
 
 _STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -27,25 +27,25 @@ def _schema_text(schema: Any, param: str) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise RequestError(f"{param} is not valid JSON: {exc}", param=param) from None
+            raise InvalidRequestError(f"{param} is not valid JSON: {exc}", param=param) from None
     if isinstance(schema, bool):
         schema = {} if schema else None
     if not isinstance(schema, dict):
-        raise RequestError(f"{param} must be a JSON schema object", param=param)
+        raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
     return json.dumps(schema)
 
 
 def _non_empty_string(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
-        raise RequestError(f"{param} must be a non-empty string", param=param)
+        raise InvalidRequestError(f"{param} must be a non-empty string", param=param)
     return value
 
 
 def _choice_text(choices: Any, param: str) -> str:
     if not isinstance(choices, list) or not choices:
-        raise RequestError(f"{param} must be a non-empty list of strings", param=param)
+        raise InvalidRequestError(f"{param} must be a non-empty list of strings", param=param)
     if not all(isinstance(choice, str) and choice for choice in choices):
-        raise RequestError(f"every entry of {param} must be a non-empty string", param=param)
+        raise InvalidRequestError(f"every entry of {param} must be a non-empty string", param=param)
     return json.dumps(choices)
 
 
@@ -58,12 +58,12 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputSp
     if kind == "json_schema":
         json_schema = response_format.get("json_schema")
         if not isinstance(json_schema, dict) or "schema" not in json_schema:
-            raise RequestError(
+            raise InvalidRequestError(
                 "response_format of type json_schema needs json_schema.schema",
                 param="response_format",
             )
         return StructuredOutputSpec("json", _schema_text(json_schema["schema"], "response_format"))
-    raise RequestError(
+    raise InvalidRequestError(
         f"response_format type must be text, json_object or json_schema, got {kind!r}",
         param="response_format",
     )
@@ -75,7 +75,7 @@ def _from_structured_outputs(fields: dict[str, Any]) -> StructuredOutputSpec | N
     if not given:
         return None
     if len(given) > 1:
-        raise RequestError(f"{param} takes one of {given}, not several", param=param)
+        raise InvalidRequestError(f"{param} takes one of {given}, not several", param=param)
     (key,) = given
     value = fields[key]
     if key == "json":
@@ -90,7 +90,7 @@ def _from_structured_outputs(fields: dict[str, Any]) -> StructuredOutputSpec | N
 def structured_output_spec(
     request: CompletionRequest | ChatCompletionRequest,
 ) -> StructuredOutputSpec | None:
-    """The one constraint the request asks for, or None; RequestError names the field."""
+    """The one constraint the request asks for, or None; InvalidRequestError names the field."""
     found: dict[str, StructuredOutputSpec] = {}
     if request.response_format is not None:
         spec = _from_response_format(request.response_format)
@@ -118,12 +118,12 @@ def structured_output_spec(
             found["structured_outputs"] = spec
     if len(found) > 1:
         names = sorted(found)
-        raise RequestError(f"use only one of {names} per request", param=names[-1])
+        raise InvalidRequestError(f"use only one of {names} per request", param=names[-1])
     if not found:
         return None
     (param, spec) = next(iter(found.items()))
     if request.ignore_eos:
         # A complete text ends on the EOS the grammar forces; ignoring it would
         # leave nothing the grammar allows.
-        raise RequestError(f"ignore_eos cannot be combined with {param}", param="ignore_eos")
+        raise InvalidRequestError(f"ignore_eos cannot be combined with {param}", param="ignore_eos")
     return spec

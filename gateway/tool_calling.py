@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.errors import RequestError
 from gateway.protocol import ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall
 from gateway.protocol import FunctionCall as FunctionCallModel
 from gateway.protocol import ToolCall as ToolCallModel
@@ -33,6 +32,7 @@ from gateway.tool_parser_hermes import (
     new_tool_call_id,
     parse_hermes_tool_calls,
 )
+from services.errors import InvalidRequestError
 from services.sampling_params import StructuredOutputSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -41,15 +41,15 @@ ToolMode = Literal["none", "auto", "required", "named"]
 def _function_of(tool: Any, index: int) -> dict[str, Any]:
     param = f"tools.{index}"
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise RequestError("only tools of type function are supported", param=param)
+        raise InvalidRequestError("only tools of type function are supported", param=param)
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError("a tool needs function.name", param=f"{param}.function")
+        raise InvalidRequestError("a tool needs function.name", param=f"{param}.function")
     if not function["name"]:
-        raise RequestError("function.name must not be empty", param=f"{param}.function.name")
+        raise InvalidRequestError("function.name must not be empty", param=f"{param}.function.name")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise RequestError(
+        raise InvalidRequestError(
             "function.parameters must be a JSON schema object",
             param=f"{param}.function.parameters",
         )
@@ -142,7 +142,7 @@ class ToolPlan:
 
 
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
-    """Validate ``tools`` / ``tool_choice``; RequestError names the offending field."""
+    """Validate ``tools`` / ``tool_choice``; InvalidRequestError names the offending field."""
     functions = [_function_of(tool, index) for index, tool in enumerate(request.tools or [])]
     names = [function["name"] for function in functions]
     choice = request.tool_choice
@@ -151,22 +151,24 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan("auto" if functions else "none", functions, None, parallel)
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise RequestError(
+            raise InvalidRequestError(
                 f"tool_choice must be none, auto, required or a function, got {choice!r}",
                 param="tool_choice",
             )
         if choice != "none" and not functions:
-            raise RequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
         return ToolPlan(choice, functions, None, parallel)  # type: ignore[arg-type]
     function = choice.get("function") if choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise RequestError(
+        raise InvalidRequestError(
             'tool_choice must look like {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     if name not in names:
-        raise RequestError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+        )
     return ToolPlan("named", functions, name, parallel)
 
 

@@ -1,6 +1,6 @@
 """Turn an API request into engine inputs, refusing anything out of range with a 400.
 
-Each refusal is a ``RequestError`` whose ``param`` names the offending field,
+Each refusal is an ``InvalidRequestError`` whose ``param`` names the offending field,
 so clients see ``{"error": {"param": "temperature", ...}}`` like OpenAI's.
 Limits follow OpenAI where it documents one and vLLM otherwise.
 """
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.engine_client import ModelInfo
-from gateway.errors import RequestError
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
+from services.errors import InvalidRequestError, NotFoundError
 from services.sampling_params import DetokenizeParams, SamplingParams
 
 MAX_N = 128
@@ -58,18 +58,15 @@ class Prompt:
 def check_model(requested: str | None, served_model_name: str) -> None:
     # An absent model means "the one you serve", as vLLM allows.
     if requested is not None and requested != served_model_name:
-        raise RequestError(
-            f"The model `{requested}` does not exist.",
-            param="model",
-            status_code=404,
-            code="model_not_found",
+        raise NotFoundError(
+            f"The model `{requested}` does not exist.", param="model", code="model_not_found"
         )
 
 
 def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param
             )
 
@@ -84,7 +81,7 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
     else:
         items = list(raw)  # type: ignore[arg-type]
     if not items:
-        raise RequestError("prompt must not be empty", param="prompt")
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -95,7 +92,7 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
             token_ids = list(item)
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
         if not token_ids:
-            raise RequestError("prompt must not be empty", param="prompt")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         prompts.append(Prompt(token_ids=token_ids, text=text))
     return prompts
 
@@ -107,7 +104,7 @@ def _message_text(message: ChatMessage, index: int) -> str | None:
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"content parts of type {part.type!r} are not supported; send text parts",
                 param=f"messages.{index}.content",
             )
@@ -118,12 +115,12 @@ def _message_text(message: ChatMessage, index: int) -> str | None:
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: plain dicts with string content."""
     if not messages:
-        raise RequestError("messages must not be empty", param="messages")
+        raise InvalidRequestError("messages must not be empty", param="messages")
     rendered: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         text = _message_text(message, index)
         if text is None and not message.tool_calls:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"a {message.role} message needs content", param=f"messages.{index}.content"
             )
         # Few templates know "developer"; OpenAI defines it as the new name of "system".
@@ -155,7 +152,7 @@ def render_chat(
     """
     reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
     if reserved:
-        raise RequestError(
+        raise InvalidRequestError(
             f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
         )
     conversation = template_messages(messages)
@@ -177,7 +174,7 @@ def render_chat(
             **kwargs,
         )
     except ChatTemplateError as exc:
-        raise RequestError(str(exc), param="messages") from exc
+        raise InvalidRequestError(str(exc), param="messages") from exc
 
 
 def chat_prompt(
@@ -195,7 +192,7 @@ def chat_prompt(
     # The template already wrote any BOS it wants.
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if not token_ids:
-        raise RequestError("messages rendered to an empty prompt", param="messages")
+        raise InvalidRequestError("messages rendered to an empty prompt", param="messages")
     return Prompt(token_ids=token_ids, text=text)
 
 
@@ -206,21 +203,27 @@ def _check_range(
         return
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise RequestError(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
+        raise InvalidRequestError(
+            f"{name} must be in {bracket}{low}, {high}], got {value}", param=name
+        )
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse features that are not implemented yet instead of ignoring them."""
     if isinstance(request, CompletionRequest):
         if request.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
+            raise InvalidRequestError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
-            raise RequestError("best_of is not supported", param="best_of")
+            raise InvalidRequestError("best_of is not supported", param="best_of")
         if request.echo and request.logprobs is not None:
             # OpenAI would score the prompt tokens too; the engine does not compute those yet.
-            raise RequestError("echo together with logprobs is not supported yet", param="echo")
+            raise InvalidRequestError(
+                "echo together with logprobs is not supported yet", param="echo"
+            )
     if request.stream_options is not None and not request.stream:
-        raise RequestError("stream_options is only allowed when stream is true", param="stream")
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream"
+        )
 
 
 def _max_tokens(
@@ -232,7 +235,7 @@ def _max_tokens(
     prompt_param: str,
 ) -> int:
     if prompt_len >= max_model_len:
-        raise RequestError(
+        raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens, "
             f"but the prompt has {prompt_len} tokens.",
             param=prompt_param,
@@ -243,9 +246,9 @@ def _max_tokens(
             return room
         requested = default
     elif requested < 1:
-        raise RequestError(f"{param} must be at least 1, got {requested}", param=param)
+        raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
     if requested > room:
-        raise RequestError(
+        raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
             f"{requested} in the completion).",
@@ -262,13 +265,17 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
         try:
             token_id = int(key)
         except ValueError:
-            raise RequestError(
+            raise InvalidRequestError(
                 f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
             ) from None
         if not 0 <= token_id < vocab_size:
-            raise RequestError(f"logit_bias token id {token_id} is out of range", "logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias token id {token_id} is out of range", "logit_bias"
+            )
         if not math.isfinite(value) or not -100 <= value <= 100:
-            raise RequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+            raise InvalidRequestError(
+                "logit_bias values must be in [-100, 100]", param="logit_bias"
+            )
         bias.append((token_id, float(value)))
     return tuple(bias)
 
@@ -276,7 +283,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     strings = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not item for item in strings):
-        raise RequestError("stop strings must not be empty", param="stop")
+        raise InvalidRequestError("stop strings must not be empty", param="stop")
     return tuple(strings)
 
 
@@ -286,7 +293,7 @@ def _requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
         return request.logprobs
     _check_range(request.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
     if request.top_logprobs is not None and not request.logprobs:
-        raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
@@ -304,7 +311,9 @@ def sampling_params(
     _check_range(request.seed, "seed", _INT64_MIN, _INT64_MAX)
     _check_range(request.priority, "priority", _INT64_MIN, _INT64_MAX)
     if request.top_k is not None and request.top_k < -1:
-        raise RequestError(f"top_k must be -1, 0 (off) or positive, got {request.top_k}", "top_k")
+        raise InvalidRequestError(
+            f"top_k must be -1, 0 (off) or positive, got {request.top_k}", "top_k"
+        )
     if isinstance(request, ChatCompletionRequest):
         requested = request.max_completion_tokens
         param = "max_completion_tokens"
@@ -323,7 +332,7 @@ def sampling_params(
             prompt_param="prompt",
         )
     if not 0 <= request.min_tokens <= max_tokens:
-        raise RequestError(
+        raise InvalidRequestError(
             f"min_tokens must be in [0, max_tokens={max_tokens}], got {request.min_tokens}",
             param="min_tokens",
         )
@@ -361,4 +370,4 @@ def detokenize_params(request: CompletionRequest | ChatCompletionRequest) -> Det
 
 def check_cache_salt(cache_salt: str | None) -> None:
     if cache_salt is not None and not cache_salt:
-        raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
+        raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")

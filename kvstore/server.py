@@ -12,6 +12,7 @@ from prometheus_client import Counter, Gauge
 from kvstore.store import BlockStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from services.config import KVStoreConfig
+from services.errors import InvalidRequestError
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 
@@ -59,9 +60,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def LeaseBlocks(self, request, context: grpc.aio.ServicerContext):
         keys = list(request.keys)
         present = self.store.contains(keys)
-        lease_id = self.store.lease(
-            [k for k, p in zip(keys, present, strict=True) if p], request.ttl_seconds
-        )
+        try:
+            lease_id = self.store.lease(
+                [k for k, p in zip(keys, present, strict=True) if p], request.ttl_seconds
+            )
+        except ValueError as exc:  # the store's one refusal: a ttl that is not positive
+            raise InvalidRequestError(str(exc), param="ttl_seconds") from exc
         return kvstore_pb2.LeaseBlocksResponse(lease_id=str(lease_id), leased=present)
 
     async def ReleaseLease(self, request, context: grpc.aio.ServicerContext):

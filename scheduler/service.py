@@ -96,7 +96,12 @@ class SchedulerEngine:
             cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
             parallel_group=msg.parallel_group if msg.HasField("parallel_group") else None,
         )
-        self.core.add_request(request)  # ValueError -> INVALID_ARGUMENT
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            # The core's one refusal: a request that could never run (longer
+            # than max_model_len or than the whole KV pool), the caller's fault.
+            raise InvalidRequestError(str(exc)) from exc
         self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
             prompt_token_ids=msg.prompt_token_ids,
             detokenize_params=msg.detokenize_params,

@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from services.errors import InvalidRequestError, UnavailableError
+from services.errors import UnavailableError, error_from_rpc
 from services.grpc_server import insecure_channel, wait_until_serving
 from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import model_runner_output_from_proto, scheduler_output_to_proto
@@ -64,9 +64,9 @@ class WorkerClient:
                 timeout=timeout,
             )
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequestError(e.details() or "invalid structured output") from e
-            raise UnavailableError(f"worker unreachable: {e.code().name} {e.details()}") from e
+            # The worker's verdict passes on as is: a grammar that does not
+            # compile stays the caller's INVALID_REQUEST.
+            raise error_from_rpc(e) from e
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Send one step and wait for its result (synchronous scheduling)."""

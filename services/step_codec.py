@@ -8,6 +8,7 @@ wire format has exactly one definition. Token ids travel as packed
 from __future__ import annotations
 
 from protos import common_pb2, worker_pb2
+from services.errors import InvalidRequestError
 from services.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
     DetokenizeParams,
@@ -53,10 +54,12 @@ def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.Structu
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
-    """ValueError for an unknown kind (the services map it to INVALID_ARGUMENT)."""
+    """InvalidRequestError for an unknown kind: the caller named a constraint nobody compiles."""
     if msg.kind not in STRUCTURED_OUTPUT_KINDS:
         expected = ", ".join(STRUCTURED_OUTPUT_KINDS)
-        raise ValueError(f"unknown structured output kind {msg.kind!r}; expected one of {expected}")
+        raise InvalidRequestError(
+            f"unknown structured output kind {msg.kind!r}; expected one of {expected}"
+        )
     return StructuredOutputSpec(kind=msg.kind, value=msg.value)  # type: ignore[arg-type]
 
 

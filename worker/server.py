@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from protos import worker_pb2, worker_pb2_grpc
 from services.config import WorkerConfig
+from services.errors import InvalidRequestError, UnavailableError
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
@@ -76,7 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[worker_pb2.StepRequest], context
     ) -> AsyncIterator[worker_pb2.StepResult]:
         if self.runner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+            raise UnavailableError("model is still loading")
         if self._stream_open:
             # The persistent batch belongs to one scheduler; a second stream
             # would corrupt it.
@@ -97,16 +98,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.PrepareStructuredOutputRequest, context
     ) -> worker_pb2.PrepareStructuredOutputResponse:
         if self.runner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+            raise UnavailableError("model is still loading")
         started = time.perf_counter()
+        spec = structured_output_from_proto(request.structured_output)
         try:
-            spec = structured_output_from_proto(request.structured_output)
             await asyncio.get_running_loop().run_in_executor(
                 self._compile_executor, self.runner.structured_output.compiler.compile, spec
             )
         except ValueError as exc:
+            # The compiler's refusal of a schema, regex or grammar that does not
+            # compile: the caller's mistake, unlike any other error in here.
             logger.info("request %s: structured output refused: %s", request.request_id, exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidRequestError(str(exc)) from exc
         logger.debug(
             "request %s: %s grammar ready in %.3fs",
             request.request_id,
@@ -117,7 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
         if self.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+            raise UnavailableError("model is still loading")
         return self.info
 
 

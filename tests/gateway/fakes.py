@@ -15,21 +15,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.engine_client import (
-    EngineError,
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
     TokenLogprob,
     TopLogprob,
 )
+from services.errors import UnavailableError
 
 
 @dataclass
 class FakeEngineClient:
     decode: Callable[[list[int]], str]
     info: ModelInfo
-    # Raised from generate() before any delta (admission failure).
-    fail_with: EngineError | None = None
+    # Raised from generate() before any delta (a refused admission, or a bug).
+    fail_with: Exception | None = None
     # After this many deltas, end the request with finish_reason="error".
     fail_after_deltas: int | None = None
     # After this many deltas, stop producing anything until aborted.
@@ -49,7 +49,7 @@ class FakeEngineClient:
 
     async def check_ready(self) -> None:
         if not self.ready:
-            raise EngineError("worker unreachable", status_code=503)
+            raise UnavailableError("worker unreachable")
 
     async def abort(self, request_id: str) -> None:
         # A real abort is a network call; yielding here means an abort issued

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.engine_client import EngineError
+from services.errors import KvmeshError, OverloadedError, UnavailableError
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import parse_sse
 
@@ -14,7 +14,11 @@ COMPLETION_BODY = {"prompt": "Once upon a time there was", "max_tokens": 8}
 
 
 @pytest.mark.parametrize(
-    ("status", "error_type"), [(503, "service_unavailable_error"), (429, "rate_limit_error")]
+    ("error_class", "status", "error_type"),
+    [
+        (UnavailableError, 503, "service_unavailable_error"),
+        (OverloadedError, 429, "rate_limit_error"),
+    ],
 )
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
@@ -24,13 +28,14 @@ COMPLETION_BODY = {"prompt": "Once upon a time there was", "max_tokens": 8}
 async def test_refused_admission_keeps_its_status(
     client: httpx.AsyncClient,
     engine: FakeEngineClient,
+    error_class: type[KvmeshError],
     status: int,
     error_type: str,
     stream: bool,
     endpoint: str,
     body: dict,
 ) -> None:
-    engine.fail_with = EngineError("scheduler queue is full", status_code=status)
+    engine.fail_with = error_class("scheduler queue is full")
     response = await client.post(endpoint, json={**body, "stream": stream, "n": 2})
     # Streams wait for admission, so even they answer with the real status.
     assert response.status_code == status
@@ -42,7 +47,7 @@ async def test_refused_admission_keeps_its_status(
 async def test_refusal_of_one_sibling_aborts_the_others(
     client: httpx.AsyncClient, engine: FakeEngineClient
 ) -> None:
-    engine.fail_with = EngineError("engine unavailable", status_code=503)
+    engine.fail_with = UnavailableError("engine unavailable")
     response = await client.post("/v1/completions", json={**COMPLETION_BODY, "n": 3})
     assert response.status_code == 503
     assert len(engine.aborted) == 3
@@ -80,7 +85,7 @@ async def test_failure_mid_stream_sends_an_error_event_then_done(
 async def test_unexpected_engine_exception_is_a_logged_500_with_openai_body(
     client: httpx.AsyncClient, engine: FakeEngineClient
 ) -> None:
-    engine.fail_with = RuntimeError("bug in the client")  # type: ignore[assignment]
+    engine.fail_with = RuntimeError("bug in the client")
     response = await client.post("/v1/completions", json=COMPLETION_BODY)
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "internal_error"

@@ -71,6 +71,15 @@ def test_admission_errors_are_typed() -> None:
         _add(engine, "c")  # two already waiting: the bound
 
 
+def test_a_prompt_that_could_never_run_is_the_callers_error() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    engine.subscribe()
+    too_long = scheduler_pb2.AddRequestRequest(request_id="long", prompt_token_ids=[5] * 65)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request(too_long)  # the core's ValueError, converted at the service edge
+    assert engine.core.get_request("long") is None
+
+
 async def _run_until(engine, queue, done, timeout=10.0) -> list[scheduler_pb2.RequestOutput]:
     stop = asyncio.Event()
     task = asyncio.create_task(engine.run(stop))

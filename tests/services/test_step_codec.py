@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protos import common_pb2
+from services.errors import InvalidRequestError
 from services.sampling_params import DetokenizeParams, SamplingParams, StructuredOutputSpec
 from services.step import (
     CachedRequestData,
@@ -70,10 +71,10 @@ def test_structured_output_round_trip(spec: StructuredOutputSpec) -> None:
     assert sampling_params_from_proto(sampling_params_to_proto(_params())).structured_output is None
 
 
-def test_unknown_structured_output_kind_is_a_value_error() -> None:
+def test_unknown_structured_output_kind_is_an_invalid_request() -> None:
     msg = sampling_params_to_proto(SamplingParams())
     msg.structured_output.CopyFrom(common_pb2.StructuredOutput(kind="yaml", value="x"))
-    with pytest.raises(ValueError, match="yaml"):
+    with pytest.raises(InvalidRequestError, match="yaml"):
         sampling_params_from_proto(msg)
 
 
