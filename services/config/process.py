@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from services.config.options import ENV_PREFIX, converter
 
@@ -91,7 +91,7 @@ GPU_CHECK_ALLOW_CPU = EnvSetting(
     "1 lets benchmarks/gpu_check.sh dry-run on CPU (Triton interpreter, tiny shapes)",
 )
 
-PROCESS_SETTINGS: tuple[EnvSetting[object], ...] = (
+PROCESS_SETTINGS: tuple[EnvSetting[Any], ...] = (
     MODEL_CACHE,
     KERNEL_CACHE,
     NATIVE_KERNELS,
@@ -99,8 +99,8 @@ PROCESS_SETTINGS: tuple[EnvSetting[object], ...] = (
     CXX,
     TRITON_INTERPRET,
 )
-TOOL_SETTINGS: tuple[EnvSetting[object], ...] = (OPENAI_API_KEY, GPU_CHECK_ALLOW_CPU)
-ENV_SETTINGS: dict[str, EnvSetting[object]] = {
+TOOL_SETTINGS: tuple[EnvSetting[Any], ...] = (OPENAI_API_KEY, GPU_CHECK_ALLOW_CPU)
+ENV_SETTINGS: dict[str, EnvSetting[Any]] = {
     s.name: s for s in (*PROCESS_SETTINGS, *TOOL_SETTINGS)
 }
 
