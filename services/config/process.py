@@ -100,9 +100,7 @@ PROCESS_SETTINGS: tuple[EnvSetting[Any], ...] = (
     TRITON_INTERPRET,
 )
 TOOL_SETTINGS: tuple[EnvSetting[Any], ...] = (OPENAI_API_KEY, GPU_CHECK_ALLOW_CPU)
-ENV_SETTINGS: dict[str, EnvSetting[Any]] = {
-    s.name: s for s in (*PROCESS_SETTINGS, *TOOL_SETTINGS)
-}
+ENV_SETTINGS: dict[str, EnvSetting[Any]] = {s.name: s for s in (*PROCESS_SETTINGS, *TOOL_SETTINGS)}
 
 
 def environment_without_options() -> dict[str, str]:
