@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -25,6 +24,7 @@ from bench.metrics import compute_metrics
 from bench.plot import require_matplotlib, write_latency_histograms
 from bench.report import build_result, format_report, write_result
 from bench.runner import LoadConfig, run_load, warm_up
+from services.config.process import OPENAI_API_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
+        default=None,  # resolved at use, so that --help never prints the key
         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)",
     )
     target.add_argument("--request-timeout", type=float, default=6 * 60 * 60, help="seconds")
@@ -147,7 +147,7 @@ async def _run(args: argparse.Namespace) -> int:
     client_config = ClientConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,
-        api_key=args.api_key,
+        api_key=args.api_key or OPENAI_API_KEY.get() or None,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         max_connections=args.max_concurrency or args.num_prompts,

@@ -14,7 +14,8 @@ PYTHON="${PYTHON:-}"
 if [[ -z "$PYTHON" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-ALLOW_CPU="${KVMESH_GPU_CHECK_ALLOW_CPU:-0}"
+# Read through the config registry (services/config/process.py), like every setting.
+ALLOW_CPU=$("$PYTHON" -m services.config get KVMESH_GPU_CHECK_ALLOW_CPU)
 
 echo "== environment"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -26,7 +27,7 @@ if ! "$PYTHON" -c "import triton" 2>/dev/null; then
 fi
 "$PYTHON" -c "import triton; print('triton', triton.__version__)"
 
-if [[ "$HAS_CUDA" != "1" && "$ALLOW_CPU" != "1" ]]; then
+if [[ "$HAS_CUDA" != "1" && "$ALLOW_CPU" != "true" ]]; then
   echo "no CUDA device visible to torch; nothing to check (set KVMESH_GPU_CHECK_ALLOW_CPU=1 for a dry run)"
   exit 1
 fi

@@ -6,7 +6,8 @@ version, compiler flags, the CPU's instruction-set flags), so a checkout
 upgrade, a torch upgrade or a container moved to another CPU rebuilds instead
 of loading a stale or illegal binary. ``make install`` builds ahead of time
 (``python -m kernels.native build``); a process that finds no binary builds it
-on first use, under a file lock so that concurrent workers build once.
+on first use, under a file lock so that concurrent workers build once. The
+cache folder is ``KVMESH_KERNEL_CACHE`` (services/config/process.py).
 
 ``-march=native`` because the binary is built where it runs; ``-ffast-math``
 only for the sources that need a vectorized ``exp`` (``SOURCES``), and only at
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from services.config.process import CXX, KERNEL_CACHE, NATIVE_KERNELS
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -49,7 +52,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "rotary_cpu.cpp": ("-ffp-contract=off",),
 }
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
-DISABLE_ENV = "KVMESH_NATIVE_KERNELS"
 
 COMPILE_FLAGS = (
     "-O3",
@@ -66,12 +68,6 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 
 class NativeKernelsUnavailable(RuntimeError):
     """The C++ ops cannot be built or loaded here; the message says why."""
-
-
-def cache_root() -> Path:
-    """``KVMESH_KERNEL_CACHE``, default ~/.cache/kvmesh/kernels."""
-    root = os.environ.get("KVMESH_KERNEL_CACHE") or Path.home() / ".cache" / "kvmesh" / "kernels"
-    return Path(root)
 
 
 def _cpu_flags() -> str:
@@ -102,11 +98,11 @@ def build_key() -> str:
 
 
 def library_path() -> Path:
-    return cache_root() / build_key() / LIBRARY_NAME
+    return KERNEL_CACHE.get() / build_key() / LIBRARY_NAME
 
 
 def _compiler() -> str:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = CXX.get() or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeKernelsUnavailable("no C++ compiler found (install g++ or set CXX)")
     return compiler
@@ -171,8 +167,8 @@ def build(force: bool = False) -> Path:
 @functools.cache
 def _load() -> str | None:
     """Build if needed and load into torch.ops.kvmesh; the reason on failure, else None."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"turned off by {DISABLE_ENV}=0"
+    if not NATIVE_KERNELS.get():
+        return f"turned off by {NATIVE_KERNELS.name}=0"
     if platform.system() != "Linux":
         return f"built for Linux only, not {platform.system()}"
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar
@@ -18,11 +17,12 @@ from typing import ClassVar
 import torch
 
 from kernels.backend import AttentionBackend, AttentionMetadata
+from services.config.process import TRITON_INTERPRET
 
 
 def triton_interpret_enabled() -> bool:
     """Whether Triton kernels run in its CPU interpreter (read when kernels are first imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return TRITON_INTERPRET.get()
 
 
 def _kernels(name: str) -> ModuleType:

@@ -4,30 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("fcfs", "priority")
+from services.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    SCHEDULING_POLICIES,
+    SchedulerServiceConfig,
+    check_choice,
+)
+
 PREFIX_HASHES = ("sha256", "builtin")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """How much work one step may carry and how the KV block pool is laid out."""
+    """How much work one step may carry and how the KV block pool is laid out.
+
+    Budgets, policy and prefix caching default to the scheduler service's
+    flags (services.config), the model length to the worker's cap.
+    """
 
     # Tokens computed in one step, over all requests (prefill chunks + decodes).
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = SchedulerServiceConfig.max_num_batched_tokens
     # Requests running at once (the worker's batch size).
-    max_num_seqs: int = 128
+    max_num_seqs: int = SchedulerServiceConfig.max_num_seqs
     # Prompt + output tokens of one request.
-    max_model_len: int = 2048
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # Largest prefill chunk one request may take in a step, so one long prompt
     # cannot starve the others; 0 turns the limit off.
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    long_prefill_token_threshold: int = SchedulerServiceConfig.long_prefill_token_threshold
+    policy: str = SchedulerServiceConfig.scheduling_policy
     # Fraction of blocks kept free when admitting a waiting request, so that
     # running requests can grow a little before someone must be preempted.
     watermark: float = 0.01
     block_size: int = 16
     num_kv_blocks: int
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = SchedulerServiceConfig.prefix_caching
     # "sha256" is collision-resistant and stable across processes; "builtin" is
     # faster but 64-bit and process-local (never share its hashes).
     prefix_hash: str = "sha256"
@@ -53,8 +63,7 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0 (0 = off), "
                 f"got {self.long_prefill_token_threshold}"
             )
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        check_choice("policy", self.policy, SCHEDULING_POLICIES)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.prefix_hash not in PREFIX_HASHES:

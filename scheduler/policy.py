@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from scheduler.request import Request
+from services.config import SCHEDULING_POLICIES, SchedulingPolicyName, check_choice
 
 
 class RequestQueue(ABC):
@@ -123,7 +124,7 @@ class SchedulingPolicy(ABC):
 
 
 class FCFSPolicy(SchedulingPolicy):
-    name = "fcfs"
+    name = SchedulingPolicyName.FCFS
 
     def make_waiting_queue(self) -> RequestQueue:
         return FCFSQueue()
@@ -133,7 +134,7 @@ class FCFSPolicy(SchedulingPolicy):
 
 
 class PriorityPolicy(SchedulingPolicy):
-    name = "priority"
+    name = SchedulingPolicyName.PRIORITY
 
     def make_waiting_queue(self) -> RequestQueue:
         return PriorityQueue()
@@ -145,9 +146,12 @@ class PriorityPolicy(SchedulingPolicy):
         )
 
 
+# One class per name that services.config declares (a test checks both ways).
+POLICY_CLASSES: dict[str, type[SchedulingPolicy]] = {
+    cls.name: cls for cls in (FCFSPolicy, PriorityPolicy)
+}
+
+
 def make_policy(name: str) -> SchedulingPolicy:
-    if name == "fcfs":
-        return FCFSPolicy()
-    if name == "priority":
-        return PriorityPolicy()
-    raise ValueError(f"unknown scheduling policy {name!r}; choose 'fcfs' or 'priority'")
+    check_choice("scheduling policy", name, SCHEDULING_POLICIES)
+    return POLICY_CLASSES[name]()

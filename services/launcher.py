@@ -17,11 +17,9 @@ Thread placement is deliberate, for small machines (2 cores) first:
   ``OMP_NUM_THREADS=MKL_NUM_THREADS=1`` and ``TOKENIZERS_PARALLELISM=false``:
   their per-step work is a few milliseconds of Python, and a second thread
   would only compete with the worker's matrix multiplies;
-- ``--async-scheduling`` (off by default) has the scheduler update, publish
-  and schedule step n+1 while the worker computes step n. On 2 cores that
-  overlap has no idle core to run on, so it measured within noise of the
-  synchronous loop (149/152 vs 147/157 output tok/s at concurrency 16); it
-  pays off where the worker's cores are not the scheduler's.
+- ``--async-scheduling`` (on by default) has the scheduler update, publish
+  and schedule step n+1 while the worker computes step n (see
+  ``SchedulerServiceConfig.async_scheduling`` for what it measured).
 
 The cost of sharing: an OpenMP team of 2 on 2 cores stalls at every barrier
 while another process holds one core, so anything else busy on the machine
@@ -35,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -43,48 +40,69 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import (
     SERVICE_CONFIGS,
+    CommonConfig,
+    LauncherConfig,
     add_config_arguments,
     config_from_namespace,
     config_to_env,
-    opt,
+    environment_without_options,
 )
 
 logger = logging.getLogger("kvmesh.launcher")
 
 # Start order; shutdown goes in reverse.
 START_ORDER = ("kvstore", "worker", "scheduler", "detokenizer", "gateway")
+# Set (never read) for every child but the worker; see the module docstring.
 _SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# The line on stdout that says the stack is up (LocalStack waits for it).
+READY_MARKER = "KVMESH_READY"
+LOCAL_HOST = "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class LauncherConfig:
-    """Options of the launcher itself."""
-
-    startup_timeout: float = opt(900.0, "seconds to wait for the whole stack to be ready")
-    max_restarts: int = opt(5, "restarts allowed per service before the launcher gives up")
+# Services that others dial: on one machine their ``<name>_addr`` follows
+# their ``<name>_port``, so ``kvmesh up`` has no address flags.
+DIALED_SERVICES = ("worker", "scheduler", "detokenizer")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every service's options (each name once) plus the launcher's own."""
-    seen: set[str] = set()
-    group = parser.add_argument_group("stack")
-    for cls in (LauncherConfig, *SERVICE_CONFIGS.values()):
-        fields = [f for f in dataclasses.fields(cls) if f.name not in seen]
-        seen.update(f.name for f in fields)
-        sub = dataclasses.make_dataclass(
-            cls.__name__ + "Flags", [(f.name, f.type, f) for f in fields], frozen=True
-        )
-        add_config_arguments(group, sub)  # type: ignore[arg-type]
+    """The launcher's options, then each service's (each name once, where it is first used)."""
+    seen = {f"{name}_addr" for name in DIALED_SERVICES}
+    add_config_arguments(parser.add_argument_group("launcher"), LauncherConfig)
+    add_config_arguments(parser.add_argument_group("every service"), CommonConfig)
+    seen.update(f.name for f in dataclasses.fields(CommonConfig))
+    for name in START_ORDER:
+        cls = SERVICE_CONFIGS[name]
+        add_config_arguments(parser.add_argument_group(name), cls, exclude=seen)
+        seen.update(f.name for f in dataclasses.fields(cls))
+
+
+def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
+    """Each service's config for one machine: addresses follow ports, one model for all."""
+    configs = {name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER}
+    local = {
+        f"{name}_addr": f"{LOCAL_HOST}:{getattr(configs[name], f'{name}_port')}"
+        for name in DIALED_SERVICES
+    }
+    if not configs["worker"].model:
+        # Prepare the default model once here, not racing in three services.
+        from services.model_prep import prepare_default_model
+
+        local["model"] = str(prepare_default_model())
+    return {
+        name: dataclasses.replace(config, **{k: v for k, v in local.items() if hasattr(config, k)})
+        for name, config in configs.items()
+    }
 
 
 @dataclass
@@ -138,13 +156,11 @@ def _http_ready(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.launcher = config_from_namespace(LauncherConfig, args)
-        self.configs = {
-            name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER
-        }
+    def __init__(self, launcher: LauncherConfig, configs: dict[str, Any]) -> None:
+        self.launcher = launcher
+        self.configs = configs
         self.children: dict[str, _Child] = {}
-        host = "127.0.0.1"
+        host = LOCAL_HOST
         cfg = self.configs
         self.ready_checks = {
             "kvstore": lambda: _grpc_serving(f"{host}:{cfg['kvstore'].kvstore_port}"),
@@ -154,15 +170,9 @@ class Stack:
             "gateway": lambda: _http_ready(f"http://{host}:{cfg['gateway'].http_port}/ready"),
         }
         for name in START_ORDER:
-            env = {**os.environ}
+            env = environment_without_options()
             for service_config in self.configs.values():
                 env.update(config_to_env(service_config))
-            # In one machine the addresses follow the ports, whatever the flags say.
-            env.update(
-                KVMESH_WORKER_ADDR=f"{host}:{cfg['worker'].worker_port}",
-                KVMESH_SCHEDULER_ADDR=f"{host}:{cfg['scheduler'].scheduler_port}",
-                KVMESH_DETOKENIZER_ADDR=f"{host}:{cfg['detokenizer'].detokenizer_port}",
-            )
             if name != "worker":
                 env.update(_SINGLE_THREAD_ENV)
             env.setdefault("PYTHONUNBUFFERED", "1")
@@ -226,12 +236,7 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s"
     )
-    # Prepare the default model once here, not racing in three services.
-    if not getattr(args, "model", None) and not os.environ.get("KVMESH_MODEL"):
-        from services.model_prep import prepare_default_model
-
-        args.model = str(prepare_default_model())
-    stack = Stack(args)
+    stack = Stack(config_from_namespace(LauncherConfig, args), stack_configs(args))
     stopping: list[bool] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -247,12 +252,14 @@ def run_up(args: argparse.Namespace) -> int:
             return 0 if stopping else 1
         gw = stack.configs["gateway"]
         logger.info(
-            "kvmesh is ready in %.1fs: OpenAI API http://127.0.0.1:%d/v1, gRPC 127.0.0.1:%d",
+            "kvmesh is ready in %.1fs: OpenAI API http://%s:%d/v1, gRPC %s:%d",
             time.monotonic() - started,
+            LOCAL_HOST,
             gw.http_port,
+            LOCAL_HOST,
             gw.grpc_port,
         )
-        print(f"KVMESH_READY http://127.0.0.1:{gw.http_port}", flush=True)
+        print(f"{READY_MARKER} http://{LOCAL_HOST}:{gw.http_port}", flush=True)
         return stack.supervise(stopping)
     finally:
         stack.stop()

@@ -15,6 +15,9 @@ import threading
 import time
 from pathlib import Path
 
+from services.config import environment_without_options
+from services.launcher import READY_MARKER
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PORT_NAMES = (
@@ -52,14 +55,9 @@ class LocalStack:
             args += ["--model", str(model)]
         for name, port in self.ports.items():
             args += ["--" + name.replace("_", "-"), str(port)]
-        # The stack reads only its flags, except where the caches live and
-        # whether the C++ kernels are on (an A/B switch for benchmarks).
-        passed_through = {"KVMESH_MODEL_CACHE", "KVMESH_KERNEL_CACHE", "KVMESH_NATIVE_KERNELS"}
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("KVMESH_") or k in passed_through
-        }
+        # The stack reads only its flags, plus the process settings (where the
+        # caches live, the kernels' A/B switches for benchmarks).
+        env = environment_without_options()
         env["PYTHONUNBUFFERED"] = "1"
         self.log: list[str] = []
         self.process = subprocess.Popen(
@@ -78,7 +76,7 @@ class LocalStack:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             self.log.append(line)
-            if line.startswith("KVMESH_READY"):
+            if line.startswith(READY_MARKER):
                 self._ready.set()
 
     @property

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from services.config.process import MODEL_CACHE
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +26,8 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".kvmesh-prepared"
 
 
-def model_cache_dir() -> Path:
-    """Where prepared models live (``KVMESH_MODEL_CACHE``, default ~/.cache/kvmesh/models)."""
-    root = os.environ.get("KVMESH_MODEL_CACHE") or Path.home() / ".cache" / "kvmesh" / "models"
-    return Path(root)
-
-
 def default_model_path() -> Path:
-    return model_cache_dir() / DEFAULT_MODEL_NAME
+    return MODEL_CACHE.get() / DEFAULT_MODEL_NAME
 
 
 def is_prepared(path: Path) -> bool:

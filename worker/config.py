@@ -15,17 +15,11 @@ from typing import Any
 
 import torch
 
+from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES
+
 logger = logging.getLogger(__name__)
 
-# The longest context we serve by default: the model may allow more, but every
-# extra position costs KV cache and the persistent batch's token array.
-DEFAULT_MAX_MODEL_LEN = 2048
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from services.config.process import DENSE_LINEAR
 from worker.config import ModelConfig
 from worker.models import get_model_class
 from worker.models.llama import LlamaForCausalLM
@@ -65,8 +65,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") ->
     model = model_class(model_config).to(device)
     model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
     model.eval()
-    # KVMESH_DENSE_LINEAR=1 keeps plain F.linear (e.g. to compare kernels).
-    dense = os.environ.get("KVMESH_DENSE_LINEAR", "") == "1"
+    dense = DENSE_LINEAR.get()  # plain F.linear, e.g. to compare kernels
     model.pack_weights(use_onednn=not dense, use_native=not dense)
     with_codes, total = model.block_code_coverage()
     logger.info(

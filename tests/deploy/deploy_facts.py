@@ -1,4 +1,4 @@
-"""Facts for the deployment-file tests: the files, and what services/config.py declares.
+"""Facts for the deployment-file tests: the files, and what services/config/ declares.
 
 Every expectation is derived from the config dataclasses, never restated, so
 a port or option renamed there makes these tests point at the stale file.
@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from services.config import SERVICE_CONFIGS, config_from_namespace, env_name
+from services.config import PROCESS_SETTINGS, SERVICE_CONFIGS, config_from_namespace, env_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -22,15 +22,14 @@ DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
 
-# KVMESH_* variables that are not config fields but are read on purpose:
-# services/model_prep.py finds the prepared model with the first,
-# kernels/native.py its compiled C++ kernels with the second.
-DOCUMENTED_EXTRA_ENV = frozenset({"KVMESH_MODEL_CACHE", "KVMESH_KERNEL_CACHE"})
+# Variables that are not config fields but that every process of the stack
+# reads (where the caches live, kernel switches): a container may set them.
+DOCUMENTED_EXTRA_ENV = frozenset(s.name for s in PROCESS_SETTINGS)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServicePorts:
-    """One service's ports by role, as services/config.py declares them by default."""
+    """One service's ports by role, as services/config/ declares them by default."""
 
     name: str
     grpc: int

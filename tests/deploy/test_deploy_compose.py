@@ -1,4 +1,4 @@
-"""docker-compose.yml: valid against the Compose Specification, and in step with services/config.py.
+"""docker-compose.yml: valid against the Compose Specification, and in step with services/config/.
 
 No Docker engine is needed: the schema is the official one vendored in the
 check-jsonschema package, and the rest compares the file with the config

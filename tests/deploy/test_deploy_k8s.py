@@ -1,4 +1,4 @@
-"""deploy/k8s: schema-valid manifests whose ports, probes and settings match services/config.py.
+"""deploy/k8s: schema-valid manifests whose ports, probes and settings match services/config/.
 
 Schemas come from the kubernetes-validate package (offline, strict: unknown
 fields such as a misspelled ``readinesProbe`` are errors), checked against the

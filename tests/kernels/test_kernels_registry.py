@@ -7,6 +7,7 @@ import torch
 
 from kernels import native
 from kernels.registry import BACKENDS, explain_backend_choice, select_attention_backend
+from services.config.process import NATIVE_KERNELS
 
 
 def test_cpu_device_gets_the_native_cpu_backend() -> None:
@@ -16,14 +17,12 @@ def test_cpu_device_gets_the_native_cpu_backend() -> None:
 def test_native_backend_turned_off_falls_back_to_torch_cpu_path_with_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(NATIVE_KERNELS.name, "0")
     native._load.cache_clear()
     try:
         lines = explain_backend_choice(torch.device("cpu"))
-        assert (
-            lines[0]
-            == f"cpu_native: refused: C++ kernels unavailable: turned off by {native.DISABLE_ENV}=0"
-        )
+        reason = f"C++ kernels unavailable: turned off by {NATIVE_KERNELS.name}=0"
+        assert lines[0] == f"cpu_native: refused: {reason}"
         assert lines[1] == "cpu: chosen for device cpu (first supported)"
         assert select_attention_backend(torch.device("cpu")).name == "cpu"
     finally:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from scheduler.request import RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.testing import make_output, make_request, make_scheduler
+from services.config import SCHEDULING_POLICIES
 
 EOS = 2
 SHARED = list(range(300, 324))
@@ -83,7 +84,7 @@ def _step(sched: Scheduler, worker: FakeWorker, choice: int) -> None:
 )
 @given(
     operations=ops,
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
     caching=st.booleans(),
     budget=st.sampled_from([4, 9, 32]),
     threshold=st.sampled_from([0, 5]),

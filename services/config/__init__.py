@@ -1,0 +1,98 @@
+"""The configuration registry: every flag and every environment variable kvmesh reads.
+
+- ``service_configs``: one frozen dataclass per service (and the launcher);
+  each field is a flag ``--foo-bar`` and a variable ``KVMESH_FOO_BAR``.
+- ``options``: how a field declares its default, help and limits, and how
+  flags and variables become a config.
+- ``choices``: enumerations a flag accepts (scheduling policies, attention
+  backends, dtypes), imported by the code that acts on them.
+- ``process``: variables that are not per-service flags (cache folders, kernel
+  switches, tool defaults), each read through one typed accessor.
+
+Environment variables are read in this package and nowhere else;
+``tests/services/test_services_config_registry.py`` fails on any other read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.config.choices import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    SchedulingPolicyName,
+)
+from services.config.options import (
+    ENV_PREFIX,
+    Options,
+    add_config_arguments,
+    as_env_text,
+    check_choice,
+    config_from_namespace,
+    config_to_env,
+    env_name,
+    opt,
+)
+from services.config.process import (
+    ENV_SETTINGS,
+    PROCESS_SETTINGS,
+    TOOL_SETTINGS,
+    EnvSetting,
+    environment_without_options,
+)
+from services.config.service_configs import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_MODEL_LEN,
+    SERVICE_CONFIGS,
+    CommonConfig,
+    DetokenizerConfig,
+    GatewayConfig,
+    KVStoreConfig,
+    LauncherConfig,
+    SchedulerServiceConfig,
+    WorkerConfig,
+)
+
+
+def declared_env_names() -> set[str]:
+    """Every environment variable the registry declares: options and process settings."""
+    options = {
+        env_name(f.name)
+        for cls in (*SERVICE_CONFIGS.values(), LauncherConfig)
+        for f in dataclasses.fields(cls)
+    }
+    return options | set(ENV_SETTINGS)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DEFAULT_HOST",
+    "DEFAULT_MAX_MODEL_LEN",
+    "DTYPES",
+    "ENV_PREFIX",
+    "ENV_SETTINGS",
+    "PROCESS_SETTINGS",
+    "SCHEDULING_POLICIES",
+    "SERVICE_CONFIGS",
+    "TOOL_SETTINGS",
+    "CommonConfig",
+    "DetokenizerConfig",
+    "EnvSetting",
+    "GatewayConfig",
+    "KVStoreConfig",
+    "LauncherConfig",
+    "Options",
+    "SchedulerServiceConfig",
+    "SchedulingPolicyName",
+    "WorkerConfig",
+    "add_config_arguments",
+    "as_env_text",
+    "check_choice",
+    "config_from_namespace",
+    "config_to_env",
+    "declared_env_names",
+    "env_name",
+    "environment_without_options",
+    "opt",
+]

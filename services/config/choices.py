@@ -1,0 +1,26 @@
+"""Enumerations that flags accept, declared once: the packages that act on them import these.
+
+``scheduler.policy`` maps each scheduling policy name to its class,
+``kernels.registry`` each attention backend name, ``worker.config`` each
+dtype name to a torch dtype; tests check that each of them covers exactly the
+names declared here.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SchedulingPolicyName(StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+SCHEDULING_POLICIES: tuple[str, ...] = tuple(p.value for p in SchedulingPolicyName)
+
+# In the order the worker tries them on CPU; "triton" is CUDA's (or Triton's
+# interpreter when forced by name).
+ATTENTION_BACKENDS = ("cpu_native", "cpu", "triton", "torch_reference")
+
+# Compute dtypes the worker accepts, by torch's names.
+DTYPES = ("float32", "float16", "bfloat16")

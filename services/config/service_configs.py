@@ -1,0 +1,152 @@
+"""Per-service configs (and the launcher's): every flag of ``kvmesh serve`` and ``kvmesh up``.
+
+Every option has one globally unique name (``scheduler_port``, not ``port``),
+so one environment file configures the whole stack and the launcher can hand
+the same environment to every process. Ports and addresses are named per
+service on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config.choices import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
+from services.config.options import Options, opt
+
+DEFAULT_HOST = "127.0.0.1"
+# The longest context served when --max-model-len is 0: the model may allow
+# more, but every extra position costs KV cache and the persistent batch's
+# token array. worker.config applies it.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def port(default: int, help: str) -> int:
+    return opt(default, help, minimum=1, maximum=65535)
+
+
+@dataclass(frozen=True)
+class CommonConfig(Options):
+    """Options every service understands."""
+
+    bind_host: str = opt(DEFAULT_HOST, "interface the service listens on (0.0.0.0 in containers)")
+    log_level: str = opt("INFO", "logging level")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig(CommonConfig):
+    """The KV block store service."""
+
+    kvstore_port: int = port(50055, "gRPC port of the kvstore")
+    kvstore_metrics_port: int = port(9104, "Prometheus port of the kvstore")
+    kvstore_capacity_bytes: int = opt(
+        1 << 30, "bytes of KV blocks the store keeps before evicting", minimum=1
+    )
+
+
+@dataclass(frozen=True)
+class WorkerConfig(CommonConfig):
+    """The model worker service."""
+
+    model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")
+    served_model_name: str = opt("", "model name reported by the API (default: folder name)")
+    worker_port: int = port(50053, "gRPC port of the worker")
+    worker_metrics_port: int = port(9102, "Prometheus port of the worker")
+    device: str = opt("cpu", "torch device for the model")
+    dtype: str = opt("float32", "compute dtype (float32 on CPU: no fast bf16 here)", choices=DTYPES)
+    block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
+    kv_cache_memory: int = opt(
+        1 << 30, "bytes for the KV cache (ignored if num_kv_blocks is set)", minimum=0
+    )
+    num_kv_blocks: int = opt(
+        0, "explicit number of KV blocks (0: derive from kv_cache_memory)", minimum=0
+    )
+    max_model_len: int = opt(
+        0,
+        "longest prompt + output in tokens (0: the model's max_position_embeddings, "
+        f"at most {DEFAULT_MAX_MODEL_LEN}; the scheduler lowers it to what the KV cache holds)",
+        minimum=0,
+    )
+    num_threads: int = opt(0, "torch intra-op threads for the worker (0: all cores)", minimum=0)
+    attention_backend: str = opt(
+        "", "force an attention backend ('': choose by device)", choices=ATTENTION_BACKENDS
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.kv_cache_memory <= 0 and self.num_kv_blocks <= 0:
+            raise ValueError("set kv_cache_memory or num_kv_blocks")
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig(CommonConfig):
+    """The scheduler service."""
+
+    scheduler_port: int = port(50052, "gRPC port of the scheduler")
+    scheduler_metrics_port: int = port(9101, "Prometheus port of the scheduler")
+    worker_addr: str = opt("127.0.0.1:50053", "host:port of the worker")
+    max_num_batched_tokens: int = opt(2048, "token budget per engine step", minimum=1)
+    max_num_seqs: int = opt(128, "most requests per engine step", minimum=1)
+    long_prefill_token_threshold: int = opt(
+        0, "cap on one request's tokens per step (0: off)", minimum=0
+    )
+    scheduling_policy: str = opt(
+        "fcfs",
+        "order of the waiting queue and choice of preemption victims",
+        choices=SCHEDULING_POLICIES,
+    )
+    prefix_caching: bool = opt(
+        True, "reuse KV blocks of shared prefixes (--no-prefix-caching: off)"
+    )
+    max_waiting_requests: int = opt(4096, "queue bound; beyond it new requests get 429", minimum=1)
+    # On by default: with the C++ kernels a decode step is ~22 ms and the
+    # synchronous round trip left the worker idle 5-7% of the time; alternating
+    # A/B runs of the 64x128/128 workload: +2.4% on average (3 pairs).
+    async_scheduling: bool = opt(
+        True, "schedule step n+1 while the worker runs step n (--no-async-scheduling: off)"
+    )
+
+
+@dataclass(frozen=True)
+class DetokenizerConfig(CommonConfig):
+    """The detokenizer service."""
+
+    model: str = opt("", "Hugging Face checkpoint folder whose tokenizer is used")
+    detokenizer_port: int = port(50054, "gRPC port of the detokenizer")
+    detokenizer_metrics_port: int = port(9103, "Prometheus port of the detokenizer")
+    scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(CommonConfig):
+    """The gateway service (OpenAI HTTP API + public gRPC API)."""
+
+    model: str = opt("", "Hugging Face checkpoint folder whose tokenizer and template are used")
+    served_model_name: str = opt("", "model name reported by the API (default: folder name)")
+    http_port: int = port(8000, "OpenAI-compatible HTTP port (also /metrics)")
+    grpc_port: int = port(50051, "public gRPC port (kvmesh.v1.Generation)")
+    scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
+    detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
+    api_key: str = opt("", "if set, require 'Authorization: Bearer <key>' on /v1 routes")
+
+
+@dataclass(frozen=True)
+class LauncherConfig(Options):
+    """Options of ``kvmesh up`` itself (not handed to the services)."""
+
+    startup_timeout: float = opt(
+        900.0, "seconds to wait for the whole stack to be ready", minimum=1
+    )
+    max_restarts: int = opt(
+        5, "restarts allowed per service before the launcher gives up", minimum=0
+    )
+
+
+SERVICE_CONFIGS: dict[str, type] = {
+    "gateway": GatewayConfig,
+    "scheduler": SchedulerServiceConfig,
+    "worker": WorkerConfig,
+    "detokenizer": DetokenizerConfig,
+    "kvstore": KVStoreConfig,
+}
