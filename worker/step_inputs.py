@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.backend import AttentionBackend, AttentionMetadata
 from services.math_utils import cdiv
-from worker.attention import AttentionBackend, AttentionMetadata
 from worker.input_batch import InputBatch
 
 
