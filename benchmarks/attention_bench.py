@@ -11,16 +11,22 @@ head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+# The repository root, for tests.kernels (not an installed package) and so
+# that a checkout's own packages win over an editable install's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.testing import make_paged_batch
 from kernels.torch_reference_backend import TorchReferenceBackend
+from tests.kernels.paged_batch import make_paged_batch
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

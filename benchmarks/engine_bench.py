@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from services.math_utils import cdiv
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
 from worker.config import CacheConfig, ModelConfig
@@ -92,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_config = ModelConfig.from_pretrained(args.model, max_model_len=CONTEXT_LEN + 64)
-    blocks_per_seq = -(-(CONTEXT_LEN + args.steps + 4) // 16)
+    blocks_per_seq = cdiv(CONTEXT_LEN + args.steps + 4, 16)
     cache_config = CacheConfig(num_kv_blocks=max(args.batch_sizes) * blocks_per_seq + 16)
     runner = ModelRunner(
         model_config,

@@ -50,6 +50,7 @@ import torch
 
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.triton_backend import TritonAttentionBackend
+from services.math_utils import cdiv
 
 on_gpu = torch.cuda.is_available()
 device = torch.device("cuda" if on_gpu else "cpu")
@@ -96,7 +97,7 @@ for dtype in (torch.float32, torch.bfloat16):
     context_lens = torch.randint(
         context * 3 // 4, context + 1, (batch,), generator=generator, device=device
     ).to(torch.int32)
-    max_blocks = -(-context // block_size)
+    max_blocks = cdiv(context, block_size)
     num_blocks = batch * max_blocks
     # Each sequence owns distinct blocks, in shuffled physical order.
     block_tables = torch.randperm(num_blocks, generator=generator, device=device)

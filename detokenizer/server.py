@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.detokenizer_metrics_port)
-    loaded = load_tokenizer(resolve_model_path(config.model))
-    engine = DetokenizerEngine(DetokenizerTable(loaded.tokenizer), config.scheduler_addr)
+    tokenizer = load_tokenizer(resolve_model_path(config.model))
+    engine = DetokenizerEngine(DetokenizerTable(tokenizer), config.scheduler_addr)
     service = GrpcService(
         "detokenizer", [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name]
     )

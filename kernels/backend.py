@@ -44,10 +44,6 @@ class AttentionMetadata:
     plan: object | None = None
 
     @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
-
-    @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.math_utils import cdiv
+
 BLOCK = 32  # input features per scale/offset
 LANES = 16  # output features per kernel panel
 
@@ -140,7 +142,7 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
 
 def _to_panels(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> BlockCodes:
     out_features = codes.shape[0]
-    panels = -(-out_features // LANES)
+    panels = cdiv(out_features, LANES)
     pad = panels * LANES - out_features
 
     def panel(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from services.math_utils import cdiv
 from services.sampling_params import SamplingParams
 from services.step import NewRequestData
 from worker.sampling_metadata import validate_sampling_params
@@ -37,7 +38,7 @@ class InputBatch:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = vocab_size
-        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.capacity = 0
         # One spare column: a request at max_model_len still stores the token it samples.
         self.token_ids = np.zeros((0, max_model_len + 1), dtype=np.int32)

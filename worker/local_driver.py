@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.math_utils import cdiv
 from services.sampling_params import SamplingParams
 from services.step import (
     Logprobs,
@@ -90,7 +91,7 @@ class LocalDriver:
         return request
 
     def _allocate(self, request: DriverRequest, num_tokens: int) -> list[int]:
-        needed = -(-num_tokens // self.block_size) - len(request.block_ids)
+        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids)
         if needed > len(self.free_blocks):
             raise RuntimeError("LocalDriver ran out of KV blocks")
         new_blocks = [self.free_blocks.popleft() for _ in range(max(needed, 0))]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.registry import select_attention_backend
 from services.step import ModelRunnerOutput, SchedulerOutput
-from worker.attention import select_backend
 from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
@@ -69,7 +69,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.num_kv_blocks = cache_config.resolve_num_kv_blocks(model_config)
         self.model = load_model(model_config, self.device)
-        self.backend = select_backend(self.device, attention_backend)
+        self.backend = select_attention_backend(self.device, attention_backend)
         self.kv_caches = allocate_kv_caches(
             model_config, self.num_kv_blocks, cache_config.block_size, self.device
         )

@@ -132,10 +132,9 @@ def apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The distribution (as logits) that random rows sample from."""
-    logits = apply_logits_processors(logits, metadata)
-    logits = apply_temperature(logits, metadata)
+def random_sampling_logits(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution (as logits) that random rows sample from, given processed logits."""
+    logits = apply_temperature(processed, metadata)
     logits = apply_min_p(logits, metadata)
     return apply_top_k_top_p(logits, metadata)
 
@@ -190,10 +189,8 @@ class Sampler:
             assert greedy_tokens is not None
             token_ids = greedy_tokens
         else:
-            logits = apply_temperature(logits, metadata)
-            logits = apply_min_p(logits, metadata)
-            logits = apply_top_k_top_p(logits, metadata)
-            random_tokens = exponential_race(torch.softmax(logits, dim=-1), metadata.generators)
+            probs = torch.softmax(random_sampling_logits(logits, metadata), dim=-1)
+            random_tokens = exponential_race(probs, metadata.generators)
             token_ids = (
                 random_tokens
                 if greedy_tokens is None

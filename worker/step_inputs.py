@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention import AttentionBackend, AttentionMetadata
+from kernels.backend import AttentionBackend, AttentionMetadata
+from services.math_utils import cdiv
 from worker.input_batch import InputBatch
 
 
@@ -71,7 +72,7 @@ def prepare_step_inputs(
     slot_mapping = block_ids.astype(np.int64) * batch.block_size + positions % batch.block_size
 
     max_context_len = int(context_lens.max())
-    max_blocks = -(-max_context_len // batch.block_size)
+    max_blocks = cdiv(max_context_len, batch.block_size)
     block_tables = batch.block_table[rows, :max_blocks]
     sample_mask = context_lens == batch.num_tokens[rows]
     logits_indices = query_start_loc[1:][sample_mask].astype(np.int64) - 1

@@ -235,3 +235,13 @@ def test_dockerignore_keeps_sources_and_drops_local_state(pyproject: dict[str, A
             assert not _ignored(needed, patterns), f".dockerignore drops {needed}"
     for local_state in (".venv", ".git", "__pycache__"):
         assert _ignored(local_state, patterns), f".dockerignore sends {local_state}"
+
+
+def test_wheel_ships_every_kernel_source(pyproject: dict[str, Any]) -> None:
+    """The image installs a wheel; kernels/native.py compiles and keys its cache on csrc/."""
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    sources = sorted((REPO_ROOT / "kernels" / "csrc").iterdir())
+    assert sources
+    for source in sources:
+        relative = f"csrc/{source.name}"
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"the wheel lacks {relative}"

@@ -9,8 +9,8 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
-from kernels.testing import SCENARIOS, PagedBatch, make_paged_batch
 from kernels.torch_reference_backend import TorchReferenceBackend
+from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
 
 # float32 with a different summation order than the reference (fused SDPA vs
 # einsum + softmax): differences are a few ulps of O(1) outputs.

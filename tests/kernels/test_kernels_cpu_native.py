@@ -11,8 +11,8 @@ import torch
 
 from kernels import native
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.testing import SCENARIOS, PagedBatch, make_paged_batch
 from kernels.torch_reference_backend import TorchReferenceBackend
+from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
 
 # float32; the kernel sums in another order than the reference and uses a
 # vectorized exp (glibc libmvec, within 4 ulp): differences are a few ulps of

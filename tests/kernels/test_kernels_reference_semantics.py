@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.testing import make_paged_batch
+from tests.kernels.paged_batch import make_paged_batch
 
 
 def test_decode_with_a_single_token_context_returns_its_value() -> None:

@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.backend import AttentionBackend
-from kernels.testing import SCENARIOS, PagedBatch, make_paged_batch
 from kernels.torch_reference_backend import TorchReferenceBackend
 from kernels.triton_backend import TritonAttentionBackend
+from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 throughout (ieee dot products, float32 online softmax); the online

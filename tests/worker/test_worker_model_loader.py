@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.math_utils import cdiv
 from services.sampling_params import SamplingParams
 from services.step import NewRequestData
 from worker.config import CacheConfig, ModelConfig
@@ -47,7 +48,7 @@ def _hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 def _our_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position (the runner itself only computes sampling rows)."""
     batch = runner.input_batch
-    num_blocks = -(-len(prompt) // runner.cache_config.block_size)
+    num_blocks = cdiv(len(prompt), runner.cache_config.block_size)
     batch.add_request(
         NewRequestData("logits", prompt, [], SamplingParams(), list(range(num_blocks)), 0)
     )

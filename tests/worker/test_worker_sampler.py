@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.sampling_params import SamplingParams
-from worker.sampler import Sampler, apply_logits_processors, process_logits
-from worker.sampling_metadata import sampling_metadata_from_lists
+from tests.worker.sampling_lists import sampling_metadata_from_lists
+from worker.sampler import Sampler, apply_logits_processors, random_sampling_logits
 
 VOCAB = 200
 EOS = (2,)
@@ -92,7 +92,7 @@ def test_each_processor_matches_per_request_reference(seed: int) -> None:
     # Make sure min_tokens rows are still below their minimum and hit EOS/stop ids.
     outputs[8], outputs[9] = [9, 2], [2]
     metadata = _metadata(MIXED_PARAMS, prompts, outputs)
-    processed = process_logits(logits, metadata)
+    processed = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
     for row, params in enumerate(MIXED_PARAMS):
         expected = reference_processed_logits(logits[row], params, prompts[row], outputs[row])
         got = processed[row].double()

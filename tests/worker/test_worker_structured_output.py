@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from services.sampling_params import SamplingParams, StructuredOutputSpec
+from tests.worker.sampling_lists import sampling_metadata_from_lists
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.sampler import Sampler, apply_logits_processors
-from worker.sampling_metadata import sampling_metadata_from_lists
 from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 
 from .conftest import truncate_at_eos

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
-from worker.attention import AttentionBackend, AttentionMetadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 from worker.config import ModelConfig
 from worker.models.linear import PackedLinear
 from worker.models.rotary import RotaryEmbedding

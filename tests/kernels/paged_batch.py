@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import AttentionBackend, AttentionMetadata
+from services.math_utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def make_paged_batch(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, dtype)
 
-    blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in seqs]
+    blocks_per_seq = [cdiv(cached + new, block_size) for cached, new in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     physical = torch.randperm(num_blocks, generator=generator).tolist()
     max_blocks = max(blocks_per_seq, default=0) + 2  # room for padding columns
