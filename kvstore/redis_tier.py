@@ -107,15 +107,9 @@ class RedisTier:
         """Verified blocks in ``keys`` order (None: absent, corrupt or Redis failing)."""
         if not keys:
             return []
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(KEY_PREFIX + key)
-        try:
-            records = await pipe.execute()
-        except _ERRORS as e:
-            self._failed("GET", e)
+        records = await self._pipelined("GET", keys)
+        if records is None:
             return [None] * len(keys)
-        self._succeeded()
         blocks: list[StoredBlock | None] = []
         corrupt = []
         for key, record in zip(keys, records, strict=True):
@@ -137,15 +131,9 @@ class RedisTier:
         """Presence of each key, in one round trip (all False while Redis fails)."""
         if not keys:
             return []
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(KEY_PREFIX + key)
-        try:
-            counts = await pipe.execute()
-        except _ERRORS as e:
-            self._failed("EXISTS", e)
+        counts = await self._pipelined("EXISTS", keys)
+        if counts is None:
             return [False] * len(keys)
-        self._succeeded()
         return [bool(count) for count in counts]
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -181,6 +169,19 @@ class RedisTier:
     async def close(self) -> None:
         await self.flush()
         await self._redis.aclose()
+
+    async def _pipelined(self, command: str, keys: Sequence[bytes]) -> list | None:
+        """``command key`` for every key in one round trip; None if Redis failed."""
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.execute_command(command, KEY_PREFIX + key)
+        try:
+            replies = await pipe.execute()
+        except _ERRORS as e:
+            self._failed(command, e)
+            return None
+        self._succeeded()
+        return replies
 
     def _failed(self, command: str, error: BaseException) -> None:
         self._errors += 1

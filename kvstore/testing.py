@@ -13,6 +13,8 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from kvstore.block import PutOutcome, crc32
+from kvstore.memory_tier import MemoryTier
 from kvstore.server import KVStoreServicer
 from kvstore.tiered import TieredStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
@@ -27,6 +29,26 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def numbered_key(i: int) -> bytes:
+    """A distinct store key per number."""
+    return i.to_bytes(8, "little")
+
+
+def numbered_payload(i: int, size: int = 100) -> bytes:
+    """``size`` bytes that differ from number to number (mod 256)."""
+    return bytes([i % 256]) * size
+
+
+def put_block(store: MemoryTier | TieredStore, key: bytes, data: bytes) -> PutOutcome:
+    """A whole two-phase put (begin, two chunks, commit with the right CRC-32)."""
+    pending = store.begin_put(key, len(data))
+    if pending is None:
+        return PutOutcome.NO_ROOM
+    pending.write(data[: len(data) // 2])
+    pending.write(data[len(data) // 2 :])
+    return store.commit_put(pending, crc32(data))
 
 
 @contextlib.asynccontextmanager

@@ -204,43 +204,21 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         memory = self.memory.stats()
-        tiers = [
-            TierSnapshot(
-                "memory",
-                memory.num_blocks,
-                memory.bytes_used,
-                memory.capacity_bytes,
-                self._hits["memory"],
-                memory.evictions,
-                0,
-            )
-        ]
+        # (tier, blocks, bytes used, capacity, evictions, corrupt blocks)
+        rows = [("memory", memory.num_blocks, memory.bytes_used, memory.capacity_bytes,
+                 memory.evictions, 0)]  # fmt: skip
         if self.disk is not None:
             disk = self.disk.stats()
-            tiers.append(
-                TierSnapshot(
-                    "disk",
-                    disk.num_blocks,
-                    disk.bytes_used,
-                    disk.capacity_bytes,
-                    self._hits["disk"],
-                    disk.evictions,
-                    disk.corrupt_blocks,
-                )
-            )
+            rows.append(("disk", disk.num_blocks, disk.bytes_used, disk.capacity_bytes,
+                         disk.evictions, disk.corrupt_blocks))  # fmt: skip
         if self.redis is not None:
             redis = self.redis.stats()
-            tiers.append(
-                TierSnapshot(
-                    "redis",
-                    redis.num_blocks,
-                    redis.bytes_used,
-                    0,
-                    self._hits["redis"],
-                    0,
-                    redis.corrupt_blocks,
-                )
-            )
+            # Redis bounds itself (maxmemory): no capacity or evictions seen from here.
+            rows.append(("redis", redis.num_blocks, redis.bytes_used, 0, 0, redis.corrupt_blocks))
+        tiers = [
+            TierSnapshot(name, blocks, used, capacity, self._hits[name], evictions, corrupt)
+            for name, blocks, used, capacity, evictions, corrupt in rows
+        ]
         return StoreStats(
             tiers=tuple(tiers),
             misses=self._misses,

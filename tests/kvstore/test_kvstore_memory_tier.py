@@ -6,27 +6,14 @@ import pytest
 
 from kvstore.block import PutOutcome, StoredBlock, crc32
 from kvstore.memory_tier import MemoryTier
-from kvstore.testing import FakeClock
+from kvstore.testing import FakeClock, put_block
+from kvstore.testing import numbered_key as key
+from kvstore.testing import numbered_payload as data
 from services.errors import InvalidRequestError
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "little")
-
-
-def data(i: int, size: int = 100) -> bytes:
-    return bytes([i % 256]) * size
-
-
-def put(tier: MemoryTier, i: int, size: int = 100) -> PutOutcome:
-    """A whole two-phase put of block ``i`` in two chunks."""
-    payload = data(i, size)
-    pending = tier.begin_put(key(i), size)
-    if pending is None:
-        return PutOutcome.NO_ROOM
-    pending.write(payload[: size // 2])
-    pending.write(payload[size // 2 :])
-    return tier.commit_put(pending, crc32(payload))
+def put(store: MemoryTier, i: int, size: int = 100) -> PutOutcome:
+    return put_block(store, key(i), data(i, size))
 
 
 def present(tier: MemoryTier, n: int) -> list[bool]:
@@ -100,11 +87,17 @@ def test_duplicate_put_keeps_the_stored_block_and_reserves_nothing() -> None:
     tier.check_integrity()
 
 
-def test_eviction_starts_past_high_watermark_and_stops_at_low() -> None:
+def recording_evictions(capacity: int, high: float, low: float) -> tuple[MemoryTier, list[bytes]]:
+    """A tier and the list its evicted keys are appended to."""
     evicted: list[bytes] = []
     tier = MemoryTier(
-        1000, high_watermark=0.9, low_watermark=0.5, on_evict=lambda k, _b: evicted.append(k)
+        capacity, high_watermark=high, low_watermark=low, on_evict=lambda k, _: evicted.append(k)
     )
+    return tier, evicted
+
+
+def test_eviction_starts_past_high_watermark_and_stops_at_low() -> None:
+    tier, evicted = recording_evictions(1000, high=0.9, low=0.5)
     for i in range(9):
         assert put(tier, i) is PutOutcome.STORED
     assert evicted == [] and tier.stats().bytes_used == 900  # at the high watermark
@@ -116,10 +109,7 @@ def test_eviction_starts_past_high_watermark_and_stops_at_low() -> None:
 
 
 def test_lru_order_follows_gets_not_contains() -> None:
-    evicted: list[bytes] = []
-    tier = MemoryTier(
-        300, high_watermark=1, low_watermark=1, on_evict=lambda k, _: evicted.append(k)
-    )
+    tier, evicted = recording_evictions(300, high=1, low=1)
     for i in range(3):
         put(tier, i)
     tier.get(key(0))

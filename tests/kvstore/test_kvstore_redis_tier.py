@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvstore.block import PutOutcome, StoredBlock, crc32
+from kvstore.testing import numbered_key as key
+from kvstore.testing import numbered_payload as data
+from kvstore.testing import put_block
 from kvstore.tiered import TieredStore
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
@@ -12,19 +15,8 @@ pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .
 from kvstore.redis_tier import KEY_PREFIX, RedisTier
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "little")
-
-
-def data(i: int, size: int = 100) -> bytes:
-    return bytes([i % 256]) * size
-
-
 def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:
-    pending = store.begin_put(key(i), size)
-    assert pending is not None
-    pending.write(data(i, size))
-    return store.commit_put(pending, crc32(data(i, size)))
+    return put_block(store, key(i), data(i, size))
 
 
 def with_redis(url: str, memory_bytes: int = 1000) -> TieredStore:

@@ -4,26 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.block import PutOutcome, crc32
+from kvstore.block import PutOutcome
 from kvstore.disk_tier import DiskTier
-from kvstore.testing import FakeClock
+from kvstore.testing import FakeClock, put_block
+from kvstore.testing import numbered_key as key
+from kvstore.testing import numbered_payload as data
 from kvstore.tiered import TieredStore
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "little")
-
-
-def data(i: int, size: int = 100) -> bytes:
-    return bytes([i % 256]) * size
-
-
 def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:
-    pending = store.begin_put(key(i), size)
-    if pending is None:
-        return PutOutcome.NO_ROOM
-    pending.write(data(i, size))
-    return store.commit_put(pending, crc32(data(i, size)))
+    return put_block(store, key(i), data(i, size))
 
 
 def tiered(tmp_path: Path, memory_bytes: int = 200, **kwargs) -> TieredStore:
