@@ -9,8 +9,10 @@
    bytes: µs per put (begin + write + commit), get, lookup_prefix and lease +
    release (batches of 64 hashes, cost per block), and per put that evicts one
    block (store full, watermarks at 1). Flat across sizes means O(1) per
-   operation. Memory: RSS growth per block while filling, with keys and
-   payloads allocated beforehand, i.e. the store's own state per block
+   operation; the baseline is a random lookup in a plain dict of as many keys
+   (it grows too, with cache misses, which no data structure avoids).
+   Memory: RSS growth per block while filling, with keys and payloads
+   allocated beforehand, i.e. the store's own state per block
    (block record, table and LRU entries). Each size runs in a fresh forked
    process so RSS deltas do not mix.
 
@@ -161,6 +163,10 @@ def _store_costs(num_blocks: int) -> dict[str, float]:
         return tuple((b - a) / num_batched * 1e6 for a, b in ((t0, t1), (t1, t2), (t2, t3)))
 
     get_us, lookup_us, lease_us = asyncio.run(batched())
+    # Baseline: one random lookup in a plain dict of the same keys, same order.
+    # Its growth with size is the memory hierarchy's (cache misses), not the store's.
+    table = dict(zip(keys, payloads, strict=True))
+    dict_us = _per_op_us(lambda: [table.get(k) for batch in batches for k in batch], num_batched)
     num_evicting = min(num_blocks, 100_000)
     new_keys = [LAYOUT.block_key(_hash(num_blocks + i)) for i in range(num_evicting)]
     evict_us = _per_op_us(lambda: _put_all(store, new_keys, payloads[:num_evicting]), num_evicting)
@@ -171,6 +177,7 @@ def _store_costs(num_blocks: int) -> dict[str, float]:
         "lookup": lookup_us,
         "lease+release": lease_us,
         "put+evict": evict_us,
+        "dict.get": dict_us,
         "bytes/block": overhead,
     }
 
@@ -181,7 +188,7 @@ def _store_costs_in_child(num_blocks: int, queue: multiprocessing.Queue) -> None
 
 def bench_store(sizes: list[int]) -> None:
     print(f"\n2. in-process store, {SMALL_BLOCK}-byte blocks: µs per block (batches of {BATCH})")
-    columns = ["put", "get", "lookup", "lease+release", "put+evict", "bytes/block"]
+    columns = ["put", "get", "lookup", "lease+release", "put+evict", "dict.get", "bytes/block"]
     print(f"{'blocks':>9} " + " ".join(f"{c:>13}" for c in columns))
     context = multiprocessing.get_context("fork")
     results = {}
@@ -196,6 +203,7 @@ def bench_store(sizes: list[int]) -> None:
     smallest, largest = results[sizes[0]], results[sizes[-1]]
     ratios = " ".join(f"{c}={largest[c] / smallest[c]:.2f}" for c in columns[:-1])
     print(f"cost ratio {sizes[-1]} / {sizes[0]} blocks (1.0 = flat): {ratios}")
+    print("dict.get: baseline, a random lookup in a plain dict of as many keys")
     print("bytes/block: RSS growth per stored block, keys and payloads excluded")
 
 

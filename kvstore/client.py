@@ -43,6 +43,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # Anything a block can be given as: its bytes, or a buffer over them (e.g. a
 # numpy array or a CPU tensor's memory), sent without a full copy up front.
 BlockData = bytes | bytearray | memoryview
+_KNOWN_OUTCOMES = {int(outcome) for outcome in PutOutcome}
 
 
 class KVStoreError(Exception):
@@ -130,9 +131,9 @@ class KVStoreClient:
         messages = _put_messages(layout.to_proto(), blocks, self._chunk_bytes)
         with _rpc_errors("PutBlocks"):
             reply = await self._stub.PutBlocks(messages, timeout=self._timeout(timeout_s))
-        if len(reply.outcomes) != len(blocks):
+        if len(reply.outcomes) != len(blocks) or not set(reply.outcomes) <= _KNOWN_OUTCOMES:
             raise KVStoreError(
-                f"PutBlocks: {len(reply.outcomes)} outcomes for {len(blocks)} blocks"
+                f"PutBlocks: outcomes {list(reply.outcomes)} for {len(blocks)} blocks"
             )
         return [PutOutcome(outcome) for outcome in reply.outcomes]
 
@@ -153,9 +154,14 @@ class KVStoreClient:
             layout=layout.to_proto(), block_hashes=block_hashes, lease_ttl_seconds=lease_ttl_s
         )
         reader = _BlockStreamReader(block_hashes)
+        call = self._stub.GetBlocks(request, timeout=self._timeout(timeout_s))
         with _rpc_errors("GetBlocks"):
-            async for message in self._stub.GetBlocks(request, timeout=self._timeout(timeout_s)):
-                reader.feed(message)
+            try:
+                async for message in call:
+                    reader.feed(message)
+            except KVStoreError:
+                call.cancel()  # a broken stream: stop the server sending the rest
+                raise
         blocks = reader.finish()
         lease = None
         if lease_ttl_s > 0:
