@@ -17,6 +17,15 @@ install: $(DEPS_STAMP)
 	@# Without a compiler the stack still runs (torch CPU path); the tests fail.
 	@$(BIN)/python -m kernels.native build >/dev/null \
 		|| echo "kvmesh: C++ kernels not built (reason above); serving falls back to the torch CPU path"
+	@# The kvstore's Redis tier tests run a real redis-server; install it where we may.
+	@if ! command -v redis-server >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+				|| echo "kvmesh: apt-get could not install redis-server; Redis tier tests will skip"; \
+		else \
+			echo "kvmesh: no redis-server (needs root and apt-get here); Redis tier tests will skip"; \
+		fi; \
+	fi
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

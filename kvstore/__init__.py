@@ -1,1 +1,1 @@
-"""KV store service: KV block bytes keyed by content hash."""
+"""KV store service: KV block bytes keyed by (layout namespace, block hash), in tiers."""

@@ -1,15 +1,22 @@
-"""kvstore process: gRPC KVStore service over a BlockStore."""
+"""kvstore process: the gRPC KVStore service over a TieredStore."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Iterator, Sequence
 
 import grpc
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY
 
-from kvstore.store import BlockStore
+from kvstore import metrics
+from kvstore.block import CHUNK_BYTES, StoredBlock
+from kvstore.disk_tier import DiskTier
+from kvstore.layout import KVLayout
+from kvstore.put_stream import PutStream
+from kvstore.tiered import StoreStats, TieredStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from services.config import KVStoreConfig
 from services.errors import InvalidRequestError
@@ -18,46 +25,56 @@ from services.metrics import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
-_BLOCKS = Gauge("kvmesh:kvstore_blocks", "KV blocks held by the store")
-_BYTES = Gauge("kvmesh:kvstore_bytes_used", "bytes of KV blocks held by the store")
-_CAPACITY = Gauge("kvmesh:kvstore_capacity_bytes", "configured capacity of the store")
-_OPS = Counter("kvmesh:kvstore_block_ops_total", "block operations by kind", ["op"])
+METRICS_REFRESH_S = 1.0
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: TieredStore, *, max_lease_ttl_s: float) -> None:
         self.store = store
+        self._max_lease_ttl_s = max_lease_ttl_s
 
-    def _export(self) -> None:
-        stats = self.store.stats()
-        _BLOCKS.set(stats.num_blocks)
-        _BYTES.set(stats.bytes_used)
+    async def LookupPrefix(self, request, context: grpc.aio.ServicerContext):
+        if not request.layouts:
+            raise InvalidRequestError("LookupPrefix needs at least one layout")
+        key_lists = [
+            _keys(KVLayout.from_proto(layout), request.block_hashes) for layout in request.layouts
+        ]
+        num = await self.store.lookup_prefix(key_lists)
+        return kvstore_pb2.LookupPrefixResponse(num_prefix_blocks=num)
 
-    async def PutBlocks(self, request, context: grpc.aio.ServicerContext):
-        stored = [self.store.put(b.key, b.data) for b in request.blocks]
-        _OPS.labels("put").inc(len(stored))
-        self._export()
-        return kvstore_pb2.PutBlocksResponse(stored=stored)
+    async def PutBlocks(self, request_iterator, context: grpc.aio.ServicerContext):
+        start = time.perf_counter()
+        stream = PutStream(self.store)
+        try:
+            async for chunk in request_iterator:
+                stream.feed(chunk)
+        finally:
+            stream.close()  # cancelled, disconnected or failed mid-block: abort it
+            metrics.BYTES_IN.inc(stream.bytes_received)
+        metrics.PUT_SECONDS.observe(time.perf_counter() - start)
+        return kvstore_pb2.PutBlocksResponse(outcomes=[int(o) for o in stream.outcomes])
 
     async def GetBlocks(self, request, context: grpc.aio.ServicerContext):
-        blocks = []
-        for key in request.keys:
-            data = self.store.get(key)
-            if data is not None:
-                blocks.append(kvstore_pb2.KVBlock(key=key, data=data))
-        _OPS.labels("get").inc(len(request.keys))
-        return kvstore_pb2.GetBlocksResponse(blocks=blocks)
-
-    async def ContainsBlocks(self, request, context: grpc.aio.ServicerContext):
-        return kvstore_pb2.ContainsBlocksResponse(present=self.store.contains(list(request.keys)))
-
-    async def DeleteBlocks(self, request, context: grpc.aio.ServicerContext):
-        n = self.store.delete(list(request.keys))
-        _OPS.labels("delete").inc(len(request.keys))
-        self._export()
-        return kvstore_pb2.DeleteBlocksResponse(num_deleted=n or 0)
+        start = time.perf_counter()
+        ttl = request.lease_ttl_seconds
+        if ttl != 0:
+            self._check_ttl(ttl)
+        layout = KVLayout.from_proto(request.layout)
+        blocks, lease_id, leased = await self.store.get(_keys(layout, request.block_hashes), ttl)
+        yield kvstore_pb2.GetBlocksChunk(
+            header=kvstore_pb2.GetBlocksHeader(
+                found=[block is not None for block in blocks], lease_id=lease_id, leased=leased
+            )
+        )
+        for block_hash, block in zip(request.block_hashes, blocks, strict=True):
+            if block is not None:
+                for message in _block_messages(block_hash, block):
+                    yield message
+                metrics.BYTES_OUT.inc(block.size)
+        metrics.GET_SECONDS.observe(time.perf_counter() - start)
 
     async def LeaseBlocks(self, request, context: grpc.aio.ServicerContext):
+<<<<<<< HEAD
         keys = list(request.keys)
         present = self.store.contains(keys)
         try:
@@ -67,32 +84,111 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except ValueError as exc:  # the store's one refusal: a ttl that is not positive
             raise InvalidRequestError(str(exc), param="ttl_seconds") from exc
         return kvstore_pb2.LeaseBlocksResponse(lease_id=str(lease_id), leased=present)
+=======
+        self._check_ttl(request.ttl_seconds)
+        keys = _keys(KVLayout.from_proto(request.layout), request.block_hashes)
+        lease_id, leased = await self.store.lease(keys, request.ttl_seconds)
+        return kvstore_pb2.LeaseBlocksResponse(lease_id=lease_id, leased=leased)
+>>>>>>> h-kvstore
 
     async def ReleaseLease(self, request, context: grpc.aio.ServicerContext):
-        with contextlib.suppress(ValueError):  # not one of ours: nothing to release
-            self.store.release(int(request.lease_id))
-        return kvstore_pb2.ReleaseLeaseResponse()
+        return kvstore_pb2.ReleaseLeaseResponse(released=self.store.release(request.lease_id))
+
+    async def DeleteBlocks(self, request, context: grpc.aio.ServicerContext):
+        keys = _keys(KVLayout.from_proto(request.layout), request.block_hashes)
+        return kvstore_pb2.DeleteBlocksResponse(num_deleted=await self.store.delete(keys))
 
     async def GetStats(self, request, context: grpc.aio.ServicerContext):
-        s = self.store.stats()
-        return kvstore_pb2.KVStoreStats(
-            num_blocks=s.num_blocks,
-            bytes_used=s.bytes_used,
-            capacity_bytes=s.capacity_bytes,
-            hits=s.hits,
-            misses=s.misses,
-            evictions=s.evictions,
-        )
+        return stats_to_proto(self.store.stats())
+
+    def _check_ttl(self, ttl_s: float) -> None:
+        if not 0 < ttl_s <= self._max_lease_ttl_s:
+            raise InvalidRequestError(
+                f"lease ttl must be in (0, {self._max_lease_ttl_s}] seconds, got {ttl_s}"
+            )
+
+
+def _keys(layout: KVLayout, block_hashes: Sequence[bytes]) -> list[bytes]:
+    return [layout.block_key(block_hash) for block_hash in block_hashes]
+
+
+def _block_messages(block_hash: bytes, block: StoredBlock) -> Iterator[kvstore_pb2.GetBlocksChunk]:
+    """A block as GetBlocks messages: begin with the first chunk, then data chunks."""
+    data = block.data
+    begin = kvstore_pb2.BlockBegin(block_hash=block_hash, size=block.size, crc32=block.crc32)
+    if len(data) <= CHUNK_BYTES:  # the common case: one message, no copy
+        yield kvstore_pb2.GetBlocksChunk(begin=begin, data=data)
+        return
+    yield kvstore_pb2.GetBlocksChunk(begin=begin, data=data[:CHUNK_BYTES])
+    for offset in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+        yield kvstore_pb2.GetBlocksChunk(data=data[offset : offset + CHUNK_BYTES])
+
+
+def stats_to_proto(stats: StoreStats) -> kvstore_pb2.KVStoreStats:
+    return kvstore_pb2.KVStoreStats(
+        tiers=[
+            kvstore_pb2.TierStats(
+                tier=t.tier,
+                num_blocks=t.num_blocks,
+                bytes_used=t.bytes_used,
+                capacity_bytes=t.capacity_bytes,
+                hits=t.hits,
+                evictions=t.evictions,
+                corrupt_blocks=t.corrupt_blocks,
+            )
+            for t in stats.tiers
+        ],
+        misses=stats.misses,
+        num_leases=stats.num_leases,
+        inflight_puts=stats.inflight_puts,
+        failed_puts=sum(stats.failed_puts.values()),
+    )
+
+
+def build_store(config: KVStoreConfig) -> TieredStore:
+    disk = None
+    if config.kvstore_disk_path:
+        disk = DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)
+    redis = None
+    if config.kvstore_redis_url:
+        # Imported here: redis-py is needed only when a Redis tier is configured.
+        from kvstore.redis_tier import RedisTier
+
+        redis = RedisTier.from_url(config.kvstore_redis_url)
+    return TieredStore(
+        config.kvstore_capacity_bytes,
+        disk=disk,
+        redis=redis,
+        high_watermark=config.kvstore_high_watermark,
+        low_watermark=config.kvstore_low_watermark,
+    )
+
+
+async def _refresh_metrics(store: TieredStore, collector: metrics.StoreCollector) -> None:
+    while True:
+        await store.refresh()
+        collector.update(store.stats())
+        await asyncio.sleep(METRICS_REFRESH_S)
 
 
 async def serve(config: KVStoreConfig, stop: asyncio.Event) -> None:
+    store = build_store(config)
+    collector = metrics.StoreCollector(store.stats())
+    REGISTRY.register(collector)
     start_metrics_server(config.bind_host, config.kvstore_metrics_port)
-    _CAPACITY.set(config.kvstore_capacity_bytes)
     service = GrpcService("kvstore", [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(
-        KVStoreServicer(BlockStore(config.kvstore_capacity_bytes)), service.server
+        KVStoreServicer(store, max_lease_ttl_s=config.kvstore_max_lease_ttl_s), service.server
     )
     await service.start(config.bind_host, config.kvstore_port)
+    refresher = asyncio.create_task(_refresh_metrics(store, collector))
     await service.set_serving(True)
-    await stop.wait()
-    await service.stop()
+    try:
+        await stop.wait()
+    finally:
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+        await service.stop()
+        await store.close()
+        REGISTRY.unregister(collector)

@@ -24,43 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x12kvmesh.internal.v1\"$\n\x07KVBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"?\n\x10PutBlocksRequest\x12+\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x1b.kvmesh.internal.v1.KVBlock\"#\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x03(\x08\" \n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"@\n\x11GetBlocksResponse\x12+\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x1b.kvmesh.internal.v1.KVBlock\"%\n\x15\x43ontainsBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\")\n\x16\x43ontainsBlocksResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"#\n\x13\x44\x65leteBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"+\n\x14\x44\x65leteBlocksResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\x05\"7\n\x12LeaseBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"7\n\x13LeaseBlocksResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06leased\x18\x02 \x03(\x08\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"\x11\n\x0fGetStatsRequest\"\x7f\n\x0cKVStoreStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\x12\x12\n\nbytes_used\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x32\x9f\x05\n\x07KVStore\x12X\n\tPutBlocks\x12$.kvmesh.internal.v1.PutBlocksRequest\x1a%.kvmesh.internal.v1.PutBlocksResponse\x12X\n\tGetBlocks\x12$.kvmesh.internal.v1.GetBlocksRequest\x1a%.kvmesh.internal.v1.GetBlocksResponse\x12g\n\x0e\x43ontainsBlocks\x12).kvmesh.internal.v1.ContainsBlocksRequest\x1a*.kvmesh.internal.v1.ContainsBlocksResponse\x12\x61\n\x0c\x44\x65leteBlocks\x12\'.kvmesh.internal.v1.DeleteBlocksRequest\x1a(.kvmesh.internal.v1.DeleteBlocksResponse\x12^\n\x0bLeaseBlocks\x12&.kvmesh.internal.v1.LeaseBlocksRequest\x1a\'.kvmesh.internal.v1.LeaseBlocksResponse\x12\x61\n\x0cReleaseLease\x12\'.kvmesh.internal.v1.ReleaseLeaseRequest\x1a(.kvmesh.internal.v1.ReleaseLeaseResponse\x12Q\n\x08GetStats\x12#.kvmesh.internal.v1.GetStatsRequest\x1a .kvmesh.internal.v1.KVStoreStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x12kvmesh.internal.v1\"v\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0elayout_version\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"Z\n\x13LookupPrefixRequest\x12-\n\x07layouts\x18\x01 \x03(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"1\n\x14LookupPrefixResponse\x12\x19\n\x11num_prefix_blocks\x18\x01 \x01(\r\"\xa2\x01\n\x08PutChunk\x12,\n\x06layout\x18\x01 \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12+\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1c.kvmesh.internal.v1.PutBegin\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12-\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x1d.kvmesh.internal.v1.PutCommit\",\n\x08PutBegin\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x1a\n\tPutCommit\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\"E\n\x11PutBlocksResponse\x12\x30\n\x08outcomes\x18\x01 \x03(\x0e\x32\x1e.kvmesh.internal.v1.PutOutcome\"q\n\x10GetBlocksRequest\x12,\n\x06layout\x18\x01 \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x19\n\x11lease_ttl_seconds\x18\x03 \x01(\x01\"B\n\x0fGetBlocksHeader\x12\r\n\x05\x66ound\x18\x01 \x03(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06leased\x18\x03 \x03(\x08\"=\n\nBlockBegin\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"\x82\x01\n\x0eGetBlocksChunk\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32#.kvmesh.internal.v1.GetBlocksHeader\x12-\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1e.kvmesh.internal.v1.BlockBegin\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"m\n\x12LeaseBlocksRequest\x12,\n\x06layout\x18\x01 \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"7\n\x13LeaseBlocksResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0e\n\x06leased\x18\x02 \x03(\x08\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"Y\n\x13\x44\x65leteBlocksRequest\x12,\n\x06layout\x18\x01 \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"+\n\x14\x44\x65leteBlocksResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\x92\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x07 \x01(\x04\"\x8c\x01\n\x0cKVStoreStats\x12,\n\x05tiers\x18\x01 \x03(\x0b\x32\x1d.kvmesh.internal.v1.TierStats\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x12\n\nnum_leases\x18\x03 \x01(\x04\x12\x15\n\rinflight_puts\x18\x04 \x01(\x04\x12\x13\n\x0b\x66\x61iled_puts\x18\x05 \x01(\x04*\x93\x01\n\nPutOutcome\x12\x1b\n\x17PUT_OUTCOME_UNSPECIFIED\x10\x00\x12\x16\n\x12PUT_OUTCOME_STORED\x10\x01\x12\x1e\n\x1aPUT_OUTCOME_ALREADY_STORED\x10\x02\x12\x17\n\x13PUT_OUTCOME_NO_ROOM\x10\x03\x12\x17\n\x13PUT_OUTCOME_CORRUPT\x10\x04\x32\x92\x05\n\x07KVStore\x12\x61\n\x0cLookupPrefix\x12\'.kvmesh.internal.v1.LookupPrefixRequest\x1a(.kvmesh.internal.v1.LookupPrefixResponse\x12R\n\tPutBlocks\x12\x1c.kvmesh.internal.v1.PutChunk\x1a%.kvmesh.internal.v1.PutBlocksResponse(\x01\x12W\n\tGetBlocks\x12$.kvmesh.internal.v1.GetBlocksRequest\x1a\".kvmesh.internal.v1.GetBlocksChunk0\x01\x12^\n\x0bLeaseBlocks\x12&.kvmesh.internal.v1.LeaseBlocksRequest\x1a\'.kvmesh.internal.v1.LeaseBlocksResponse\x12\x61\n\x0cReleaseLease\x12\'.kvmesh.internal.v1.ReleaseLeaseRequest\x1a(.kvmesh.internal.v1.ReleaseLeaseResponse\x12\x61\n\x0c\x44\x65leteBlocks\x12\'.kvmesh.internal.v1.DeleteBlocksRequest\x1a(.kvmesh.internal.v1.DeleteBlocksResponse\x12Q\n\x08GetStats\x12#.kvmesh.internal.v1.GetStatsRequest\x1a .kvmesh.internal.v1.KVStoreStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVBLOCK']._serialized_start=44
-  _globals['_KVBLOCK']._serialized_end=80
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=82
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=145
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=147
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=182
-  _globals['_GETBLOCKSREQUEST']._serialized_start=184
-  _globals['_GETBLOCKSREQUEST']._serialized_end=216
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=218
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=282
-  _globals['_CONTAINSBLOCKSREQUEST']._serialized_start=284
-  _globals['_CONTAINSBLOCKSREQUEST']._serialized_end=321
-  _globals['_CONTAINSBLOCKSRESPONSE']._serialized_start=323
-  _globals['_CONTAINSBLOCKSRESPONSE']._serialized_end=364
-  _globals['_DELETEBLOCKSREQUEST']._serialized_start=366
-  _globals['_DELETEBLOCKSREQUEST']._serialized_end=401
-  _globals['_DELETEBLOCKSRESPONSE']._serialized_start=403
-  _globals['_DELETEBLOCKSRESPONSE']._serialized_end=446
-  _globals['_LEASEBLOCKSREQUEST']._serialized_start=448
-  _globals['_LEASEBLOCKSREQUEST']._serialized_end=503
-  _globals['_LEASEBLOCKSRESPONSE']._serialized_start=505
-  _globals['_LEASEBLOCKSRESPONSE']._serialized_end=560
-  _globals['_RELEASELEASEREQUEST']._serialized_start=562
-  _globals['_RELEASELEASEREQUEST']._serialized_end=601
-  _globals['_RELEASELEASERESPONSE']._serialized_start=603
-  _globals['_RELEASELEASERESPONSE']._serialized_end=625
-  _globals['_GETSTATSREQUEST']._serialized_start=627
-  _globals['_GETSTATSREQUEST']._serialized_end=644
-  _globals['_KVSTORESTATS']._serialized_start=646
-  _globals['_KVSTORESTATS']._serialized_end=773
-  _globals['_KVSTORE']._serialized_start=776
-  _globals['_KVSTORE']._serialized_end=1447
+  _globals['_PUTOUTCOME']._serialized_start=1695
+  _globals['_PUTOUTCOME']._serialized_end=1842
+  _globals['_KVLAYOUT']._serialized_start=44
+  _globals['_KVLAYOUT']._serialized_end=162
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_start=164
+  _globals['_LOOKUPPREFIXREQUEST']._serialized_end=254
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_start=256
+  _globals['_LOOKUPPREFIXRESPONSE']._serialized_end=305
+  _globals['_PUTCHUNK']._serialized_start=308
+  _globals['_PUTCHUNK']._serialized_end=470
+  _globals['_PUTBEGIN']._serialized_start=472
+  _globals['_PUTBEGIN']._serialized_end=516
+  _globals['_PUTCOMMIT']._serialized_start=518
+  _globals['_PUTCOMMIT']._serialized_end=544
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=546
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=615
+  _globals['_GETBLOCKSREQUEST']._serialized_start=617
+  _globals['_GETBLOCKSREQUEST']._serialized_end=730
+  _globals['_GETBLOCKSHEADER']._serialized_start=732
+  _globals['_GETBLOCKSHEADER']._serialized_end=798
+  _globals['_BLOCKBEGIN']._serialized_start=800
+  _globals['_BLOCKBEGIN']._serialized_end=861
+  _globals['_GETBLOCKSCHUNK']._serialized_start=864
+  _globals['_GETBLOCKSCHUNK']._serialized_end=994
+  _globals['_LEASEBLOCKSREQUEST']._serialized_start=996
+  _globals['_LEASEBLOCKSREQUEST']._serialized_end=1105
+  _globals['_LEASEBLOCKSRESPONSE']._serialized_start=1107
+  _globals['_LEASEBLOCKSRESPONSE']._serialized_end=1162
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1164
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1203
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1205
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1245
+  _globals['_DELETEBLOCKSREQUEST']._serialized_start=1247
+  _globals['_DELETEBLOCKSREQUEST']._serialized_end=1336
+  _globals['_DELETEBLOCKSRESPONSE']._serialized_start=1338
+  _globals['_DELETEBLOCKSRESPONSE']._serialized_end=1381
+  _globals['_GETSTATSREQUEST']._serialized_start=1383
+  _globals['_GETSTATSREQUEST']._serialized_end=1400
+  _globals['_TIERSTATS']._serialized_start=1403
+  _globals['_TIERSTATS']._serialized_end=1549
+  _globals['_KVSTORESTATS']._serialized_start=1552
+  _globals['_KVSTORESTATS']._serialized_end=1692
+  _globals['_KVSTORE']._serialized_start=1845
+  _globals['_KVSTORE']._serialized_end=2503
 # @@protoc_insertion_point(module_scope)

@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class KVStoreStub:
-    """A content-addressed block store with a byte capacity, LRU eviction and
-    time-bounded leases. Single-threaded behind one asyncio loop.
+    """A block store with two-phase puts, leases and tiered capacity. Every call
+    is batched over blocks.
     """
 
     def __init__(self, channel):
@@ -36,25 +36,20 @@ class KVStoreStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.PutBlocks = channel.unary_unary(
+        self.LookupPrefix = channel.unary_unary(
+                '/kvmesh.internal.v1.KVStore/LookupPrefix',
+                request_serializer=protos_dot_kvstore__pb2.LookupPrefixRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.LookupPrefixResponse.FromString,
+                _registered_method=True)
+        self.PutBlocks = channel.stream_unary(
                 '/kvmesh.internal.v1.KVStore/PutBlocks',
-                request_serializer=protos_dot_kvstore__pb2.PutBlocksRequest.SerializeToString,
+                request_serializer=protos_dot_kvstore__pb2.PutChunk.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.PutBlocksResponse.FromString,
                 _registered_method=True)
-        self.GetBlocks = channel.unary_unary(
+        self.GetBlocks = channel.unary_stream(
                 '/kvmesh.internal.v1.KVStore/GetBlocks',
                 request_serializer=protos_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvstore__pb2.GetBlocksResponse.FromString,
-                _registered_method=True)
-        self.ContainsBlocks = channel.unary_unary(
-                '/kvmesh.internal.v1.KVStore/ContainsBlocks',
-                request_serializer=protos_dot_kvstore__pb2.ContainsBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvstore__pb2.ContainsBlocksResponse.FromString,
-                _registered_method=True)
-        self.DeleteBlocks = channel.unary_unary(
-                '/kvmesh.internal.v1.KVStore/DeleteBlocks',
-                request_serializer=protos_dot_kvstore__pb2.DeleteBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvstore__pb2.DeleteBlocksResponse.FromString,
+                response_deserializer=protos_dot_kvstore__pb2.GetBlocksChunk.FromString,
                 _registered_method=True)
         self.LeaseBlocks = channel.unary_unary(
                 '/kvmesh.internal.v1.KVStore/LeaseBlocks',
@@ -66,6 +61,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.DeleteBlocks = channel.unary_unary(
+                '/kvmesh.internal.v1.KVStore/DeleteBlocks',
+                request_serializer=protos_dot_kvstore__pb2.DeleteBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.DeleteBlocksResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.internal.v1.KVStore/GetStats',
                 request_serializer=protos_dot_kvstore__pb2.GetStatsRequest.SerializeToString,
@@ -74,52 +74,59 @@ class KVStoreStub:
 
 
 class KVStoreServicer:
-    """A content-addressed block store with a byte capacity, LRU eviction and
-    time-bounded leases. Single-threaded behind one asyncio loop.
+    """A block store with two-phase puts, leases and tiered capacity. Every call
+    is batched over blocks.
     """
 
-    def PutBlocks(self, request, context):
-        """Store blocks (replacing any with the same key), evicting unleased LRU
-        blocks to make room. Per-block success in PutBlocksResponse.stored.
+    def LookupPrefix(self, request, context):
+        """How many leading block_hashes are stored (in any tier) under every
+        given layout. No bytes move, no LRU bump, no hit/miss counting: the
+        scheduler asks this for each new request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlocks(self, request_iterator, context):
+        """Store blocks, two-phase per block: PutChunk.begin reserves room, data
+        chunks follow, PutChunk.commit verifies size and CRC-32 and only then
+        makes the block visible. A block not committed when the stream ends
+        (cancelled, disconnected, failed) leaves nothing behind. Blocks
+        committed before a failure stay stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlocks(self, request, context):
-        """Fetch blocks by key; each found block counts as a hit and becomes most
-        recently used, each missing one counts as a miss.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ContainsBlocks(self, request, context):
-        """Which keys are present, without transferring bytes (no LRU bump, no
-        hit/miss counting).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DeleteBlocks(self, request, context):
-        """Drop blocks that are not leased (leased ones stay until their lease ends).
+        """Fetch blocks: one GetBlocksChunk with the header (which blocks follow,
+        the lease if one was asked for), then each found block in request order
+        as a begin chunk and data chunks. Found blocks count as hits (and move to
+        the memory tier), the others as misses.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LeaseBlocks(self, request, context):
-        """Pin keys against eviction and deletion for ttl_seconds (e.g. while a
-        decode worker pulls a prefill worker's blocks). The lease expires on its
-        own, so a crashed holder cannot pin memory forever.
+        """Pin blocks in memory against eviction and deletion for ttl_seconds
+        (blocks in lower tiers are promoted first). The lease expires on its own,
+        so a crashed holder cannot pin memory forever.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """End a lease early. Unknown or expired lease ids are ignored.
+        """End a lease early. Unknown or expired lease ids are no-ops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteBlocks(self, request, context):
+        """Drop blocks from every tier (leased blocks stay in memory until their
+        lease ends; their lower-tier copies go).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,25 +142,20 @@ class KVStoreServicer:
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'PutBlocks': grpc.unary_unary_rpc_method_handler(
+            'LookupPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupPrefix,
+                    request_deserializer=protos_dot_kvstore__pb2.LookupPrefixRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'PutBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBlocks,
-                    request_deserializer=protos_dot_kvstore__pb2.PutBlocksRequest.FromString,
+                    request_deserializer=protos_dot_kvstore__pb2.PutChunk.FromString,
                     response_serializer=protos_dot_kvstore__pb2.PutBlocksResponse.SerializeToString,
             ),
-            'GetBlocks': grpc.unary_unary_rpc_method_handler(
+            'GetBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.GetBlocks,
                     request_deserializer=protos_dot_kvstore__pb2.GetBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvstore__pb2.GetBlocksResponse.SerializeToString,
-            ),
-            'ContainsBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.ContainsBlocks,
-                    request_deserializer=protos_dot_kvstore__pb2.ContainsBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvstore__pb2.ContainsBlocksResponse.SerializeToString,
-            ),
-            'DeleteBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.DeleteBlocks,
-                    request_deserializer=protos_dot_kvstore__pb2.DeleteBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvstore__pb2.DeleteBlocksResponse.SerializeToString,
+                    response_serializer=protos_dot_kvstore__pb2.GetBlocksChunk.SerializeToString,
             ),
             'LeaseBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseBlocks,
@@ -164,6 +166,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=protos_dot_kvstore__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'DeleteBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteBlocks,
+                    request_deserializer=protos_dot_kvstore__pb2.DeleteBlocksRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.DeleteBlocksResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -179,12 +186,12 @@ def add_KVStoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
-    """A content-addressed block store with a byte capacity, LRU eviction and
-    time-bounded leases. Single-threaded behind one asyncio loop.
+    """A block store with two-phase puts, leases and tiered capacity. Every call
+    is batched over blocks.
     """
 
     @staticmethod
-    def PutBlocks(request,
+    def LookupPrefix(request,
             target,
             options=(),
             channel_credentials=None,
@@ -197,8 +204,35 @@ class KVStore:
         return grpc.experimental.unary_unary(
             request,
             target,
+            '/kvmesh.internal.v1.KVStore/LookupPrefix',
+            protos_dot_kvstore__pb2.LookupPrefixRequest.SerializeToString,
+            protos_dot_kvstore__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
             '/kvmesh.internal.v1.KVStore/PutBlocks',
-            protos_dot_kvstore__pb2.PutBlocksRequest.SerializeToString,
+            protos_dot_kvstore__pb2.PutChunk.SerializeToString,
             protos_dot_kvstore__pb2.PutBlocksResponse.FromString,
             options,
             channel_credentials,
@@ -221,66 +255,12 @@ class KVStore:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/kvmesh.internal.v1.KVStore/GetBlocks',
             protos_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
-            protos_dot_kvstore__pb2.GetBlocksResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ContainsBlocks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvmesh.internal.v1.KVStore/ContainsBlocks',
-            protos_dot_kvstore__pb2.ContainsBlocksRequest.SerializeToString,
-            protos_dot_kvstore__pb2.ContainsBlocksResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DeleteBlocks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvmesh.internal.v1.KVStore/DeleteBlocks',
-            protos_dot_kvstore__pb2.DeleteBlocksRequest.SerializeToString,
-            protos_dot_kvstore__pb2.DeleteBlocksResponse.FromString,
+            protos_dot_kvstore__pb2.GetBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,6 +315,33 @@ class KVStore:
             '/kvmesh.internal.v1.KVStore/ReleaseLease',
             protos_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
             protos_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.internal.v1.KVStore/DeleteBlocks',
+            protos_dot_kvstore__pb2.DeleteBlocksRequest.SerializeToString,
+            protos_dot_kvstore__pb2.DeleteBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

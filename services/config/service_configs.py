@@ -39,8 +39,27 @@ class KVStoreConfig(CommonConfig):
     kvstore_port: int = port(50055, "gRPC port of the kvstore")
     kvstore_metrics_port: int = port(9104, "Prometheus port of the kvstore")
     kvstore_capacity_bytes: int = opt(
-        1 << 30, "bytes of KV blocks the store keeps before evicting", minimum=1
+        1 << 30, "bytes of KV blocks the store keeps in memory", minimum=1
     )
+    kvstore_high_watermark: float = opt(
+        0.95, "memory use (fraction of capacity) past which eviction starts", minimum=0, maximum=1
+    )
+    kvstore_low_watermark: float = opt(
+        0.90, "memory use (fraction) eviction brings it down to", minimum=0, maximum=1
+    )
+    kvstore_disk_path: str = opt("", "directory of the disk tier, owned by the store (empty: off)")
+    kvstore_disk_bytes: int = opt(8 << 30, "capacity of the disk tier in bytes", minimum=1)
+    kvstore_redis_url: str = opt("", "redis://host:port/db of the shared Redis tier (empty: off)")
+    kvstore_max_lease_ttl_s: float = opt(
+        300.0, "longest lease a caller may ask for, in seconds", minimum=0
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.kvstore_low_watermark <= self.kvstore_high_watermark <= 1:
+            raise ValueError("need 0 < kvstore_low_watermark <= kvstore_high_watermark <= 1")
+        if self.kvstore_max_lease_ttl_s <= 0:
+            raise ValueError("kvstore_max_lease_ttl_s must be positive")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""TieredStore over memory + disk: spill on eviction, promote on hit, exclusive tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore.block import PutOutcome
+from kvstore.disk_tier import DiskTier
+from kvstore.testing import FakeClock, put_block
+from kvstore.testing import numbered_key as key
+from kvstore.testing import numbered_payload as data
+from kvstore.tiered import TieredStore
+
+
+def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:
+    return put_block(store, key(i), data(i, size))
+
+
+def tiered(tmp_path: Path, memory_bytes: int = 200, **kwargs) -> TieredStore:
+    # Watermarks at 1: evict exactly what a put needs, so tests can count blocks.
+    return TieredStore(
+        memory_bytes,
+        disk=DiskTier(tmp_path, capacity_bytes=10_000),
+        high_watermark=1,
+        low_watermark=1,
+        **kwargs,
+    )
+
+
+def where(store: TieredStore, n: int) -> list[str]:
+    """The tier holding each of blocks 0..n-1 ("-": none)."""
+    disk = store.disk
+    assert disk is not None
+    tiers = []
+    for i in range(n):
+        if store.memory.contains(key(i)):
+            tiers.append("memory")
+        else:
+            tiers.append("disk" if disk.contains(key(i)) else "-")
+    return tiers
+
+
+async def test_evictions_spill_to_disk_and_hits_come_back(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    for i in range(4):
+        assert put(store, i) is PutOutcome.STORED
+    await store.flush()
+    assert where(store, 4) == ["disk", "disk", "memory", "memory"]
+    blocks, _, _ = await store.get([key(0), key(9)])
+    assert [b.data if b else None for b in blocks] == [data(0), None]
+    await store.flush()
+    assert where(store, 4) == ["memory", "disk", "disk", "memory"]  # 0 moved up, 2 spilled
+    stats = store.stats()
+    hits = {t.tier: t.hits for t in stats.tiers}
+    assert hits == {"memory": 0, "disk": 1} and stats.misses == 1
+    assert store.memory.stats().bytes_used <= 200
+    await store.close()
+
+
+async def test_block_in_transit_to_disk_is_still_found(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    for i in range(3):
+        put(store, i)
+    # Block 0 was evicted just now; its disk write may not have run yet.
+    assert await store.lookup_prefix([[key(0), key(1), key(2)]]) == 3
+    blocks, _, _ = await store.get([key(0)])
+    assert blocks[0] is not None and blocks[0].data == data(0)
+    await store.flush()
+    assert where(store, 3).count("memory") == 2 and where(store, 3).count("disk") == 1
+    await store.close()
+
+
+async def test_lookup_prefix_counts_leading_blocks_stored_for_every_key_list(
+    tmp_path: Path,
+) -> None:
+    store = tiered(tmp_path, memory_bytes=300)
+    for i in [0, 1, 2, 3, 5, 10, 11]:
+        put(store, i)
+    await store.flush()
+    assert await store.lookup_prefix([[key(0), key(1), key(2), key(3), key(4), key(5)]]) == 4
+    # Two "layouts": 0..3 and 10, 11, 9: the shorter common prefix wins.
+    two = [[key(0), key(1), key(2)], [key(10), key(11), key(9)]]
+    assert await store.lookup_prefix(two) == 2
+    assert await store.lookup_prefix([[key(9)]]) == 0
+    assert await store.lookup_prefix([]) == 0
+    await store.close()
+
+
+async def test_lease_promotes_from_disk_and_pins(tmp_path: Path, clock: FakeClock) -> None:
+    store = tiered(tmp_path, clock=clock)
+    for i in range(4):
+        put(store, i)
+    await store.flush()
+    lease_id, leased = await store.lease([key(0), key(9)], ttl_s=10)
+    assert leased == [True, False]
+    for i in range(4, 8):
+        put(store, i)
+    assert store.memory.contains(key(0))
+    clock.now += 11
+    put(store, 8)
+    put(store, 9)
+    await store.flush()
+    assert not store.memory.contains(key(0))  # lease over: evicted (to disk) again
+    assert not store.release(lease_id)
+    await store.close()
+
+
+async def test_get_with_lease_pins_found_blocks(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    put(store, 0)
+    blocks, lease_id, leased = await store.get([key(0), key(7)], lease_ttl_s=30)
+    assert blocks[1] is None and leased == [True, False] and lease_id > 0
+    assert store.stats().num_leases == 1
+    assert store.release(lease_id)
+    await store.close()
+
+
+async def test_delete_removes_every_copy(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    for i in range(4):
+        put(store, i)
+    assert await store.delete([key(0), key(3), key(9)]) == 2
+    await store.flush()
+    assert where(store, 4) == ["-", "disk", "memory", "-"]
+    assert not list(tmp_path.glob(f"{key(0).hex()}*"))
+    await store.close()
+
+
+async def test_new_put_of_a_spilled_block_keeps_tiers_exclusive(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    for i in range(3):
+        put(store, i)
+    await store.flush()
+    assert where(store, 3) == ["disk", "memory", "memory"]
+    assert put(store, 0) is PutOutcome.STORED  # memory had no copy; now it does, disk not
+    await store.flush()
+    assert where(store, 3) == ["memory", "disk", "memory"]
+    assert store.disk is not None and store.disk.stats().num_blocks == 1
+    await store.close()
+
+
+async def test_failed_puts_are_counted_by_reason(tmp_path: Path) -> None:
+    store = tiered(tmp_path)
+    assert put(store, 0, size=201) is PutOutcome.NO_ROOM
+    pending = store.begin_put(key(1), 100)
+    assert pending is not None
+    store.abort_put(pending)
+    pending = store.begin_put(key(2), 100)
+    assert pending is not None
+    pending.write(data(2))
+    assert store.commit_put(pending, 0) is PutOutcome.CORRUPT
+    assert store.stats().failed_puts == {"no_room": 1, "aborted": 1, "corrupt": 1}
+    await store.close()
