@@ -74,22 +74,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         metrics.GET_SECONDS.observe(time.perf_counter() - start)
 
     async def LeaseBlocks(self, request, context: grpc.aio.ServicerContext):
-<<<<<<< HEAD
-        keys = list(request.keys)
-        present = self.store.contains(keys)
-        try:
-            lease_id = self.store.lease(
-                [k for k, p in zip(keys, present, strict=True) if p], request.ttl_seconds
-            )
-        except ValueError as exc:  # the store's one refusal: a ttl that is not positive
-            raise InvalidRequestError(str(exc), param="ttl_seconds") from exc
-        return kvstore_pb2.LeaseBlocksResponse(lease_id=str(lease_id), leased=present)
-=======
         self._check_ttl(request.ttl_seconds)
         keys = _keys(KVLayout.from_proto(request.layout), request.block_hashes)
         lease_id, leased = await self.store.lease(keys, request.ttl_seconds)
         return kvstore_pb2.LeaseBlocksResponse(lease_id=lease_id, leased=leased)
->>>>>>> h-kvstore
 
     async def ReleaseLease(self, request, context: grpc.aio.ServicerContext):
         return kvstore_pb2.ReleaseLeaseResponse(released=self.store.release(request.lease_id))
@@ -104,7 +92,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def _check_ttl(self, ttl_s: float) -> None:
         if not 0 < ttl_s <= self._max_lease_ttl_s:
             raise InvalidRequestError(
-                f"lease ttl must be in (0, {self._max_lease_ttl_s}] seconds, got {ttl_s}"
+                f"lease ttl must be in (0, {self._max_lease_ttl_s}] seconds, got {ttl_s}",
+                param="ttl_seconds",
             )
 
 

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.layout import KVLayout
 from kvstore.server import KVStoreServicer
-from kvstore.store import BlockStore
+from kvstore.tiered import TieredStore
 from protos import kvstore_pb2
 from services.errors import ErrorKind, InvalidRequestError
 
+LAYOUT = KVLayout(model="m", dtype="float32", block_size=16, layout_version=1)
 
-@pytest.mark.parametrize("ttl_seconds", [0.0, -1.0])
-async def test_non_positive_lease_ttl_is_an_invalid_request(ttl_seconds: float) -> None:
-    servicer = KVStoreServicer(BlockStore(1_000))
-    request = kvstore_pb2.LeaseBlocksRequest(keys=[b"k"], ttl_seconds=ttl_seconds)
+
+@pytest.mark.parametrize("ttl_seconds", [0.0, -1.0, 301.0])
+async def test_lease_ttl_outside_the_allowed_range_is_an_invalid_request(
+    ttl_seconds: float,
+) -> None:
+    servicer = KVStoreServicer(TieredStore(1_000), max_lease_ttl_s=300.0)
+    request = kvstore_pb2.LeaseBlocksRequest(
+        layout=LAYOUT.to_proto(), block_hashes=[b"k" * 32], ttl_seconds=ttl_seconds
+    )
     with pytest.raises(InvalidRequestError) as refused:
         await servicer.LeaseBlocks(request, context=None)
     assert refused.value.kind is ErrorKind.INVALID_REQUEST
