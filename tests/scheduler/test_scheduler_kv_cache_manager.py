@@ -21,6 +21,14 @@ def _admit(kv: KVCacheManager, request: Request, num_tokens: int) -> int:
     return len(new_blocks)
 
 
+def _computed_and_cached(kv: KVCacheManager, prompt: list[int]) -> Request:
+    """A request whose whole prompt is computed and whose full blocks are cached."""
+    request = make_request(len(prompt), prompt_token_ids=prompt)
+    _admit(kv, request, len(prompt))
+    kv.cache_full_blocks(request, len(prompt))
+    return request
+
+
 @pytest.mark.parametrize(
     ("num_prompt_tokens", "num_blocks"),
     [(1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3)],
@@ -82,9 +90,7 @@ def test_the_watermark_keeps_blocks_back_from_admissions() -> None:
 def test_prefix_hits_are_refused_for_a_request_that_holds_blocks() -> None:
     prompt = list(range(9))
     kv = KVCacheManager(8, BLOCK_SIZE)
-    first = make_request(9, prompt_token_ids=prompt)
-    _admit(kv, first, 9)
-    kv.cache_full_blocks(first, 9)
+    _computed_and_cached(kv, prompt)
     second = make_request(9, prompt_token_ids=prompt)
     hits, _ = kv.get_computed_blocks(second)
     _admit(kv, second, 1)
@@ -122,9 +128,7 @@ def test_cache_full_blocks_registers_only_newly_full_blocks() -> None:
 def test_cache_full_blocks_skips_the_prefix_hits() -> None:
     prompt = list(range(10))
     kv = KVCacheManager(8, BLOCK_SIZE)
-    first = make_request(10, prompt_token_ids=prompt)
-    _admit(kv, first, 10)
-    kv.cache_full_blocks(first, 10)
+    first = _computed_and_cached(kv, prompt)
     pool = _RecordingPool(kv)
     second = make_request(12, prompt_token_ids=[*prompt, 10, 11])
     hits, num_hit_tokens = kv.get_computed_blocks(second)
