@@ -32,13 +32,14 @@ class KVCacheManager:
       num_new_tokens`` after a successful ``allocate_slots``.
     - A block enters the prefix cache only through ``cache_full_blocks``, once
       the worker has computed all of its tokens, so a hit never points at KV
-      that is not written yet. Blocks are registered in order: the first
-      ``num_cached_blocks`` of a request are cached (or hits), the rest not.
-    - A block shared by several requests is full and cached; a partly filled
-      block has exactly one holder, who alone appends to it.
+      that is not written yet. A request's blocks are offered in order: the
+      first ``num_cached_blocks`` were hits or registered (unless another
+      block already held the same content), the rest not yet.
+    - Blocks are shared only through prefix hits, so a shared block is full;
+      a partly filled block has exactly one holder, who alone appends to it.
     - ``free`` is the only way blocks go back. A freed cached block keeps its
-      KV (and hash) on the free queue until handed out again: it may be
-      evicted then, not before.
+      KV (and hash) on the free queue until it is handed out again (evicted)
+      or ``reset_prefix_cache`` runs, not before.
 
     Not thread-safe: one Scheduler owns one manager and calls it from one task.
     ``check_integrity`` verifies the invariants; tests call it after every step.
