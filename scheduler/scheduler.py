@@ -97,8 +97,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        # No check against the pool is needed: SchedulerConfig makes the pool hold
-        # at least max_model_len tokens, so such a prompt fits alone.
+        # The one length check: SchedulerConfig makes the KV pool hold at least
+        # max_model_len tokens, so a prompt within it always fits the pool alone.
         if request.num_prompt_tokens > config.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} "
