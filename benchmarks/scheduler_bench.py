@@ -17,9 +17,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from scheduler.testing import make_output, make_request, make_scheduler
+# The factories live with the tests; run from anywhere, import this checkout.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.scheduler.factories import make_output, make_request, make_scheduler  # noqa: E402
 
 STEP_OVERHEAD_S = 0.005
 PER_TOKEN_S = 0.0001

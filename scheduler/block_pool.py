@@ -112,9 +112,6 @@ class FreeKVCacheBlockQueue:
             yield block
             block = block.next_free_block
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return list(self)
-
 
 class BlockPool:
     """Hands out blocks, takes them back, and remembers which hold cached prefixes."""

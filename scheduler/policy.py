@@ -21,7 +21,12 @@ from services.config import SCHEDULING_POLICIES, SchedulingPolicyName, check_cho
 
 
 class RequestQueue(ABC):
-    """The waiting queue. ``peek``/``pop`` give the next request to admit."""
+    """The waiting queue. ``peek``/``pop`` give the next request to admit.
+
+    ``peek`` and ``pop`` require a non-empty queue (the scheduler checks
+    ``bool(queue)`` first). Requests in it are WAITING or PREEMPTED and hold
+    no blocks.
+    """
 
     @abstractmethod
     def add(self, request: Request) -> None:
@@ -113,10 +118,27 @@ class PriorityQueue(RequestQueue):
 
 
 class SchedulingPolicy(ABC):
+    """Orders requests; never changes them. The Scheduler owns every request and queue.
+
+    Contract:
+    - ``make_waiting_queue`` is called once per Scheduler; the queue it returns
+      is that scheduler's alone, and it admits in the order ``peek``/``pop`` give.
+    - ``select_victim`` is called only when a running request cannot get
+      blocks, with the scheduler's running list (non-empty, admission order).
+      It must not mutate the list or the requests; the scheduler pops the
+      returned index and preempts that request (recompute). The victim may be
+      the very request that needs the blocks: it then waits for a later step.
+    - Both answers depend only on the requests' fields (priority, arrival
+      time, order): the same inputs give the same victim, so runs replay.
+
+    Not thread-safe, like the Scheduler that calls it.
+    """
+
     name: str
 
     @abstractmethod
-    def make_waiting_queue(self) -> RequestQueue: ...
+    def make_waiting_queue(self) -> RequestQueue:
+        """A new, empty waiting queue ordered as this policy admits."""
 
     @abstractmethod
     def select_victim(self, running: list[Request]) -> int:

@@ -2,43 +2,11 @@
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Sequence
 
-from scheduler.output import FinishReason
+from scheduler.request_status import RequestStatus
+from scheduler.stopping import check_stop
 from services.sampling_params import SamplingParams
-
-
-class RequestStatus(enum.IntEnum):
-    """Ordered so that "is finished" is a comparison."""
-
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    # Everything from here on is finished.
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()
-
-    @staticmethod
-    def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
-
-    @staticmethod
-    def get_finish_reason(status: RequestStatus) -> FinishReason | None:
-        return _FINISH_REASONS.get(status)
-
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
-}
-
-
-def is_finished(status: RequestStatus) -> bool:
-    return status > RequestStatus.PREEMPTED
 
 
 class Request:
@@ -126,15 +94,24 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_output_token_ids(self, token_ids: Sequence[int], max_model_len: int) -> int:
+        """Append sampled tokens in order until one finishes the request.
 
-    def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
-
-    def get_finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        The per-token path of every step. ``check_stop`` runs after each token and
+        sets the finished status; tokens after the one that stopped the request
+        are dropped. Returns how many were appended: ``len(token_ids)`` unless
+        the request finished early.
+        """
+        output_token_ids = self.output_token_ids
+        all_token_ids = self.all_token_ids
+        num_appended = 0
+        for token_id in token_ids:
+            output_token_ids.append(token_id)
+            all_token_ids.append(token_id)
+            num_appended += 1
+            if check_stop(self, max_model_len):
+                break
+        return num_appended
 
     def __repr__(self) -> str:
         return (

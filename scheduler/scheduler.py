@@ -34,8 +34,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
 from scheduler.policy import make_policy
-from scheduler.request import Request, RequestStatus
-from scheduler.stopping import check_stop
+from scheduler.request import Request
+from scheduler.request_status import RequestStatus
 from services.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,19 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
+    """Owns every live request, the waiting queue, the running batch and the KV blocks.
+
+    Invariants (asserted by ``check_integrity``): each live request is in
+    ``requests`` and in exactly one of ``waiting`` (WAITING or PREEMPTED,
+    holding no blocks) and ``running`` (RUNNING, holding blocks for its
+    computed tokens); the worker holds exactly ``running`` plus the requests
+    the next step tells it to drop. Block arithmetic belongs to the
+    ``KVCacheManager``; this class counts tokens.
+
+    Not thread-safe: one task calls every method (the service applies control
+    calls that arrive mid-step between steps).
+    """
+
     def __init__(
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -84,16 +97,12 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        # The one length check: SchedulerConfig makes the KV pool hold at least
+        # max_model_len tokens, so a prompt within it always fits the pool alone.
         if request.num_prompt_tokens > config.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} "
                 f"tokens, more than max_model_len={config.max_model_len}"
-            )
-        num_prompt_blocks = -(-request.num_prompt_tokens // config.block_size)
-        if num_prompt_blocks > config.num_kv_blocks:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt needs {num_prompt_blocks} KV blocks, "
-                f"the pool has {config.num_kv_blocks}"
             )
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -110,7 +119,7 @@ class Scheduler:
 
     def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> list[str]:
         """Finish live requests with ``status`` (e.g. FINISHED_STOPPED on a stop string)."""
-        if not RequestStatus.is_finished(status):
+        if not status.is_finished():
             raise ValueError(f"{status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
@@ -130,7 +139,7 @@ class Scheduler:
         if any_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if any_waiting:
-            self.waiting.remove_requests([r for r in self.waiting if r.is_finished()])
+            self.waiting.remove_requests([r for r in self.waiting if r.status.is_finished()])
         if removed:
             logger.info("finished %s with %s", removed, status.name)
         return removed
@@ -150,7 +159,7 @@ class Scheduler:
         self._finished_stats.append(
             FinishedRequestStats(
                 request_id=request.request_id,
-                finish_reason=RequestStatus.get_finish_reason(status),  # type: ignore[arg-type]
+                finish_reason=status.finish_reason,  # type: ignore[arg-type]
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_generation_tokens=request.num_output_tokens,
                 queue_time=None if scheduled is None else scheduled - request.arrival_time,
@@ -179,29 +188,54 @@ class Scheduler:
             request.num_preemptions,
         )
 
-    # ---- the step -----------------------------------------------------------
+    # ---- schedule: running requests, then waiting ones -----------------------
 
     def schedule(self) -> SchedulerOutput:
-        config = self.config
-        kv = self.kv_cache_manager
-        allocate_slots = kv.allocate_slots
-        token_budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
-        running = self.running
+        """Decide the next engine step: which requests advance by how many tokens.
 
+        Promises:
+        - at most ``max_num_batched_tokens`` tokens and ``max_num_seqs``
+          requests; every scheduled request holds blocks for its computed
+          tokens plus the scheduled ones (allocated here);
+        - running requests are served first, in admission order; waiting ones
+          are admitted in policy order with what is left, head-of-line (a
+          request that does not fit holds back the ones behind it), and not at
+          all in a step that had to preempt;
+        - the requests the worker holds that finished, were aborted or were
+          preempted since the previous step are in ``finished_req_ids``: the
+          worker drops them before running this step, whose blocks may be theirs.
+
+        The caller sends every output to the worker, in order, and hands the
+        worker's answer to ``update_from_output``: in synchronous mode before
+        the next ``schedule()``, in async mode at most one step later.
+        """
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
+        token_budget, preempted = self._schedule_running(num_scheduled_tokens, cached)
+        # Waiting requests only if blocks were not just too short to keep everyone.
+        new_reqs = [] if preempted else self._schedule_waiting(token_budget, num_scheduled_tokens)
+        return self._make_scheduler_output(new_reqs, cached, num_scheduled_tokens)
+
+    def _schedule_running(
+        self, num_scheduled_tokens: dict[str, int], cached: CachedRequestData
+    ) -> tuple[int, bool]:
+        """Advance running requests in admission order, preempting when blocks run out.
+
+        Fills ``num_scheduled_tokens`` and ``cached``; returns the token budget
+        left and whether any request was preempted.
+        """
+        config = self.config
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        token_budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        async_scheduling = config.async_scheduling
+        max_model_len = config.max_model_len
+        running = self.running
         cached_req_ids = cached.req_ids
         cached_new_block_ids = cached.new_block_ids
         cached_num_computed = cached.num_computed_tokens
-        num_preempted_now = 0
+        preempted = False
 
-        req_to_blocks = kv.req_to_blocks
-        block_size = kv.block_size
-        async_scheduling = config.async_scheduling
-        max_model_len = config.max_model_len
-
-        # Running requests first, in admission order.
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -209,8 +243,7 @@ class Scheduler:
             num_placeholders = request.num_output_placeholders
             num_new_tokens = len(request.all_token_ids) + num_placeholders - num_computed_tokens
             if num_placeholders and self._length_reached_in_flight(request, max_model_len):
-                index += 1  # its in-flight token is its last one; nothing more to compute
-                continue
+                num_new_tokens = 0  # its in-flight token is its last one
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -218,26 +251,16 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            # Fast path, the common decode: the tokens still fit in held blocks.
-            if -(-(num_computed_tokens + num_new_tokens) // block_size) <= len(
-                req_to_blocks[request.request_id]
-            ):
-                new_blocks: list[KVCacheBlock] | None = []
-            else:
-                new_blocks = allocate_slots(request, num_new_tokens)
-            while new_blocks is None:
-                victim_index = self.policy.select_victim(running)
-                victim = running.pop(victim_index)
-                num_preempted_now += 1
-                if victim_index < index:
-                    index -= 1
-                    token_budget += self._unschedule(victim, num_scheduled_tokens, cached)
-                self._preempt(victim)
-                if victim is request:
-                    break
-                new_blocks = allocate_slots(request, num_new_tokens)
+            new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
-                break  # the request itself was the victim: no room this step
+                preempted = True
+                new_blocks, index = self._preempt_for(
+                    request, num_new_tokens, index, num_scheduled_tokens, cached
+                )
+                # Victims scheduled earlier in this pass gave their tokens back.
+                token_budget = config.max_num_batched_tokens - sum(num_scheduled_tokens.values())
+                if new_blocks is None:
+                    break  # the request itself was the victim: no room this step
             request_id = request.request_id
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -247,35 +270,49 @@ class Scheduler:
             if async_scheduling:
                 self._advance_at_schedule(request, num_new_tokens)
             index += 1
+        return token_budget, preempted
 
-        # Then waiting ones, unless blocks were just too short to keep everyone.
-        new_reqs: list[NewRequestData] = []
-        if not num_preempted_now:
-            new_reqs = self._schedule_waiting(token_budget, num_scheduled_tokens)
+    def _preempt_for(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        index: int,
+        num_scheduled_tokens: dict[str, int],
+        cached: CachedRequestData,
+    ) -> tuple[list[KVCacheBlock] | None, int]:
+        """Preempt the policy's victims until ``running[index]`` gets blocks for its tokens.
 
-        finished_req_ids = self._finished_req_ids
-        self._finished_req_ids = set()
-        output = SchedulerOutput(
-            step_id=self._step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=finished_req_ids,
-        )
-        self._step_id += 1
-        return output
+        A victim already scheduled in this pass is taken back out of the step.
+        Returns the request's new blocks (None if it became the victim itself)
+        and its index in ``running`` now.
+        """
+        running = self.running
+        while True:
+            victim_index = self.policy.select_victim(running)
+            victim = running.pop(victim_index)
+            if victim_index < index:
+                index -= 1
+                self._unschedule(victim, num_scheduled_tokens, cached)
+            self._preempt(victim)
+            if victim is request:
+                return None, index
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks, index
 
     def _schedule_waiting(
         self, token_budget: int, num_scheduled_tokens: dict[str, int]
     ) -> list[NewRequestData]:
+        """Admit waiting requests in policy order while budget, seats and blocks last."""
         config = self.config
         kv = self.kv_cache_manager
         threshold = config.long_prefill_token_threshold
         running = self.running
         waiting = self.waiting
         new_reqs: list[NewRequestData] = []
-        now: float | None = None
+        if not waiting:
+            return new_reqs
+        now = self.clock()  # one timestamp for every request scheduled here for the first time
         while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request.parallel_group is not None and self._defer_sibling(request):
@@ -289,36 +326,57 @@ class Scheduler:
             # With nothing running there is nobody to keep room for, and a request
             # needing the whole pool must still be admitted.
             watermark = self._num_watermark_blocks if running else 0
-            new_blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks, watermark)
-            if new_blocks is None:
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks, watermark) is None:
                 break  # head-of-line: later requests wait too, keeping the order fair
             waiting.pop()
-            running.append(request)
-            request_id = request.request_id
-            request.status = _RUNNING
-            request.num_computed_tokens = num_cached_tokens
-            if request.first_scheduled_time is None:
-                if now is None:
-                    now = self.clock()
-                request.first_scheduled_time = now
-                request.num_cached_tokens = num_cached_tokens
-            self._prefix_cache_queries += request.num_tokens
-            self._prefix_cache_hits += num_cached_tokens
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=kv.get_block_ids(request_id),
-                    num_computed_tokens=num_cached_tokens,
-                )
-            )
-            num_scheduled_tokens[request_id] = num_new_tokens
+            new_reqs.append(self._admit(request, num_cached_tokens, num_new_tokens, now))
+            num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            if config.async_scheduling:
-                self._advance_at_schedule(request, num_new_tokens)
         return new_reqs
+
+    def _admit(
+        self, request: Request, num_cached_tokens: int, num_new_tokens: int, now: float
+    ) -> NewRequestData:
+        """Move a request that got its blocks from waiting to running; describe it in full."""
+        self.running.append(request)
+        request.status = _RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.num_cached_tokens = num_cached_tokens
+        self._prefix_cache_queries += request.num_tokens
+        self._prefix_cache_hits += num_cached_tokens
+        new_req = NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=num_cached_tokens,
+        )
+        if self.config.async_scheduling:
+            self._advance_at_schedule(request, num_new_tokens)
+        return new_req
+
+    def _make_scheduler_output(
+        self,
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+        num_scheduled_tokens: dict[str, int],
+    ) -> SchedulerOutput:
+        """Seal the step: number it and hand over the ids the worker must drop."""
+        finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+        )
+        self._step_id += 1
+        return output
 
     @staticmethod
     def _advance_at_schedule(request: Request, num_new_tokens: int) -> None:
@@ -361,30 +419,58 @@ class Scheduler:
     @staticmethod
     def _unschedule(
         victim: Request, num_scheduled_tokens: dict[str, int], cached: CachedRequestData
-    ) -> int:
-        """Take back an already scheduled running request; return its tokens."""
-        num_tokens = num_scheduled_tokens.pop(victim.request_id, 0)
-        if num_tokens:
+    ) -> None:
+        """Take an already scheduled running request back out of the step."""
+        if num_scheduled_tokens.pop(victim.request_id, 0):
             position = cached.req_ids.index(victim.request_id)
             del cached.req_ids[position]
             del cached.new_block_ids[position]
             del cached.num_computed_tokens[position]
-        return num_tokens
+
+    # ---- update_from_output: the worker's answer ------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Apply one step's results: advance counts, append tokens, stop, free."""
+        """Apply one step's results: advance counts, cache full blocks, append tokens, stop, free.
+
+        The caller passes the worker's answer to each ``schedule()`` output
+        exactly once, in step order, with that output (ValueError on a step id
+        mismatch). Results for requests that finished, were aborted or were
+        preempted since they were scheduled are dropped.
+
+        Returns one RequestOutput per request that got tokens (in scheduling
+        order), then one per request the worker failed. Requests that finished
+        here (EOS, stop token, length, worker error) have released their
+        blocks and are in the next step's ``finished_req_ids``. An output's
+        ``new_token_ids`` may be a list of ``model_runner_output`` itself:
+        mutate neither.
+        """
         if model_runner_output.step_id != scheduler_output.step_id:
             raise ValueError(
                 f"worker output is for step {model_runner_output.step_id}, "
                 f"expected step {scheduler_output.step_id}"
             )
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        self._advance_scheduled(scheduler_output, model_runner_output, outputs, finished)
+        if model_runner_output.errors:
+            self._fail_in_worker(model_runner_output.errors, outputs, finished)
+        if finished:
+            self._retire(finished)
+        return outputs
+
+    def _advance_scheduled(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        outputs: list[RequestOutput],
+        finished: list[Request],
+    ) -> None:
+        """Per scheduled request: count its computed tokens, register blocks they
+        fill, append what the worker sampled and check whether it stops."""
         requests = self.requests
-        kv = self.kv_cache_manager
-        caching = kv.enable_caching
-        block_size = kv.block_size
-        num_cached_blocks = kv.num_cached_blocks
+        cache_full_blocks = self.kv_cache_manager.cache_full_blocks
         max_model_len = self.config.max_model_len
         errors = model_runner_output.errors
         req_ids = model_runner_output.req_ids
@@ -394,8 +480,6 @@ class Scheduler:
             if model_runner_output.logprobs
             else None
         )
-        outputs: list[RequestOutput] = []
-        finished: list[Request] = []
         now: float | None = None
         # Async mode: num_computed_tokens already counts later steps, so this
         # step's end is its start (as sent to the worker) plus its tokens.
@@ -405,65 +489,66 @@ class Scheduler:
 
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
-            if request is None or request.status != _RUNNING:
+            if request is None or request.status is not _RUNNING:
                 # Aborted or finished by a stop string since schedule(); in async
                 # mode also finished, preempted or failed by the previous step.
                 continue
             if errors and request_id in errors:
-                continue  # handled below
+                continue  # _fail_in_worker
             if computed_before is None:
                 num_computed = request.num_computed_tokens = (
                     request.num_computed_tokens + num_tokens
                 )
             else:
                 num_computed = computed_before[request_id] + num_tokens
-            if caching and num_computed // block_size > num_cached_blocks.get(request_id, 1 << 62):
-                kv.cache_blocks(request, num_computed)
+            cache_full_blocks(request, num_computed)
             token_ids = sampled_by_id.get(request_id)
             if not token_ids:
                 continue
-            all_token_ids = request.all_token_ids
-            if num_computed != len(all_token_ids):
-                logger.warning(
-                    "request %s: worker sampled before the end of its tokens "
-                    "(%s of %s computed); ignored",
-                    request_id,
-                    num_computed,
-                    len(all_token_ids),
-                )
+            if num_computed != len(request.all_token_ids):
+                self._log_early_sample(request, num_computed)
                 continue
             if computed_before is not None:
                 request.num_output_placeholders -= 1
-            new_token_ids: list[int] = []
-            stopped = False
-            output_token_ids = request.output_token_ids
-            for token_id in token_ids:
-                # request.append_output_token, inlined on the per-token path.
-                output_token_ids.append(token_id)
-                all_token_ids.append(token_id)
-                new_token_ids.append(token_id)
-                if check_stop(request, max_model_len):
-                    stopped = True
-                    break
+            num_appended = request.append_output_token_ids(token_ids, max_model_len)
+            if num_appended < len(token_ids):
+                token_ids = token_ids[:num_appended]
+            stopped = request.status is not _RUNNING  # a token finished it
             if request.first_token_time is None:
                 if now is None:
                     now = self.clock()
                 request.first_token_time = now
             logprobs = logprobs_by_id.get(request_id) if logprobs_by_id else None
+            # Positional: keywords make this call ~2x slower, and every request takes it.
             outputs.append(
                 RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.get_finish_reason() if stopped else None,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=[logprobs] if logprobs is not None else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
+                    request_id,
+                    token_ids,  # new_token_ids
+                    request.status.finish_reason if stopped else None,
+                    request.stop_reason,
+                    [logprobs] if logprobs is not None else None,  # new_logprobs
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
                 )
             )
             if stopped:
                 finished.append(request)
 
+    @staticmethod
+    def _log_early_sample(request: Request, num_computed: int) -> None:
+        """A token sampled before the end of the known tokens breaks the step contract."""
+        logger.warning(
+            "request %s: worker sampled before the end of its tokens (%s of %s computed); ignored",
+            request.request_id,
+            num_computed,
+            request.num_tokens,
+        )
+
+    def _fail_in_worker(
+        self, errors: dict[str, str], outputs: list[RequestOutput], finished: list[Request]
+    ) -> None:
+        """Finish the requests the worker failed with FINISHED_ERROR, one output each."""
+        requests = self.requests
         for request_id, message in errors.items():
             request = requests.get(request_id)
             if request is None or request.status != _RUNNING:
@@ -476,7 +561,7 @@ class Scheduler:
                 RequestOutput(
                     request_id=request_id,
                     new_token_ids=[],
-                    finish_reason=request.get_finish_reason(),
+                    finish_reason=request.status.finish_reason,
                     stop_reason=None,
                     new_logprobs=None,
                     num_prompt_tokens=request.num_prompt_tokens,
@@ -484,10 +569,6 @@ class Scheduler:
                     error=message,
                 )
             )
-
-        if finished:
-            self._retire(finished)
-        return outputs
 
     @staticmethod
     def _computed_before(scheduler_output: SchedulerOutput) -> dict[str, int]:
@@ -532,21 +613,18 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Block invariants plus queue invariants; for tests and debug builds."""
-        self.kv_cache_manager.check_integrity()
+        # Only running requests hold blocks, enough for their computed tokens.
+        self.kv_cache_manager.check_integrity(holders=self.running)
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         if len(set(running_ids) | set(waiting_ids)) != len(running_ids) + len(waiting_ids):
             raise KVCacheIntegrityError("a request is queued twice")
         if set(running_ids) | set(waiting_ids) != set(self.requests):
             raise KVCacheIntegrityError("request table and queues disagree")
-        block_size = self.config.block_size
         for request in self.running:
-            num_blocks = len(self.kv_cache_manager.get_blocks(request.request_id))
-            if request.status != _RUNNING or num_blocks * block_size < request.num_computed_tokens:
-                raise KVCacheIntegrityError(f"{request} holds {num_blocks} blocks")
+            if request.status != _RUNNING:
+                raise KVCacheIntegrityError(f"{request} is running with a wrong status")
         for request in self.waiting:
-            if request.request_id in self.kv_cache_manager.req_to_blocks:
-                raise KVCacheIntegrityError(f"waiting {request} holds blocks")
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise KVCacheIntegrityError(f"{request} is waiting with a wrong status")
 

@@ -22,7 +22,8 @@ from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output import FinishReason, RequestOutput
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Request
+from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from scheduler.request import Request, RequestStatus
+from typing import TYPE_CHECKING
+
+from scheduler.request_status import RequestStatus
+
+if TYPE_CHECKING:
+    # Request calls check_stop after each appended token (Request.append_output_token_ids).
+    from scheduler.request import Request
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

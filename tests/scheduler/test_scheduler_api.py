@@ -7,8 +7,8 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.output import FinishReason
-from scheduler.request import RequestStatus
-from scheduler.testing import make_output, make_request, make_scheduler, run_step
+from scheduler.request_status import RequestStatus
+from tests.scheduler.factories import make_output, make_request, make_scheduler, run_step
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_finish_requests_on_a_stop_string() -> None:
     assert sched.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED) == [
         req.request_id
     ]
-    assert req.get_finish_reason() is FinishReason.STOP
+    assert req.status.finish_reason is FinishReason.STOP
     assert sched.schedule().finished_req_ids == {req.request_id}
     with pytest.raises(ValueError, match="not a finished status"):
         sched.finish_requests([req.request_id], RequestStatus.RUNNING)
@@ -176,4 +176,4 @@ def test_stats_report_gauges_counters_and_latencies() -> None:
 def test_status_order_makes_finished_a_comparison() -> None:
     order = list(RequestStatus)
     assert order == sorted(order)
-    assert [RequestStatus.is_finished(s) for s in order] == [False] * 3 + [True] * 4
+    assert [s.is_finished() for s in order] == [False] * 3 + [True] * 4

@@ -20,8 +20,8 @@ import pytest
 from scheduler.output import FinishReason, RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
-from scheduler.testing import make_request, make_scheduler
 from services.step import ModelRunnerOutput, SchedulerOutput
+from tests.scheduler.factories import make_request, make_scheduler
 
 EOS = 2
 BLOCK_SIZE = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.testing import make_request, make_scheduler, run_step
+from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 
 def test_running_decodes_come_first_and_a_new_prompt_gets_the_rest() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler.testing import make_request, make_scheduler, run_step
 from services.step import ModelRunnerOutput
+from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 PROMPT = list(range(500, 540))  # 40 tokens: 2 full blocks of 16 + 8
 

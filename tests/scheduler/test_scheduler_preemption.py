@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler.request import RequestStatus
-from scheduler.testing import make_request, make_scheduler, run_step
+from scheduler.request_status import RequestStatus
+from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 
 def _tiny(policy: str):

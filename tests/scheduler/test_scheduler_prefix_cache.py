@@ -9,7 +9,7 @@ import sys
 
 from scheduler.block_hash import extend_block_hashes, sha256_block_hash
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.testing import make_request, make_scheduler, run_step
+from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 SYSTEM_PROMPT = list(range(500, 540))  # 40 tokens: 2 full blocks of 16 + 8
 
@@ -84,7 +84,7 @@ def _manager_with_cached(num_blocks: int, *prompts: list[int]) -> KVCacheManager
     for prompt in prompts:
         req = make_request(len(prompt), prompt_token_ids=prompt)
         assert kv.allocate_slots(req, len(prompt)) is not None
-        kv.cache_blocks(req, len(prompt))
+        kv.cache_full_blocks(req, len(prompt))
         kv.free(req)
     kv.check_integrity()
     return kv

@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.request import RequestStatus
+from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
-from scheduler.testing import make_output, make_request, make_scheduler
 from services.config import SCHEDULING_POLICIES
+from tests.scheduler.factories import make_output, make_request, make_scheduler
 
 EOS = 2
 SHARED = list(range(300, 324))
@@ -146,7 +146,7 @@ def test_random_workloads_keep_block_invariants(
     assert pool.get_num_free_blocks() == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     for request in submitted:
-        assert request.is_finished()
+        assert request.status.is_finished()
         assert request.num_output_tokens <= request.sampling_params.max_tokens
         assert request.num_tokens <= 32
         if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:

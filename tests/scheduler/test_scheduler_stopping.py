@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler.output import FinishReason
-from scheduler.testing import make_request, make_scheduler, run_step
+from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 EOS = 2
 

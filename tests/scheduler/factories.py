@@ -1,4 +1,4 @@
-"""One-line factories for scheduler tests and benchmarks.
+"""One-line factories for scheduler tests and benchmarks/scheduler_bench.py.
 
 ``make_output`` plays the worker: it samples only for requests that reach the
 end of their known tokens in the step, exactly as the step contract says.
