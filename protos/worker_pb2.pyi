@@ -52,23 +52,61 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "kv_connector_metadata")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_METADATA_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: CachedRequests
     scheduled_req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_connector_metadata: KVConnectorMetadata
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., kv_connector_metadata: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("req_id", "block_ids", "block_hashes")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVConnectorMetadata(_message.Message):
+    __slots__ = ("loads", "saves")
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[KVTransfer]
+    saves: _containers.RepeatedCompositeFieldContainer[KVTransfer]
+    def __init__(self, loads: _Optional[_Iterable[_Union[KVTransfer, _Mapping]]] = ..., saves: _Optional[_Iterable[_Union[KVTransfer, _Mapping]]] = ...) -> None: ...
+
+class KVLoadResult(_message.Message):
+    __slots__ = ("req_id", "num_loaded_blocks")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    num_loaded_blocks: int
+    def __init__(self, req_id: _Optional[str] = ..., num_loaded_blocks: _Optional[int] = ...) -> None: ...
+
+class KVConnectorOutput(_message.Message):
+    __slots__ = ("finished_loads", "saved_block_hashes", "num_failed_saves")
+    FINISHED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_SAVES_FIELD_NUMBER: _ClassVar[int]
+    finished_loads: _containers.RepeatedCompositeFieldContainer[KVLoadResult]
+    saved_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_failed_saves: int
+    def __init__(self, finished_loads: _Optional[_Iterable[_Union[KVLoadResult, _Mapping]]] = ..., saved_block_hashes: _Optional[_Iterable[bytes]] = ..., num_failed_saves: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "logprobs", "errors", "execute_seconds")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "logprobs", "errors", "execute_seconds", "kv_connector_output")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,20 +120,22 @@ class StepResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     errors: _containers.ScalarMap[str, str]
     execute_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ...) -> None: ...
+    kv_connector_output: KVConnectorOutput
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ..., kv_connector_output: _Optional[_Union[KVConnectorOutput, _Mapping]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout_key")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +144,7 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -112,4 +153,5 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     attention_backend: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_layout_key: bytes
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout_key: _Optional[bytes] = ...) -> None: ...

@@ -48,6 +48,49 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTransfer:
+    """One request's blocks to move between the paged cache and the kvstore."""
+
+    req_id: str
+    # Physical block ids and their chained prefix-cache hashes (the store keys),
+    # parallel lists in logical order.
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """The connector's work for one step, built by the scheduler-side connector.
+
+    ``loads`` fill reserved blocks of requests waiting for remote KV; they run
+    in the background and are reported back in ``KVConnectorOutput``.
+    ``saves`` name blocks this step completes; the worker copies them out right
+    after the forward pass and puts them into the store in the background.
+    """
+
+    loads: list[KVTransfer] = field(default_factory=list)
+    saves: list[KVTransfer] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+@dataclass
+class KVConnectorOutput:
+    """Connector work that finished since the previous step's output."""
+
+    # req_id -> leading blocks of its load now in the cache (fewer than asked:
+    # the rest is recomputed).
+    finished_loads: dict[str, int] = field(default_factory=dict)
+    # Hashes of blocks the store committed.
+    saved_block_hashes: list[bytes] = field(default_factory=list)
+    num_failed_saves: int = 0
+
+    def is_empty(self) -> bool:
+        return not self.finished_loads and not self.saved_block_hashes and not self.num_failed_saves
+
+
+@dataclass
 class SchedulerOutput:
     """One engine step, from scheduler to worker."""
 
@@ -60,6 +103,7 @@ class SchedulerOutput:
     # Requests the worker must drop (finished, aborted or preempted) before
     # running this step; their blocks may be reused by this very step.
     finished_req_ids: set[str]
+    kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> SchedulerOutput:
@@ -101,6 +145,7 @@ class ModelRunnerOutput:
     # req_id -> message. The scheduler finishes them with an error; the rest of
     # the batch is unaffected.
     errors: dict[str, str] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> ModelRunnerOutput:

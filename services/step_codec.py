@@ -7,6 +7,8 @@ wire format has exactly one definition. Token ids travel as packed
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from protos import common_pb2, worker_pb2
 from services.errors import InvalidRequestError
 from services.sampling_params import (
@@ -17,6 +19,9 @@ from services.sampling_params import (
 )
 from services.step import (
     CachedRequestData,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransfer,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -125,6 +130,48 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
     )
 
 
+def _transfers_to_proto(transfers: list[KVTransfer]) -> list[worker_pb2.KVTransfer]:
+    return [
+        worker_pb2.KVTransfer(req_id=t.req_id, block_ids=t.block_ids, block_hashes=t.block_hashes)
+        for t in transfers
+    ]
+
+
+def _transfers_from_proto(msgs: Iterable[worker_pb2.KVTransfer]) -> list[KVTransfer]:
+    return [KVTransfer(m.req_id, list(m.block_ids), list(m.block_hashes)) for m in msgs]
+
+
+def kv_connector_metadata_to_proto(meta: KVConnectorMetadata) -> worker_pb2.KVConnectorMetadata:
+    return worker_pb2.KVConnectorMetadata(
+        loads=_transfers_to_proto(meta.loads), saves=_transfers_to_proto(meta.saves)
+    )
+
+
+def kv_connector_metadata_from_proto(msg: worker_pb2.KVConnectorMetadata) -> KVConnectorMetadata:
+    return KVConnectorMetadata(
+        loads=_transfers_from_proto(msg.loads), saves=_transfers_from_proto(msg.saves)
+    )
+
+
+def kv_connector_output_to_proto(out: KVConnectorOutput) -> worker_pb2.KVConnectorOutput:
+    return worker_pb2.KVConnectorOutput(
+        finished_loads=[
+            worker_pb2.KVLoadResult(req_id=r, num_loaded_blocks=n)
+            for r, n in out.finished_loads.items()
+        ],
+        saved_block_hashes=out.saved_block_hashes,
+        num_failed_saves=out.num_failed_saves,
+    )
+
+
+def kv_connector_output_from_proto(msg: worker_pb2.KVConnectorOutput) -> KVConnectorOutput:
+    return KVConnectorOutput(
+        finished_loads={r.req_id: r.num_loaded_blocks for r in msg.finished_loads},
+        saved_block_hashes=list(msg.saved_block_hashes),
+        num_failed_saves=msg.num_failed_saves,
+    )
+
+
 # "No logprobs for this request" inside a parallel repeated field.
 _NO_LOGPROBS = common_pb2.TokenLogprobs(token_id=-1)
 
@@ -152,6 +199,11 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
         scheduled_req_ids=list(out.num_scheduled_tokens.keys()),
         num_scheduled_tokens=list(out.num_scheduled_tokens.values()),
         finished_req_ids=sorted(out.finished_req_ids),
+        kv_connector_metadata=(
+            None
+            if out.kv_connector_metadata.is_empty()
+            else kv_connector_metadata_to_proto(out.kv_connector_metadata)
+        ),
     )
 
 
@@ -179,6 +231,7 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         num_scheduled_tokens=num_scheduled,
         total_num_scheduled_tokens=sum(num_scheduled.values()),
         finished_req_ids=set(msg.finished_req_ids),
+        kv_connector_metadata=kv_connector_metadata_from_proto(msg.kv_connector_metadata),
     )
 
 
@@ -197,6 +250,11 @@ def model_runner_output_to_proto(
         ),
         errors=out.errors,
         execute_seconds=execute_seconds,
+        kv_connector_output=(
+            None
+            if out.kv_connector_output.is_empty()
+            else kv_connector_output_to_proto(out.kv_connector_output)
+        ),
     )
 
 
@@ -210,4 +268,5 @@ def model_runner_output_from_proto(msg: worker_pb2.StepResult) -> ModelRunnerOut
         sampled_token_ids=[list(t.ids) for t in msg.sampled_token_ids],
         logprobs=logprobs,
         errors=dict(msg.errors),
+        kv_connector_output=kv_connector_output_from_proto(msg.kv_connector_output),
     )

@@ -9,6 +9,9 @@ from services.errors import InvalidRequestError
 from services.sampling_params import DetokenizeParams, SamplingParams, StructuredOutputSpec
 from services.step import (
     CachedRequestData,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransfer,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -109,6 +112,28 @@ def test_scheduler_output_round_trip() -> None:
         finished_req_ids={"x", "y"},
     )
     assert scheduler_output_from_proto(scheduler_output_to_proto(out)) == out
+
+
+def test_connector_metadata_round_trip_and_empty_is_not_sent() -> None:
+    out = SchedulerOutput.make_empty(step_id=3)
+    assert not scheduler_output_to_proto(out).HasField("kv_connector_metadata")
+    out.kv_connector_metadata = KVConnectorMetadata(
+        loads=[KVTransfer("a", [4, 5], [b"\x01" * 32, b"\x02" * 32])],
+        saves=[KVTransfer("b", [9], [b"\x03" * 32]), KVTransfer("c", [], [])],
+    )
+    msg = scheduler_output_to_proto(out)
+    assert msg.HasField("kv_connector_metadata")
+    assert scheduler_output_from_proto(msg) == out
+
+
+def test_connector_output_round_trip_and_empty_is_not_sent() -> None:
+    out = ModelRunnerOutput.make_empty(step_id=4)
+    assert not model_runner_output_to_proto(out).HasField("kv_connector_output")
+    out.kv_connector_output = KVConnectorOutput(
+        finished_loads={"a": 2, "b": 0}, saved_block_hashes=[b"\x07" * 32], num_failed_saves=3
+    )
+    back = model_runner_output_from_proto(model_runner_output_to_proto(out))
+    assert back.kv_connector_output == out.kv_connector_output
 
 
 def test_model_runner_output_round_trip_with_mixed_logprobs() -> None:
