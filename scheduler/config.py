@@ -46,6 +46,11 @@ class SchedulerConfig:
     # request's next decode slot is scheduled against a placeholder token that
     # the worker fills in itself. Outputs are identical; see Scheduler.
     async_scheduling: bool = False
+    # The kvstore as a second KV tier (scheduler/kv_connector.py): full blocks
+    # are saved there and a prefix-cache miss is loaded from there. Needs
+    # prefix caching with the process-independent sha256 hashes (the store
+    # keys blocks by them).
+    enable_kv_connector: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -70,6 +75,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"prefix_hash must be one of {PREFIX_HASHES}, got {self.prefix_hash!r}"
             )
+        if self.enable_kv_connector and not (
+            self.enable_prefix_caching and self.prefix_hash == "sha256"
+        ):
+            raise ValueError("the KV connector needs prefix caching with sha256 block hashes")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             # A request that grew to max_model_len could never fit even alone and
             # would preempt itself forever.

@@ -10,7 +10,7 @@ is already cached (``get_computed_blocks``), to make room for its next tokens
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from scheduler.block_hash import extend_block_hashes, get_block_hasher
 from scheduler.block_pool import BlockPool, KVCacheBlock, KVCacheIntegrityError
@@ -18,6 +18,10 @@ from scheduler.request import Request
 from services.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
+
+# Told which of a request's blocks ``cache_full_blocks`` just registered:
+# (request, its blocks, start, end) for blocks[start:end].
+BlocksCachedHook = Callable[[Request, Sequence[KVCacheBlock], int, int], None]
 
 
 class KVCacheManager:
@@ -34,7 +38,9 @@ class KVCacheManager:
       the worker has computed all of its tokens, so a hit never points at KV
       that is not written yet. A request's blocks are offered in order: the
       first ``num_cached_blocks`` were hits or registered (unless another
-      block already held the same content), the rest not yet.
+      block already held the same content), the rest not yet. The
+      ``on_blocks_cached`` hook (the KV connector's save path) hears of
+      every block the moment it becomes full and computed, once.
     - Blocks are shared only through prefix hits, so a shared block is full;
       a partly filled block has exactly one holder, who alone appends to it.
     - ``free`` is the only way blocks go back. A freed cached block keeps its
@@ -51,6 +57,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         prefix_hash: str = "sha256",
+        on_blocks_cached: BlocksCachedHook | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -62,6 +69,7 @@ class KVCacheManager:
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> how many leading blocks are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        self._on_blocks_cached = on_blocks_cached
 
     @property
     def num_blocks(self) -> int:
@@ -176,10 +184,11 @@ class KVCacheManager:
         if num_cached is None or num_full_blocks <= num_cached:
             return
         self.update_block_hashes(request)
-        self.block_pool.cache_full_blocks(
-            self._req_to_blocks[request_id], request.block_hashes, num_cached, num_full_blocks
-        )
+        blocks = self._req_to_blocks[request_id]
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)
         self._num_cached_blocks[request_id] = num_full_blocks
+        if self._on_blocks_cached is not None:
+            self._on_blocks_cached(request, blocks, num_cached, num_full_blocks)
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, tail first; a no-op if it holds none."""

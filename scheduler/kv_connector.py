@@ -29,7 +29,8 @@ What the connector knows to be stored is a hint, not a promise: lookups
 ``LookupPrefix`` off the step loop), planned saves (optimistically) and saves
 the worker confirmed. The store may evict at any time; a load that comes back
 short only costs recomputation, and the hashes it missed are forgotten
-(``finished_loads`` carries the number of leading blocks that arrived).
+(``finished_loads`` carries the number of leading blocks that arrived), so
+the recomputed blocks are saved again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from scheduler.block_pool import KVCacheBlock
 from scheduler.request import Request
 from services.step import KVConnectorMetadata, KVConnectorOutput, KVTransfer
 
@@ -167,9 +169,10 @@ class KVConnectorScheduler:
         self.stats.blocks_loaded += num_loaded_blocks
         if num_loaded_blocks < len(load.block_hashes):
             self.stats.loads_short += 1
-            # The first missing block was not there (or not intact); what
-            # follows it cannot be used without it.
-            self.forget(load.block_hashes[num_loaded_blocks : num_loaded_blocks + 1])
+            # The first missing block was not there (or not intact) and what
+            # follows is unproven: forget them all, so that recomputing them
+            # saves them again and the store heals.
+            self.forget(load.block_hashes[num_loaded_blocks:])
             logger.info(
                 "request %s: loaded %s of %s blocks from the store; recomputing the rest",
                 request_id,
@@ -200,10 +203,10 @@ class KVConnectorScheduler:
     # ---- saves -------------------------------------------------------------
 
     def on_blocks_cached(
-        self, request: Request, block_ids: Sequence[int], start: int, end: int
+        self, request: Request, blocks: Sequence[KVCacheBlock], start: int, end: int
     ) -> None:
         """Blocks ``[start, end)`` of ``request`` are full and computed: save the
-        ones the store is not known to hold."""
+        ones the store is not known to hold (``KVCacheManager``'s hook)."""
         hashes = request.block_hashes
         stored = self._stored
         save_ids: list[int] = []
@@ -212,7 +215,7 @@ class KVConnectorScheduler:
             block_hash = hashes[index]
             if block_hash in stored:
                 continue
-            save_ids.append(block_ids[index])
+            save_ids.append(blocks[index].block_id)
             save_hashes.append(block_hash)
         if save_ids:
             self._planned_saves.append(KVTransfer(request.request_id, save_ids, save_hashes))

@@ -11,6 +11,9 @@ class RequestStatus(enum.IntEnum):
     """Ordered so that every finished status compares above PREEMPTED."""
 
     WAITING = enum.auto()
+    # Blocks reserved, KV being loaded from the kvstore (the KV connector);
+    # back to WAITING when the worker reports the load.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything from here on is finished.

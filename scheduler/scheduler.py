@@ -21,6 +21,15 @@ step contract carries no token ids for requests the worker holds. Outputs for a
 request that finished (or was preempted or aborted) after being scheduled
 again are discarded, and a request whose placeholders already reach its length
 limit is not scheduled again. Outputs are identical to synchronous mode.
+
+With the KV connector (``config.enable_kv_connector``, scheduler/kv_connector.py)
+a waiting request whose next blocks the kvstore holds does not compute them:
+its blocks are reserved, the worker loads them in the background while the
+request waits in WAITING_FOR_REMOTE_KVS, and once the load is reported the
+loaded blocks join the local prefix cache and the request goes back to the
+front of the waiting queue, where admission finds them as ordinary hits.
+Blocks that become full and computed are saved to the store through the
+``KVCacheManager`` hook. A load that comes back short only means fewer hits.
 """
 
 from __future__ import annotations
@@ -32,15 +41,23 @@ from collections.abc import Callable, Iterable
 from scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_connector import KVConnectorScheduler
 from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
 from scheduler.policy import make_policy
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
-from services.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from services.step import (
+    CachedRequestData,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class Scheduler:
@@ -63,17 +80,27 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.policy = make_policy(config.policy)
+        self.connector = (
+            KVConnectorScheduler(config.block_size) if config.enable_kv_connector else None
+        )
         self.kv_cache_manager = KVCacheManager(
             config.num_kv_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             prefix_hash=config.prefix_hash,
+            on_blocks_cached=self.connector.on_blocks_cached if self.connector else None,
         )
         # Every live (unfinished) request, by id.
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.make_waiting_queue()
         # In admission order; the worker holds exactly these requests.
         self.running: list[Request] = []
+        # KV connector: requests whose blocks the worker is loading, by id.
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        # Finished (aborted) while their load was in flight: their blocks stay
+        # reserved until the worker reports the load, so it cannot land in
+        # blocks that someone else got meanwhile.
+        self._finished_while_loading: dict[str, Request] = {}
         # Requests the worker must drop at the next step.
         self._finished_req_ids: set[str] = set()
         self._step_id = 0
@@ -129,6 +156,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
+            if request.status is _WAITING_FOR_REMOTE_KVS:
+                self._finish_loading(request, status)
+                removed.append(request_id)
+                continue
             held_by_worker = request.status == _RUNNING
             if held_by_worker:
                 any_running = True
@@ -144,15 +175,23 @@ class Scheduler:
             logger.info("finished %s with %s", removed, status.name)
         return removed
 
-    def _finish(self, request: Request, status: RequestStatus, held_by_worker: bool) -> None:
-        """Free a request's blocks and retire it; the caller drops it from its queue."""
+    def _finish(
+        self,
+        request: Request,
+        status: RequestStatus,
+        held_by_worker: bool,
+        keep_blocks: bool = False,
+    ) -> None:
+        """Free a request's blocks (unless ``keep_blocks``) and retire it; the
+        caller drops it from its queue."""
         if held_by_worker:
             self._finished_req_ids.add(request.request_id)
         group = request.parallel_group
         if group is not None and self._group_leaders.get(group) is request:
             del self._group_leaders[group]
         request.status = status
-        self.kv_cache_manager.free(request)
+        if not keep_blocks:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         now = request.finished_time = self.clock()
         scheduled, first_token = request.first_scheduled_time, request.first_token_time
@@ -169,6 +208,16 @@ class Scheduler:
                 decode_time=None if first_token is None else now - first_token,
             )
         )
+
+    def _finish_loading(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request whose KV load is planned or in flight."""
+        del self.waiting_for_remote_kvs[request.request_id]
+        assert self.connector is not None
+        sent = not self.connector.cancel_unsent_load(request.request_id)
+        # Sent: keep the blocks until the worker says it is done writing them.
+        self._finish(request, status, held_by_worker=False, keep_blocks=sent)
+        if sent:
+            self._finished_while_loading[request.request_id] = request
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, requeue at the front of the line."""
@@ -318,14 +367,24 @@ class Scheduler:
             if request.parallel_group is not None and self._defer_sibling(request):
                 break  # head-of-line, as when blocks are short: its turn comes in a step or two
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            # With nothing running there is nobody to keep room for, and a request
+            # needing the whole pool must still be admitted.
+            watermark = self._num_watermark_blocks if running else 0
+            if self.connector is not None:
+                num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
+                    request, num_cached_tokens
+                )
+                if num_external_tokens:
+                    if not self._start_remote_load(
+                        request, computed_blocks, num_cached_tokens, num_external_tokens, watermark
+                    ):
+                        break  # head-of-line, as below
+                    continue
             num_new_tokens = request.num_tokens - num_cached_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
-            # With nothing running there is nobody to keep room for, and a request
-            # needing the whole pool must still be admitted.
-            watermark = self._num_watermark_blocks if running else 0
             if kv.allocate_slots(request, num_new_tokens, computed_blocks, watermark) is None:
                 break  # head-of-line: later requests wait too, keeping the order fair
             waiting.pop()
@@ -333,6 +392,40 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         return new_reqs
+
+    def _start_remote_load(
+        self,
+        request: Request,
+        computed_blocks: list[KVCacheBlock],
+        num_cached_tokens: int,
+        num_external_tokens: int,
+        watermark: int,
+    ) -> bool:
+        """Reserve blocks for the tokens the store holds and plan their load.
+
+        The request leaves the waiting queue for WAITING_FOR_REMOTE_KVS: no
+        step computes into its blocks and the worker does not hold it. False
+        (nothing changed) when the blocks are not there.
+        """
+        assert self.connector is not None
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external_tokens, computed_blocks, watermark
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        request.status = _WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.connector.update_state_after_alloc(
+            request, [b.block_id for b in new_blocks], num_cached_tokens, num_external_tokens
+        )
+        logger.debug(
+            "request %s: loading %s tokens from the kvstore after %s local hits",
+            request.request_id,
+            num_external_tokens,
+            num_cached_tokens,
+        )
+        return True
 
     def _admit(
         self, request: Request, num_cached_tokens: int, num_new_tokens: int, now: float
@@ -375,6 +468,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
         )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta()
         self._step_id += 1
         return output
 
@@ -453,6 +548,8 @@ class Scheduler:
             )
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        if self.connector is not None:
+            self._update_from_connector(model_runner_output.kv_connector_output)
         self._advance_scheduled(scheduler_output, model_runner_output, outputs, finished)
         if model_runner_output.errors:
             self._fail_in_worker(model_runner_output.errors, outputs, finished)
@@ -534,6 +631,52 @@ class Scheduler:
             if stopped:
                 finished.append(request)
 
+    def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        """Confirmed saves; finished loads rejoin the waiting queue (loaded blocks cached)."""
+        connector = self.connector
+        assert connector is not None
+        connector.update_connector_output(output)
+        kv = self.kv_cache_manager
+        for request_id, num_loaded_blocks in output.finished_loads.items():
+            load = connector.finish_load(request_id, num_loaded_blocks)
+            if load is None:
+                continue  # not ours (a worker from before a reset)
+            orphan = self._finished_while_loading.pop(request_id, None)
+            if orphan is not None:
+                kv.free(orphan)  # the worker is done writing: the blocks may go
+                continue
+            request = self.waiting_for_remote_kvs.pop(request_id)
+            num_loaded = min(num_loaded_blocks, len(load.block_hashes))
+            # The loaded blocks enter the prefix cache like computed ones and go
+            # back with the rest; re-admission at the front of the queue finds
+            # them as local hits (evicted meanwhile only under memory pressure,
+            # which costs recomputation, never correctness).
+            request.num_computed_tokens = (
+                load.num_local_computed_tokens + num_loaded * self.config.block_size
+            )
+            kv.cache_full_blocks(request, request.num_computed_tokens)
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
+
+    def release_remote_loads(self) -> list[str]:
+        """The worker is gone, and with it every load in flight: free their blocks,
+        requeue the requests that waited for them. Returns their ids."""
+        if self.connector is None:
+            return []
+        self.connector.reset()
+        for request in self._finished_while_loading.values():
+            self.kv_cache_manager.free(request)
+        self._finished_while_loading.clear()
+        ids = list(self.waiting_for_remote_kvs)
+        for request in self.waiting_for_remote_kvs.values():
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
+        self.waiting_for_remote_kvs.clear()
+        return ids
+
     @staticmethod
     def _log_early_sample(request: Request, num_computed: int) -> None:
         """A token sampled before the end of the known tokens breaks the step contract."""
@@ -588,7 +731,14 @@ class Scheduler:
     # ---- views --------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.waiting_for_remote_kvs)
+
+    def has_connector_work(self) -> bool:
+        """A step must go to the worker even with nothing to compute: loads or
+        saves are planned, or a load in flight must be collected."""
+        return self.connector is not None and (
+            self.connector.has_pending_work() or bool(self._finished_while_loading)
+        )
 
     @property
     def num_running(self) -> int:
@@ -597,6 +747,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return len(self.waiting_for_remote_kvs)
 
     def live_request_ids(self) -> list[str]:
         """Ids of every unfinished request (waiting, running or preempted)."""
@@ -613,14 +767,24 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Block invariants plus queue invariants; for tests and debug builds."""
-        # Only running requests hold blocks, enough for their computed tokens.
-        self.kv_cache_manager.check_integrity(holders=self.running)
+        # Only running requests and loads in flight hold blocks.
+        loading = [*self.waiting_for_remote_kvs.values(), *self._finished_while_loading.values()]
+        self.kv_cache_manager.check_integrity(holders=[*self.running, *loading])
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
-        if len(set(running_ids) | set(waiting_ids)) != len(running_ids) + len(waiting_ids):
+        loading_ids = list(self.waiting_for_remote_kvs)
+        all_ids = running_ids + waiting_ids + loading_ids
+        if len(set(all_ids)) != len(all_ids):
             raise KVCacheIntegrityError("a request is queued twice")
-        if set(running_ids) | set(waiting_ids) != set(self.requests):
+        if set(all_ids) != set(self.requests):
             raise KVCacheIntegrityError("request table and queues disagree")
+        for request in self.waiting_for_remote_kvs.values():
+            if request.status is not _WAITING_FOR_REMOTE_KVS:
+                raise KVCacheIntegrityError(f"{request} is loading with a wrong status")
+        if self.connector is not None and any(
+            not self.connector.is_loading(r.request_id) for r in loading
+        ):
+            raise KVCacheIntegrityError("a request holds blocks for a load nobody runs")
         for request in self.running:
             if request.status != _RUNNING:
                 raise KVCacheIntegrityError(f"{request} is running with a wrong status")

@@ -176,4 +176,4 @@ def test_stats_report_gauges_counters_and_latencies() -> None:
 def test_status_order_makes_finished_a_comparison() -> None:
     order = list(RequestStatus)
     assert order == sorted(order)
-    assert [s.is_finished() for s in order] == [False] * 3 + [True] * 4
+    assert [s.is_finished() for s in order] == [False] * 4 + [True] * 4

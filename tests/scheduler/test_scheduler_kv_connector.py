@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.block_hash import extend_block_hashes, sha256_block_hash
+from scheduler.block_pool import KVCacheBlock
 from scheduler.kv_connector import KVConnectorScheduler
 from scheduler.request import Request
 from services.sampling_params import SamplingParams
@@ -97,13 +98,13 @@ def test_saves_skip_known_blocks_and_each_hash_is_saved_once() -> None:
     connector = KVConnectorScheduler(BLOCK)
     request = _request(13)  # 3 full blocks
     connector.record_stored(request.block_hashes[1:2])
-    connector.on_blocks_cached(request, [7, 8, 9], 0, 3)
+    connector.on_blocks_cached(request, [KVCacheBlock(i) for i in (7, 8, 9)], 0, 3)
     meta = connector.build_connector_meta()
     assert len(meta.saves) == 1
     assert meta.saves[0].block_ids == [7, 9]
     assert meta.saves[0].block_hashes == [request.block_hashes[0], request.block_hashes[2]]
     # The same blocks cached again (another request, same prefix): nothing to save.
-    connector.on_blocks_cached(_request(13, "twin"), [1, 2, 3], 0, 3)
+    connector.on_blocks_cached(_request(13, "twin"), [KVCacheBlock(i) for i in (1, 2, 3)], 0, 3)
     assert connector.build_connector_meta().is_empty()
     connector.update_connector_output(
         KVConnectorOutput(saved_block_hashes=meta.saves[0].block_hashes, num_failed_saves=1)

@@ -67,6 +67,7 @@ def test_only_finished_statuses_have_a_finish_reason() -> None:
     reasons = {status: status.finish_reason for status in RequestStatus}
     assert reasons == {
         RequestStatus.WAITING: None,
+        RequestStatus.WAITING_FOR_REMOTE_KVS: None,
         RequestStatus.RUNNING: None,
         RequestStatus.PREEMPTED: None,
         RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
