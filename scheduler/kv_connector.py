@@ -63,6 +63,7 @@ class PendingLoad:
 class KVConnectorStats:
     """Counters since the previous ``make_stats()`` (scheduler metrics read them)."""
 
+    block_size: int
     loads_started: int = 0
     blocks_requested: int = 0
     blocks_loaded: int = 0
@@ -85,7 +86,7 @@ class KVConnectorScheduler:
         self._planned_saves: list[KVTransfer] = []
         # req_id -> its load in flight (sent, not reported).
         self._loading: dict[str, PendingLoad] = {}
-        self.stats = KVConnectorStats()
+        self.stats = KVConnectorStats(block_size)
 
     # ---- what the store holds ----------------------------------------------
 
@@ -244,5 +245,5 @@ class KVConnectorScheduler:
         self.stats.failed_saves += output.num_failed_saves
 
     def make_stats(self) -> KVConnectorStats:
-        stats, self.stats = self.stats, KVConnectorStats()
+        stats, self.stats = self.stats, KVConnectorStats(self.block_size)
         return stats

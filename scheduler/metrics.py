@@ -40,6 +40,35 @@ class SchedulerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        # KV connector: vLLM's names for what the external cache was asked and
+        # supplied (in tokens), kvmesh's for the rest.
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries", "tokens looked up in the kvstore at admission"
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "tokens loaded from the kvstore instead of computed"
+        )
+        self.waiting_for_remote_kvs = gauge(
+            "kvmesh:num_requests_waiting_for_remote_kvs", "requests whose KV is being loaded"
+        )
+        self.connector_loads = counter("kvmesh:kv_connector_loads", "loads sent to the worker")
+        self.connector_short_loads = counter(
+            "kvmesh:kv_connector_short_loads",
+            "loads that came back short (missing, corrupt or unreachable blocks: recomputed)",
+        )
+        self.connector_saves = counter(
+            "kvmesh:kv_connector_saved_blocks", "blocks the worker was asked to save"
+        )
+        self.connector_saves_confirmed = counter(
+            "kvmesh:kv_connector_saved_blocks_confirmed", "blocks the store committed"
+        )
+        self.connector_failed_saves = counter(
+            "kvmesh:kv_connector_failed_saves", "blocks the worker could not save"
+        )
+        self.connector_lookup_failures = counter(
+            "kvmesh:kv_connector_lookup_failures",
+            "kvstore lookups that failed or timed out (treated as misses)",
+        )
         self.model_name = model_name
 
     def record(self, stats: SchedulerStats) -> None:
@@ -50,6 +79,15 @@ class SchedulerMetrics:
         self.preemptions.labels(m).inc(stats.num_preemptions)
         self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
         self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
+        if stats.kv_connector is not None:
+            c = stats.kv_connector
+            self.waiting_for_remote_kvs.labels(m).set(stats.num_waiting_for_remote_kvs)
+            self.external_hits.labels(m).inc(c.blocks_loaded * c.block_size)
+            self.connector_loads.labels(m).inc(c.loads_started)
+            self.connector_short_loads.labels(m).inc(c.loads_short)
+            self.connector_saves.labels(m).inc(c.blocks_saved_planned)
+            self.connector_saves_confirmed.labels(m).inc(c.blocks_saved_confirmed)
+            self.connector_failed_saves.labels(m).inc(c.failed_saves)
         for finished in stats.finished_requests:
             if finished.queue_time is not None:
                 self.queue_time.labels(m).observe(finished.queue_time)

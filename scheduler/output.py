@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.step import Logprobs
+
+if TYPE_CHECKING:  # kv_connector imports request, which imports this module
+    from scheduler.kv_connector import KVConnectorStats
 
 
 class FinishReason(enum.Enum):
@@ -68,3 +72,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # KV connector (None when off): requests waiting for their KV load, and
+    # the connector's counters since the previous snapshot.
+    num_waiting_for_remote_kvs: int = 0
+    kv_connector: KVConnectorStats | None = None

@@ -802,6 +802,8 @@ class Scheduler:
             prefix_cache_hits=self._prefix_cache_hits,
             num_preemptions=self._num_preemptions,
             finished_requests=self._finished_stats,
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
+            kv_connector=self.connector.make_stats() if self.connector is not None else None,
         )
         self._prefix_cache_queries = self._prefix_cache_hits = self._num_preemptions = 0
         self._finished_stats = []

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
+from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output import FinishReason, RequestOutput
 from scheduler.request import Request
@@ -40,6 +41,9 @@ _FINISH_TO_PROTO = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 
+# How often an otherwise idle loop asks the worker whether KV loads finished.
+_LOAD_POLL_INTERVAL_S = 0.002
+
 # Outputs queued for one subscriber before it is considered stuck and dropped.
 _MAX_SUBSCRIBER_BACKLOG = 10_000
 
@@ -54,9 +58,12 @@ class SchedulerEngine:
         eos_token_ids: list[int],
         metrics: SchedulerMetrics,
         max_waiting_requests: int,
+        kv_lookup: StorePrefixLookup | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
+        # Asks the kvstore what it holds of each new prompt (KV connector on).
+        self.kv_lookup = kv_lookup if self.core.connector is not None else None
         self.worker = worker
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.metrics = metrics
@@ -69,6 +76,7 @@ class SchedulerEngine:
         self._step_id = 0
         # Steps sent to the worker whose results are not back: (step, send time).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        self._last_num_scheduled_tokens = 0
         self.healthy = True
 
     # ---- control (called from RPC handlers) -------------------------------
@@ -111,6 +119,19 @@ class SchedulerEngine:
         )
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
+
+    async def lookup_stored_prefix(self, msg: scheduler_pb2.AddRequestRequest) -> None:
+        """Tell the KV connector how much of this prompt the kvstore holds.
+
+        Awaited by the AddRequest handler before ``add_request``, so the step
+        loop never waits for the store; any failure is a miss.
+        """
+        if self.kv_lookup is None or self.core.connector is None:
+            return
+        salt = msg.cache_salt if msg.HasField("cache_salt") else None
+        hashes = await self.kv_lookup.lookup(msg.prompt_token_ids, salt)
+        self.metrics.external_queries.labels(self.metrics.model_name).inc(len(msg.prompt_token_ids))
+        self.core.connector.record_stored(hashes)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         live = [rid for rid in request_ids if self.core.get_request(rid) is not None]
@@ -200,6 +221,8 @@ class SchedulerEngine:
             for rid in ids
         ]
         self.core.abort_requests(ids)
+        # Loads in flight died with the worker: their blocks are free again.
+        self.core.release_remote_loads()
         # The worker's cache contents are gone; cached hashes would lie.
         self.core.reset_prefix_cache()
         self._publish(self._step_id, failed)
@@ -227,11 +250,12 @@ class SchedulerEngine:
         """Send the next step if fewer than two are in flight, then collect the oldest."""
         self._apply_pending_control()
         scheduled = False
-        if len(self._in_flight) < 2 and self.core.has_unfinished_requests():
+        if len(self._in_flight) < 2 and self._has_work():
             scheduler_output = self.core.schedule()
             self._step_id += 1
             scheduler_output.step_id = self._step_id
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+            self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+            if self._worth_sending(scheduler_output):
                 self._in_flight.append((scheduler_output, time.perf_counter()))
                 await self.worker.submit(scheduler_output)
                 scheduled = True
@@ -249,6 +273,18 @@ class SchedulerEngine:
             time.perf_counter() - start
         )
 
+    def _has_work(self) -> bool:
+        return self.core.has_unfinished_requests() or self.core.has_connector_work()
+
+    def _worth_sending(self, scheduler_output: SchedulerOutput) -> bool:
+        """Tokens to compute, requests to drop, connector work, or a load to collect."""
+        return bool(
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.finished_req_ids
+            or not scheduler_output.kv_connector_metadata.is_empty()
+            or self.core.has_connector_work()
+        )
+
     async def _step(self) -> None:
         if self.config.async_scheduling:
             await self._async_step()
@@ -257,9 +293,8 @@ class SchedulerEngine:
         scheduler_output: SchedulerOutput = self.core.schedule()
         self._step_id += 1
         scheduler_output.step_id = self._step_id
-        if scheduler_output.total_num_scheduled_tokens == 0 and not (
-            scheduler_output.finished_req_ids
-        ):
+        self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        if not self._worth_sending(scheduler_output):
             return
         start = time.perf_counter()
         runner_output = await self.worker.execute(scheduler_output)
@@ -267,6 +302,14 @@ class SchedulerEngine:
         self._publish(self._step_id, outputs)
         self.metrics.step_seconds.labels(self.metrics.model_name).observe(
             time.perf_counter() - start
+        )
+
+    def _only_polling(self) -> bool:
+        """Whether the last step computed nothing and loads are still to collect."""
+        return (
+            self._last_num_scheduled_tokens == 0
+            and not self._pending_aborts
+            and self.core.has_connector_work()
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -280,11 +323,7 @@ class SchedulerEngine:
                     if not reconnect.done():
                         reconnect.cancel()
                     continue
-                if (
-                    not self.core.has_unfinished_requests()
-                    and not self._pending_aborts
-                    and not self._in_flight
-                ):
+                if not self._has_work() and not self._pending_aborts and not self._in_flight:
                     self.metrics.record(self.core.make_stats())
                     self._wakeup.clear()
                     wake = asyncio.ensure_future(self._wakeup.wait())
@@ -299,6 +338,10 @@ class SchedulerEngine:
                     self._fail_all(f"worker unavailable: {e}")
                     continue
                 self.metrics.record(self.core.make_stats())
+                if self._only_polling():
+                    # Nothing to compute while loads run in the worker's background:
+                    # poll gently instead of spinning a core the worker needs.
+                    await asyncio.sleep(_LOAD_POLL_INTERVAL_S)
                 # Let RPC handlers (new requests, aborts) in between steps.
                 await asyncio.sleep(0)
         finally:
@@ -311,6 +354,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
 
     async def AddRequest(self, request, context):
+        await self.engine.lookup_stored_prefix(request)
         if request.sampling_params.HasField("structured_output"):
             # Awaited here, not in the step loop: this request waits for its
             # grammar while the loop keeps stepping the others.
