@@ -6,8 +6,12 @@ import asyncio
 import gc
 import logging
 
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.layout import KVLayout
+from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler.block_hash import get_block_hasher
 from scheduler.config import SchedulerConfig
+from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
 from scheduler.worker_client import WorkerClient
@@ -45,14 +49,18 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         num_kv_blocks=info.num_kv_blocks,
         enable_prefix_caching=config.prefix_caching,
         async_scheduling=config.async_scheduling,
+        enable_kv_connector=config.kv_offload,
     )
     logger.info("scheduler config: %s", core_config)
+    kvstore = KVStoreClient(config.kvstore_addr) if config.kv_offload else None
+    kv_lookup = _store_lookup(kvstore, info, core_config) if kvstore is not None else None
     engine = SchedulerEngine(
         core_config,
         worker,
         list(info.eos_token_ids),
         SchedulerMetrics(info.model_name),
         max_waiting_requests=config.max_waiting_requests,
+        kv_lookup=kv_lookup,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
@@ -81,3 +89,18 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     await service.stop(grace=2.0)
     await loop_task
     await worker.close()
+    if kvstore is not None:
+        await kvstore.close()
+
+
+def _store_lookup(
+    client: KVStoreClient, info: worker_pb2.WorkerInfo, core_config: SchedulerConfig
+) -> StorePrefixLookup:
+    """Lookups under the worker's KV layout, hashed as the scheduler hashes blocks."""
+    if not info.HasField("kv_layout"):
+        raise RuntimeError("--kv-offload: the worker runs without it (start both with the flag)")
+    layout = KVLayout.from_proto(info.kv_layout)
+    logger.info("KV offload on: kvstore at %s, layout %s", client.address, layout)
+    return StorePrefixLookup(
+        client, [layout], core_config.block_size, get_block_hasher(core_config.prefix_hash)
+    )

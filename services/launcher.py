@@ -72,7 +72,7 @@ LOCAL_HOST = "127.0.0.1"
 
 # Services that others dial: on one machine their ``<name>_addr`` follows
 # their ``<name>_port``, so ``kvmesh up`` has no address flags.
-DIALED_SERVICES = ("worker", "scheduler", "detokenizer")
+DIALED_SERVICES = ("worker", "scheduler", "detokenizer", "kvstore")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:

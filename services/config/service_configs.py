@@ -63,7 +63,19 @@ class KVStoreConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(CommonConfig):
+class KVConnectorOptions(CommonConfig):
+    """The KV connector's options, shared by the scheduler and the worker (one flag each)."""
+
+    kv_offload: bool = opt(
+        False,
+        "use the kvstore as a second KV tier: save every full block there and load a "
+        "prefix-cache miss from it (scheduler and worker; needs prefix caching)",
+    )
+    kvstore_addr: str = opt("127.0.0.1:50055", "host:port of the kvstore")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(KVConnectorOptions):
     """The model worker service."""
 
     model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")
@@ -99,7 +111,7 @@ class WorkerConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class SchedulerServiceConfig(CommonConfig):
+class SchedulerServiceConfig(KVConnectorOptions):
     """The scheduler service."""
 
     scheduler_port: int = port(50052, "gRPC port of the scheduler")
