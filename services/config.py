@@ -153,6 +153,8 @@ class WorkerConfig(CommonConfig):
     max_model_len: int = opt(0, "longest prompt + output in tokens (0: min(model, 8192))")
     num_threads: int = opt(0, "torch intra-op threads for the worker (0: all cores)")
     attention_backend: str = opt("", "force an attention backend (cpu, triton, torch_reference)")
+    kv_offload: bool = opt(False, "save and load KV blocks through the kvstore (--kv-offload)")
+    kvstore_addr: str = opt("127.0.0.1:50055", "host:port of the kvstore (with kv_offload)")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

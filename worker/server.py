@@ -30,6 +30,9 @@ from services.step_codec import (
     structured_output_from_proto,
 )
 from worker.config import CacheConfig, ModelConfig
+from worker.grpc_kv_block_store import GrpcKVBlockStore
+from worker.kv_connector import KVBlockStore, KVConnectorWorker
+from worker.kv_layout import kv_layout_key
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -154,6 +157,31 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
     return runner, info
 
 
+def attach_kv_connector(
+    runner: ModelRunner,
+    info: worker_pb2.WorkerInfo,
+    store: KVBlockStore,
+    loop: asyncio.AbstractEventLoop,
+) -> KVConnectorWorker:
+    """Give the runner a connector to ``store`` and publish its layout key in ``info``."""
+    model = runner.model_config
+    layout_key = kv_layout_key(
+        info.model_name,
+        model.dtype,
+        info.block_size,
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+    )
+    connector = KVConnectorWorker(runner.kv_caches, layout_key, store, loop)
+    runner.kv_connector = connector
+    info.kv_layout_key = layout_key
+    logger.info(
+        "KV offload on: %d-byte blocks, layout key %s", connector.block_bytes, layout_key.hex()
+    )
+    return connector
+
+
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
@@ -173,6 +201,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         info.max_model_len,
         info.attention_backend,
     )
+    store: GrpcKVBlockStore | None = None
+    connector: KVConnectorWorker | None = None
+    if config.kv_offload:
+        store = GrpcKVBlockStore(config.kvstore_addr)
+        connector = attach_kv_connector(runner, info, store, loop)
     servicer.attach(runner, info)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
@@ -182,3 +215,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await service.set_serving(True)
     await stop.wait()
     await service.stop()
+    if connector is not None and store is not None:
+        # Let snapshots already taken reach the store before the process exits.
+        try:
+            await asyncio.wait_for(connector.drain(), timeout=10)
+        except TimeoutError:
+            logger.warning("KV saves still running at shutdown were abandoned")
+        await store.close()
