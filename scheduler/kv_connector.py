@@ -183,15 +183,16 @@ class KVConnectorScheduler:
         self.record_stored(load.block_hashes[:num_loaded_blocks])
         return load
 
-    def cancel_unsent_load(self, request_id: str) -> bool:
-        """Drop a load planned but not sent yet; True if there was one (its blocks
-        are then safe to free at once, no worker will write them)."""
-        for index, transfer in enumerate(self._planned_loads):
-            if transfer.req_id == request_id:
-                del self._planned_loads[index]
-                self._loading.pop(request_id, None)
-                return True
-        return False
+    def cancel_load(self, request_id: str) -> None:
+        """Forget a request's load, planned or sent (its request was aborted).
+
+        The scheduler lists the request in the next step's ``finished_req_ids``;
+        the worker drops its load before writing anything of that step, so the
+        blocks may be handed to another request in that very step. A report
+        that still comes for it is ignored (``finish_load`` returns None).
+        """
+        self._planned_loads = [t for t in self._planned_loads if t.req_id != request_id]
+        self._loading.pop(request_id, None)
 
     def reset(self) -> list[str]:
         """Forget loads in flight (the worker that ran them is gone); returns their ids."""

@@ -97,10 +97,6 @@ class Scheduler:
         self.running: list[Request] = []
         # KV connector: requests whose blocks the worker is loading, by id.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
-        # Finished (aborted) while their load was in flight: their blocks stay
-        # reserved until the worker reports the load, so it cannot land in
-        # blocks that someone else got meanwhile.
-        self._finished_while_loading: dict[str, Request] = {}
         # Requests the worker must drop at the next step.
         self._finished_req_ids: set[str] = set()
         self._step_id = 0
@@ -175,23 +171,15 @@ class Scheduler:
             logger.info("finished %s with %s", removed, status.name)
         return removed
 
-    def _finish(
-        self,
-        request: Request,
-        status: RequestStatus,
-        held_by_worker: bool,
-        keep_blocks: bool = False,
-    ) -> None:
-        """Free a request's blocks (unless ``keep_blocks``) and retire it; the
-        caller drops it from its queue."""
+    def _finish(self, request: Request, status: RequestStatus, held_by_worker: bool) -> None:
+        """Free a request's blocks and retire it; the caller drops it from its queue."""
         if held_by_worker:
             self._finished_req_ids.add(request.request_id)
         group = request.parallel_group
         if group is not None and self._group_leaders.get(group) is request:
             del self._group_leaders[group]
         request.status = status
-        if not keep_blocks:
-            self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         now = request.finished_time = self.clock()
         scheduled, first_token = request.first_scheduled_time, request.first_token_time
@@ -210,14 +198,16 @@ class Scheduler:
         )
 
     def _finish_loading(self, request: Request, status: RequestStatus) -> None:
-        """Finish a request whose KV load is planned or in flight."""
+        """Finish a request whose KV load is planned or in flight.
+
+        Like a running request it goes into the next step's ``finished_req_ids``:
+        the worker drops its load before that step writes anything, so its
+        blocks are free for anyone at once.
+        """
         del self.waiting_for_remote_kvs[request.request_id]
         assert self.connector is not None
-        sent = not self.connector.cancel_unsent_load(request.request_id)
-        # Sent: keep the blocks until the worker says it is done writing them.
-        self._finish(request, status, held_by_worker=False, keep_blocks=sent)
-        if sent:
-            self._finished_while_loading[request.request_id] = request
+        self.connector.cancel_load(request.request_id)
+        self._finish(request, status, held_by_worker=True)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, requeue at the front of the line."""
@@ -640,11 +630,7 @@ class Scheduler:
         for request_id, num_loaded_blocks in output.finished_loads.items():
             load = connector.finish_load(request_id, num_loaded_blocks)
             if load is None:
-                continue  # not ours (a worker from before a reset)
-            orphan = self._finished_while_loading.pop(request_id, None)
-            if orphan is not None:
-                kv.free(orphan)  # the worker is done writing: the blocks may go
-                continue
+                continue  # cancelled (aborted), or from a worker before a reset
             request = self.waiting_for_remote_kvs.pop(request_id)
             num_loaded = min(num_loaded_blocks, len(load.block_hashes))
             # The loaded blocks enter the prefix cache like computed ones and go
@@ -666,9 +652,6 @@ class Scheduler:
         if self.connector is None:
             return []
         self.connector.reset()
-        for request in self._finished_while_loading.values():
-            self.kv_cache_manager.free(request)
-        self._finished_while_loading.clear()
         ids = list(self.waiting_for_remote_kvs)
         for request in self.waiting_for_remote_kvs.values():
             self.kv_cache_manager.free(request)
@@ -736,9 +719,7 @@ class Scheduler:
     def has_connector_work(self) -> bool:
         """A step must go to the worker even with nothing to compute: loads or
         saves are planned, or a load in flight must be collected."""
-        return self.connector is not None and (
-            self.connector.has_pending_work() or bool(self._finished_while_loading)
-        )
+        return self.connector is not None and self.connector.has_pending_work()
 
     @property
     def num_running(self) -> int:
@@ -768,7 +749,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Block invariants plus queue invariants; for tests and debug builds."""
         # Only running requests and loads in flight hold blocks.
-        loading = [*self.waiting_for_remote_kvs.values(), *self._finished_while_loading.values()]
+        loading = list(self.waiting_for_remote_kvs.values())
         self.kv_cache_manager.check_integrity(holders=[*self.running, *loading])
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]

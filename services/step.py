@@ -64,8 +64,9 @@ class KVConnectorMetadata:
 
     ``loads`` fill reserved blocks of requests waiting for remote KV; they run
     in the background and are reported back in ``KVConnectorOutput``.
-    ``saves`` name blocks this step completes; the worker copies them out right
-    after the forward pass and puts them into the store in the background.
+    ``saves`` name full, computed blocks; the worker copies them out at the
+    start of the step (before loads and the forward pass may overwrite them)
+    and puts them into the store in the background.
     """
 
     loads: list[KVTransfer] = field(default_factory=list)

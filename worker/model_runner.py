@@ -20,6 +20,7 @@ from services.step import ModelRunnerOutput, SchedulerOutput
 from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
+from worker.kv_connector import KVConnectorWorker
 from worker.model_loader import load_model
 from worker.sampler import Sampler
 from worker.sampling_metadata import build_sampling_metadata
@@ -87,6 +88,8 @@ class ModelRunner:
             )
         )
         self.timings = StepTimings()
+        # Set by the worker service when KV offload is on (it needs the event loop).
+        self.kv_connector: KVConnectorWorker | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -105,6 +108,8 @@ class ModelRunner:
         for req_id in list(self.input_batch.row_of):
             self.input_batch.remove_request(req_id)
             self.structured_output.remove_request(req_id)
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
 
     def _apply_scheduler_deltas(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
         """Drop finished requests, add new ones, apply cached deltas; returns errors."""
@@ -172,6 +177,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_model(scheduler_output)
+        # Before the forward: blocks to save are copied out before this step
+        # may overwrite them, and arrived loads are in place before it reads them.
+        connector.start_step(scheduler_output)
+        output = self._execute_model(scheduler_output)
+        output.kv_connector_output = connector.get_finished()
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput.make_empty(scheduler_output.step_id)
         started = time.perf_counter()
         output.errors = self._apply_scheduler_deltas(scheduler_output)

@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from kvstore.client import KVStoreClient
+from kvstore.layout import KVLayout
 from protos import worker_pb2, worker_pb2_grpc
 from services.config import WorkerConfig
 from services.errors import InvalidRequestError, UnavailableError
@@ -31,6 +33,9 @@ from services.step_codec import (
     structured_output_from_proto,
 )
 from worker.config import CacheConfig, ModelConfig
+from worker.kv_connector import KVBlockStore, KVConnectorWorker
+from worker.kv_layout import worker_kv_layout
+from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -157,6 +162,34 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
     return runner, info
 
 
+def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayout:
+    """The layout of the runner's KV blocks, named by the served model name."""
+    model = runner.model_config
+    return worker_kv_layout(
+        info.model_name,
+        model.dtype,
+        info.block_size,
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+    )
+
+
+def attach_kv_connector(
+    runner: ModelRunner,
+    info: worker_pb2.WorkerInfo,
+    store: KVBlockStore,
+    layout: KVLayout,
+    loop: asyncio.AbstractEventLoop,
+) -> KVConnectorWorker:
+    """Give the runner a connector to ``store`` and publish its layout in ``info``."""
+    connector = KVConnectorWorker(runner.kv_caches, store, loop)
+    runner.kv_connector = connector
+    info.kv_layout.CopyFrom(layout.to_proto())
+    logger.info("KV offload on: %d-byte blocks, layout %s", connector.block_bytes, layout)
+    return connector
+
+
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
@@ -176,6 +209,12 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         info.max_model_len,
         info.attention_backend,
     )
+    store: KVStoreBlocks | None = None
+    connector: KVConnectorWorker | None = None
+    if config.kv_offload:
+        layout = runner_kv_layout(runner, info)
+        store = KVStoreBlocks(KVStoreClient(config.kvstore_addr), layout)
+        connector = attach_kv_connector(runner, info, store, layout, loop)
     servicer.attach(runner, info)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
@@ -185,3 +224,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await service.set_serving(True)
     await stop.wait()
     await service.stop()
+    if connector is not None and store is not None:
+        # Let snapshots already taken reach the store before the process exits.
+        try:
+            await asyncio.wait_for(connector.drain(), timeout=10)
+        except TimeoutError:
+            logger.warning("KV saves still running at shutdown were abandoned")
+        await store.close()

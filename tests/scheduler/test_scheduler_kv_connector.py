@@ -81,17 +81,19 @@ def test_reserving_the_wrong_number_of_blocks_is_refused() -> None:
         connector.update_state_after_alloc(request, [1, 2], 0, 3 * BLOCK)
 
 
-def test_unsent_load_can_be_cancelled_but_a_sent_one_cannot() -> None:
+def test_cancelled_loads_are_not_sent_and_their_reports_are_ignored() -> None:
     connector = KVConnectorScheduler(BLOCK)
-    first, second = _request(9, "a"), _request(9, "b")
-    connector.record_stored(first.block_hashes + second.block_hashes)
+    first, second, third = _request(9, "a"), _request(9, "b"), _request(9, "c")
+    connector.record_stored(first.block_hashes + second.block_hashes + third.block_hashes)
     connector.update_state_after_alloc(first, [1, 2], 0, 2 * BLOCK)
-    assert connector.cancel_unsent_load("a") and not connector.is_loading("a")
+    connector.cancel_load("a")
+    assert not connector.is_loading("a") and connector.build_connector_meta().is_empty()
     connector.update_state_after_alloc(second, [3, 4], 0, 2 * BLOCK)
     connector.build_connector_meta()
-    assert not connector.cancel_unsent_load("b")
-    assert connector.is_loading("b")  # its blocks must stay reserved until reported
-    assert connector.reset() == ["b"] and not connector.has_pending_work()
+    connector.cancel_load("b")  # sent: the worker drops it when told
+    assert connector.finish_load("b", 2) is None
+    connector.update_state_after_alloc(third, [5, 6], 0, 2 * BLOCK)
+    assert connector.reset() == ["c"] and not connector.has_pending_work()
 
 
 def test_saves_skip_known_blocks_and_each_hash_is_saved_once() -> None:

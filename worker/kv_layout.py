@@ -1,0 +1,106 @@
+"""How a worker's KV blocks look in the kvstore: their layout tag and their bytes.
+
+Layout version 1: a block's bytes are, for each layer in order, K[block] then
+V[block], each ``[block_size, num_kv_heads, head_dim]`` in the cache dtype and
+C-contiguous, concatenated. Two workers can exchange blocks exactly when their
+``KVLayout`` (kvstore/layout.py, whose namespace prefixes every store key) is
+equal, so everything that changes those bytes (or their meaning) goes into it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.layout import KVLayout
+from worker.kv_cache import KVCache
+
+LAYOUT_VERSION = 1
+
+
+def worker_kv_layout(
+    model_name: str,
+    dtype: torch.dtype,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> KVLayout:
+    """The layout of this worker's blocks. The model's identity is its name plus
+    the cache shape, so two checkpoints that share a name but not a shape never
+    exchange blocks."""
+    identity = f"{model_name};layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim}"
+    return KVLayout(
+        model=identity,
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=block_size,
+        layout_version=LAYOUT_VERSION,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+class KVBlockCodec:
+    """Copies whole blocks between the paged cache and their store bytes.
+
+    Both directions stage all blocks of a call in one ``[n, layers, 2, elems]``
+    tensor, so each layer costs one gather (``index_select``) or one scatter
+    (``index_copy_``) however many blocks move; a staged row is exactly one
+    block's bytes in layout version 1.
+    """
+
+    def __init__(self, kv_caches: list[KVCache]) -> None:
+        key_cache = kv_caches[0][0]
+        self.kv_caches = kv_caches
+        self.num_blocks = key_cache.shape[0]
+        self.dtype = key_cache.dtype
+        self.device = key_cache.device
+        # Elements of one block of K (or V) in one layer.
+        self._block_elems = key_cache[0].numel()
+        self.block_bytes = len(kv_caches) * 2 * self._block_elems * key_cache.element_size()
+
+    def _staging_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, len(self.kv_caches), 2, self._block_elems)
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The bytes of each block, copied out of the cache (a snapshot)."""
+        if not block_ids:
+            return []
+        ids = self._ids(block_ids)
+        staged = torch.empty(
+            self._staging_shape(len(block_ids)), dtype=self.dtype, device=self.device
+        )
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            flat_keys = key_cache.view(self.num_blocks, -1)
+            flat_values = value_cache.view(self.num_blocks, -1)
+            torch.index_select(flat_keys, 0, ids, out=staged[:, layer, 0])
+            torch.index_select(flat_values, 0, ids, out=staged[:, layer, 1])
+        rows = staged.cpu().view(torch.uint8).reshape(len(block_ids), -1).numpy()
+        return [row.tobytes() for row in rows]
+
+    def write_blocks(self, block_ids: list[int], datas: list[bytes]) -> None:
+        """Overwrite each block with its bytes (each exactly ``block_bytes`` long)."""
+        if len(datas) != len(block_ids):
+            raise ValueError(f"{len(datas)} blocks of bytes for {len(block_ids)} block ids")
+        if not block_ids:
+            return
+        joined = bytearray(len(block_ids) * self.block_bytes)
+        view = memoryview(joined)
+        for index, data in enumerate(datas):
+            if len(data) != self.block_bytes:
+                raise ValueError(f"block of {len(data)} bytes, expected {self.block_bytes}")
+            view[index * self.block_bytes : (index + 1) * self.block_bytes] = data
+        staged = (
+            torch.frombuffer(joined, dtype=torch.uint8)
+            .view(self.dtype)
+            .view(self._staging_shape(len(block_ids)))
+            .to(self.device)
+        )
+        ids = self._ids(block_ids)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            key_cache.view(self.num_blocks, -1).index_copy_(0, ids, staged[:, layer, 0])
+            value_cache.view(self.num_blocks, -1).index_copy_(0, ids, staged[:, layer, 1])
