@@ -87,6 +87,17 @@ class LocalStack:
     def grpc_addr(self) -> str:
         return f"127.0.0.1:{self.ports['grpc_port']}"
 
+    def service_pid(self, service: str) -> int:
+        """Process id of one running service (a child of the launcher), e.g. to kill it."""
+        pids = [
+            pid
+            for pid, cmdline in _children_of(self.process.pid).items()
+            if f"serve {service}" in cmdline
+        ]
+        if len(pids) != 1:
+            raise LookupError(f"{len(pids)} processes serve {service!r}")
+        return pids[0]
+
     def metrics_url(self, service: str) -> str:
         return f"http://127.0.0.1:{self.ports[service + '_metrics_port']}/metrics"
 
@@ -108,3 +119,21 @@ class LocalStack:
                 self.process.wait()
                 raise
         return self.process.returncode
+
+
+def _children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of the direct children of ``pid`` (Linux /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        # The command name in stat may hold spaces and parentheses: split after it.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found[int(entry.name)] = cmdline
+    return found

@@ -6,35 +6,18 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from services.local_stack import LocalStack
 from tests.e2e.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.e2e
 
 
-def _children_of(pid: int) -> dict[int, str]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            found[int(entry.name)] = cmdline
-    return found
-
-
-def _worker_pid(launcher_pid: int) -> int:
-    (pid,) = [p for p, cmd in _children_of(launcher_pid).items() if "serve worker" in cmd]
-    return pid
+def _worker_pid(stack: LocalStack) -> int:
+    return stack.service_pid("worker")
 
 
 def _wait_for(predicate, timeout: float) -> bool:
@@ -51,7 +34,7 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
     try:
         url = stack.http_url
         body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
-        old_worker = _worker_pid(stack.process.pid)
+        old_worker = _worker_pid(stack)
         events = []
         with (
             httpx.Client(base_url=url, timeout=120) as client,
@@ -80,7 +63,7 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
 
         # The launcher restarts the worker; readiness returns and requests succeed again.
         assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 200, 120)
-        assert _worker_pid(stack.process.pid) != old_worker
+        assert _worker_pid(stack) != old_worker
         r = httpx.post(
             url + "/v1/completions",
             json={"prompt": "The sky is", "max_tokens": 8, "temperature": 0},
