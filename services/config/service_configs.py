@@ -83,7 +83,11 @@ class WorkerConfig(KVConnectorOptions):
     worker_port: int = port(50053, "gRPC port of the worker")
     worker_metrics_port: int = port(9102, "Prometheus port of the worker")
     device: str = opt("cpu", "torch device for the model")
-    dtype: str = opt("float32", "compute dtype (float32 on CPU: no fast bf16 here)", choices=DTYPES)
+    dtype: str = opt(
+        "float32",
+        "compute dtype; float32 is the tuned CPU path (C++ kernels, block codes)",
+        choices=DTYPES,
+    )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
     kv_cache_memory: int = opt(
         1 << 30, "bytes for the KV cache (ignored if num_kv_blocks is set)", minimum=0
