@@ -39,12 +39,11 @@ class StorePrefixLookup:
         self.block_size = block_size
         self.hasher = hasher
         self.timeout_s = timeout_s
-        self.num_failures = 0
         self._failing = False
 
-    async def lookup(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+    async def lookup(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
         """Hashes of the leading full blocks of ``token_ids`` that the store holds
-        (under every layout); [] on any failure."""
+        (under every layout); None when the store did not answer (a miss)."""
         hashes: list[bytes] = []
         extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, self.hasher)
         if not hashes:
@@ -54,11 +53,10 @@ class StorePrefixLookup:
                 self.layouts, hashes, timeout_s=self.timeout_s
             )
         except KVStoreError as exc:
-            self.num_failures += 1
             if not self._failing:  # once per outage, not once per request
                 logger.warning("kvstore lookup failed (treated as a miss): %s", exc)
             self._failing = True
-            return []
+            return None
         if self._failing:
             logger.info("kvstore lookups answer again")
             self._failing = False

@@ -130,7 +130,11 @@ class SchedulerEngine:
             return
         salt = msg.cache_salt if msg.HasField("cache_salt") else None
         hashes = await self.kv_lookup.lookup(msg.prompt_token_ids, salt)
-        self.metrics.external_queries.labels(self.metrics.model_name).inc(len(msg.prompt_token_ids))
+        model_name = self.metrics.model_name
+        self.metrics.external_queries.labels(model_name).inc(len(msg.prompt_token_ids))
+        if hashes is None:
+            self.metrics.connector_lookup_failures.labels(model_name).inc()
+            return
         self.core.connector.record_stored(hashes)
 
     def abort(self, request_ids: list[str]) -> list[str]:

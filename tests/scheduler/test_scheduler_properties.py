@@ -1,11 +1,14 @@
 """Random workloads on a tiny block pool (so preemption happens) keep every
-invariant after every operation, and the worker's view stays consistent."""
+invariant after every operation, and the worker's view stays consistent —
+with the KV connector too: stored prefixes, loads that finish whole, short or
+after their request was aborted."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler.block_hash import extend_block_hashes, sha256_block_hash
 from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from services.config import SCHEDULING_POLICIES
@@ -24,7 +27,9 @@ add_op = st.tuples(
 )
 step_op = st.tuples(st.just("step"), st.integers(0, 6))  # 0 samples EOS
 finish_op = st.tuples(st.sampled_from(["finish", "abort"]), st.integers(0, 1000))
-ops = st.lists(st.one_of(add_op, step_op, step_op, finish_op), max_size=60)
+# The store holds the shared prompt's first blocks (connector on).
+store_op = st.tuples(st.just("store"), st.sampled_from([None, "salt"]), st.integers(1, 6))
+ops = st.lists(st.one_of(add_op, step_op, step_op, finish_op, store_op), max_size=60)
 
 
 class FakeWorker:
@@ -34,10 +39,16 @@ class FakeWorker:
     def __init__(self) -> None:
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        # Connector loads sent and not reported yet: req_id -> target blocks.
+        self.loads: dict[str, list[int]] = {}
 
     def apply(self, sched: Scheduler, out) -> None:
         for req_id in out.finished_req_ids:
-            assert req_id in self.block_tables, f"drop of {req_id} the worker never had"
+            if req_id in self.loads or req_id not in self.block_tables:
+                # A request aborted while its KV loaded (sent or only planned).
+                assert req_id not in self.block_tables
+                self.loads.pop(req_id, None)
+                continue
             del self.block_tables[req_id]
             del self.num_computed[req_id]
         for new in out.scheduled_new_reqs:
@@ -56,7 +67,12 @@ class FakeWorker:
             assert self.block_tables[req_id] == sched.get_block_ids(req_id)
             self.num_computed[req_id] += num_tokens
             assert len(self.block_tables[req_id]) * 4 >= self.num_computed[req_id]
-        # Two live requests share a block only if it is a cached, full block.
+        for load in out.kv_connector_metadata.loads:
+            assert load.req_id not in self.block_tables and load.req_id not in self.loads
+            assert load.block_ids == sched.get_block_ids(load.req_id)[-len(load.block_ids) :]
+            self.loads[load.req_id] = list(load.block_ids)
+        # Two live requests share a block only if it is a cached, full block;
+        # a block being loaded into belongs to its load alone.
         owners: dict[int, int] = {}
         for table in self.block_tables.values():
             for block_id in table:
@@ -64,17 +80,30 @@ class FakeWorker:
         blocks = sched.kv_cache_manager.block_pool.blocks
         for block_id, count in owners.items():
             assert count == 1 or blocks[block_id].block_hash is not None
+        for target in self.loads.values():
+            assert not owners.keys() & set(target), "a step computes into blocks being loaded"
 
 
 def _step(sched: Scheduler, worker: FakeWorker, choice: int) -> None:
+    # Loads sent by earlier steps finish now, with choice deciding how much arrived.
+    finished_loads = {req_id: choice % (len(target) + 1) for req_id, target in worker.loads.items()}
+    worker.loads.clear()
     out = sched.schedule()
     assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= sched.config.max_num_seqs
     worker.apply(sched, out)
     token = EOS if choice == 0 else 10 + choice
     tokens = dict.fromkeys(out.num_scheduled_tokens, token)
-    for output in sched.update_from_output(out, make_output(out, tokens, scheduler=sched)):
+    result = make_output(out, tokens, scheduler=sched)
+    result.kv_connector_output.finished_loads = finished_loads
+    for output in sched.update_from_output(out, result):
         assert output.new_token_ids or output.finish_reason is not None
+
+
+def _shared_prompt_hashes(salt: str | None) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, SHARED, 4, salt, sha256_block_hash)
+    return hashes
 
 
 @settings(
@@ -85,7 +114,7 @@ def _step(sched: Scheduler, worker: FakeWorker, choice: int) -> None:
 @given(
     operations=ops,
     policy=st.sampled_from(SCHEDULING_POLICIES),
-    caching=st.booleans(),
+    caching=st.sampled_from(["off", "on", "connector"]),
     budget=st.sampled_from([4, 9, 32]),
     threshold=st.sampled_from([0, 5]),
 )
@@ -100,7 +129,8 @@ def test_random_workloads_keep_block_invariants(
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
         policy=policy,
-        enable_prefix_caching=caching,
+        enable_prefix_caching=caching != "off",
+        enable_kv_connector=caching == "connector",
         watermark=0.2,
     )
     worker = FakeWorker()
@@ -126,6 +156,10 @@ def test_random_workloads_keep_block_invariants(
             submitted.append(request)
         elif op[0] == "step":
             _step(sched, worker, op[1])
+        elif op[0] == "store":
+            if sched.connector is not None:
+                _, salt, num_blocks = op
+                sched.connector.record_stored(_shared_prompt_hashes(salt)[:num_blocks])
         elif submitted:
             target = submitted[op[1] % len(submitted)].request_id
             if op[0] == "abort":
@@ -136,7 +170,7 @@ def test_random_workloads_keep_block_invariants(
 
     # Everything drains: no request is stuck behind the tiny pool.
     for _ in range(2_000):
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and not sched.has_connector_work():
             break
         _step(sched, worker, 1)
         sched.check_integrity()
