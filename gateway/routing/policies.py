@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter
 
 from gateway.routing.config import RouterConfig
 from gateway.routing.replica_state import ReplicaState
@@ -33,14 +34,19 @@ Choice = tuple[ReplicaState, RoutingReason]
 @dataclass(frozen=True)
 class PromptOverlap:
     """A prompt as routing sees it: ``num_blocks`` full blocks a cache could
-    serve, of which ``overlaps[slot]`` leading ones are cached on the replica
-    in that slot (absent: none). Empty for policies that ignore the cache."""
+    serve, of which ``overlaps[replica]`` leading ones are cached on that
+    replica (absent: none). Empty for policies that ignore the cache."""
 
     num_blocks: int = 0
-    overlaps: Mapping[int, int] = field(default_factory=dict)
+    overlaps: Mapping[ReplicaState, int] = field(default_factory=dict)
 
     def blocks_to_prefill(self, replica: ReplicaState) -> int:
-        return self.num_blocks - self.overlaps.get(replica.slot, 0)
+        return self.num_blocks - self.overlaps.get(replica, 0)
+
+
+_BY_LOAD = attrgetter("num_requests", "num_active_blocks")
+_BY_ACTIVE_BLOCKS = attrgetter("num_active_blocks", "num_requests")
+_REQUESTS = attrgetter("num_requests")
 
 
 def _rotated(candidates: Sequence[ReplicaState], turn: int) -> list[ReplicaState]:
@@ -87,7 +93,8 @@ class KVAwarePolicy(RoutingPolicy):
     Cost of a replica: ``config.overlap_weight`` x blocks it would have to prefill
     (the prompt's cacheable blocks it does not hold) + blocks its requests
     hold (the decode work it already carries); the cheapest wins, ties to
-    fewer requests. But when the loads are imbalanced (the busiest replica has
+    fewer requests (then to replicas holding none of the prompt, in turn, and
+    then to the holder found first). But when the loads are imbalanced (the busiest replica has
     more than ``config.balance_abs_threshold`` requests more than the idlest,
     and more than ``balance_rel_threshold`` times as many), the idlest replica
     wins regardless of cache: one hot prefix must not pile every request onto
@@ -97,8 +104,7 @@ class KVAwarePolicy(RoutingPolicy):
     needs_overlaps = True
 
     def is_imbalanced(self, candidates: Sequence[ReplicaState]) -> bool:
-        loads = [r.num_requests for r in candidates]
-        low, high = min(loads), max(loads)
+        low, high = min(map(_REQUESTS, candidates)), max(map(_REQUESTS, candidates))
         config = self.config
         return (
             high - low > config.balance_abs_threshold and high > low * config.balance_rel_threshold
@@ -108,12 +114,19 @@ class KVAwarePolicy(RoutingPolicy):
         if self.is_imbalanced(candidates):
             return least_loaded(candidates, self._turn), RoutingReason.IMBALANCE
         weight = self.config.overlap_weight
-
-        def cost(replica: ReplicaState) -> tuple[float, int]:
-            to_prefill = prompt.blocks_to_prefill(replica)
-            return weight * to_prefill + replica.num_active_blocks, replica.num_requests
-
-        return min(_rotated(candidates, self._turn), key=cost), RoutingReason.KV_COST
+        # Replicas that hold none of the prompt differ only by load: the best
+        # of them has the fewest active blocks (found at C speed). Only the
+        # holders, usually few, are costed one by one.
+        best = min(_rotated(candidates, self._turn), key=_BY_ACTIVE_BLOCKS)
+        best_cost = (weight * prompt.num_blocks + best.num_active_blocks, best.num_requests)
+        for replica, overlap in prompt.overlaps.items():
+            cost = (
+                weight * (prompt.num_blocks - overlap) + replica.num_active_blocks,
+                replica.num_requests,
+            )
+            if cost < best_cost:
+                best, best_cost = replica, cost
+        return best, RoutingReason.KV_COST
 
 
 POLICY_CLASSES: dict[RoutingPolicyName, type[RoutingPolicy]] = {

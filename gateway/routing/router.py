@@ -52,6 +52,7 @@ class Router:
         self.index = PrefixIndex()
         self._replicas: dict[str, ReplicaState] = {}
         self._free_slots: list[int] = []
+        self._by_slot: dict[int, ReplicaState] = {}
         # Routable replicas in slot order, and their slots as a bitmask.
         self._candidates: list[ReplicaState] = []
         self._candidate_mask = 0
@@ -65,13 +66,15 @@ class Router:
         # Lowest free slot first keeps the index's bitmasks short.
         self._free_slots.sort(reverse=True)
         slot = self._free_slots.pop() if self._free_slots else len(self._replicas)
-        self._replicas[name] = ReplicaState(name, slot, ReplicaEventFeed(self.index, slot))
+        replica = ReplicaState(name, slot, ReplicaEventFeed(self.index, slot))
+        self._replicas[name] = self._by_slot[slot] = replica
         self._refresh_candidates()
         logger.info("replica %s joined the routing set (slot %d)", name, slot)
 
     def remove_replica(self, name: str) -> None:
         """Forget a replica and everything it had cached (O(its blocks))."""
         replica = self._replicas.pop(name)
+        del self._by_slot[replica.slot]
         self.index.clear(replica.slot)
         self._free_slots.append(replica.slot)
         self._refresh_candidates()
@@ -146,7 +149,9 @@ class Router:
             raise UnavailableError("no engine replica is ready")
         prompt = PromptOverlap()
         if self.policy.needs_overlaps:
-            prompt = PromptOverlap(len(keys), self.index.overlaps(keys, self._candidate_mask))
+            by_slot = self._by_slot
+            overlaps = self.index.overlaps(keys, self._candidate_mask)
+            prompt = PromptOverlap(len(keys), {by_slot[s]: n for s, n in overlaps.items()})
         replica, reason = self.policy.choose(candidates, prompt)
         replica.count_routed(cdiv(num_prompt_tokens, self.config.block_size))
         return RoutingDecision(

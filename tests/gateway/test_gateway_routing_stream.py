@@ -83,7 +83,7 @@ async def test_router_follows_a_scheduler_across_a_broken_stream(caplog) -> None
         # No event, but the load changed: a load report tells the router.
         scheduler.add_request(make_request(5, max_tokens=3))
         scheduler.schedule()
-        await wait_for(lambda: router.replica("r0").reported_requests == 1)
+        await wait_for(lambda: router.replica("r0").num_requests == 1)
     finally:
         follower.cancel()
         await channel.close()
