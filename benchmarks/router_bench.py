@@ -8,7 +8,9 @@ process so RSS deltas do not mix:
    protos): a quarter of the 32 shared system prompts (64 blocks each, so
    replicas overlap, as they do behind a kv router) and unique conversation
    chains for the rest. Memory: RSS growth over the fill per cached
-   (replica, block) entry, i.e. the index's bytes per block a replica holds.
+   (replica, block) entry, i.e. the index's bytes per block a replica holds,
+   and the time of one full ``gc.collect()`` over it (the index must stay
+   invisible to the collector, or every full collection pauses the gateway).
 2. Churn (steady state): batches as a busy scheduler seals them, two
    ``BlockStored`` of 8 new blocks and two ``BlockRemoved`` of its 8 oldest
    each, for random replicas, serialized beforehand; timed: parse
@@ -32,6 +34,7 @@ Run: .venv/bin/python benchmarks/router_bench.py [--sizes 8,64,256] [--blocks-pe
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import random
@@ -214,6 +217,9 @@ def run_size(num_replicas: int, blocks_per_replica: int, results: dict) -> None:
     rss_before = rss_bytes()
     fill_s, filled = fill(router, stream, blocks_per_replica)
     index_bytes = rss_bytes() - rss_before
+    t0 = time.perf_counter()
+    gc.collect()
+    gc_ms = (time.perf_counter() - t0) * 1000
     churn_s, events, blocks = churn(router, stream)
     prompts = decision_prompts(stream)
     kv = time_decisions(router, prompts)
@@ -225,6 +231,7 @@ def run_size(num_replicas: int, blocks_per_replica: int, results: dict) -> None:
         cached=filled,
         distinct=router.index.num_keys,
         bytes_per_block=index_bytes / filled,
+        gc_ms=gc_ms,
         fill_blocks_per_s=filled / fill_s,
         events_per_s=events / churn_s,
         blocks_per_s=blocks / churn_s,
@@ -263,16 +270,16 @@ def main() -> None:
     print(f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     print(f"block size {BLOCK_SIZE}; {args.blocks_per_replica} cached blocks per replica")
     header = (
-        f"{'replicas':>8} {'cached':>11} {'distinct':>10} {'B/block':>8} {'fill blk/s':>11} "
-        f"{'events/s':>9} {'blocks/s':>10} {'p50 µs':>7} {'p99 µs':>7} {'cpu p50':>7} "
-        f"{'cpu p99':>7} {'rr cpu p99':>10}"
+        f"{'replicas':>8} {'cached':>11} {'distinct':>10} {'B/block':>8} {'gc ms':>6} "
+        f"{'fill blk/s':>11} {'events/s':>9} {'blocks/s':>10} {'p50 µs':>7} {'p99 µs':>7} "
+        f"{'cpu p50':>7} {'cpu p99':>7} {'rr cpu p99':>10}"
     )
     print(header)
     for size in (int(s) for s in args.sizes.split(",")):
         r = run_in_child(size, args.blocks_per_replica)
         print(
             f"{r['replicas']:>8} {r['cached']:>11,} {r['distinct']:>10,} "
-            f"{r['bytes_per_block']:>8.0f} {r['fill_blocks_per_s']:>11,.0f} "
+            f"{r['bytes_per_block']:>8.0f} {r['gc_ms']:>6.1f} {r['fill_blocks_per_s']:>11,.0f} "
             f"{r['events_per_s']:>9,.0f} {r['blocks_per_s']:>10,.0f} {r['p50']:>7.1f} "
             f"{r['p99']:>7.1f} {r['cpu_p50']:>7.1f} {r['cpu_p99']:>7.1f} "
             f"{r['rr_cpu_p99']:>10.1f}",
@@ -281,6 +288,7 @@ def main() -> None:
     print(f"hashing a 2,048-token prompt (128 blocks, sha256 chain): {time_hashing():.0f} µs")
     print("cached: (replica, block) entries; distinct: different blocks over the fleet")
     print("B/block: RSS growth over the fill per cached entry (the index's memory)")
+    print("gc ms: one full gc.collect() with the fleet indexed (the pause it adds to the gateway)")
     print("events/s, blocks/s: steady-state batches parsed from bytes and applied")
     print("p50/p99: kv decision (pick_by_keys), wall clock; cpu: the same in thread CPU time")
     print("rr cpu p99: round-robin's decision, the bookkeeping floor of any policy")

@@ -11,8 +11,7 @@ Contract:
   first.
 - Every change of the prefix cache (a block registered under its hash, a
   cached block evicted, the whole cache reset) is told to ``event_sink``
-  (scheduler.kv_events), if one was given, as it happens; without one no
-  event is built.
+  (scheduler.kv_events), if one was given, as it happens.
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ class KVEventPublisher:
         """Close the current batch and queue it for every subscriber."""
         self._seal_scheduled = False
         batch = self.log.seal()
-        if batch is None:
-            return
+        if batch is None or not self._subscribers:
+            return  # kept for replay all the same
         message = self.to_proto(batch)
         for key, queue in list(self._subscribers.items()):
             if queue.qsize() >= MAX_SUBSCRIBER_BACKLOG:

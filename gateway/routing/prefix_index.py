@@ -4,8 +4,13 @@ Keyed by block hash, which names a whole prefix (the hashes are chained), so
 a replica's overlap with a prompt is the run of the prompt's leading block
 hashes it holds. Each key maps to a bitmask of replica slots (small ints the
 router hands out), so one lookup per prompt block narrows every replica at
-once; each slot keeps its own set of keys, so dropping a replica or applying
-its clear costs O(its blocks).
+once; each slot keeps its own keys, so dropping a replica or applying its
+clear costs O(its blocks).
+
+Both maps are dicts of ints (a slot's keys map to None), never sets: the
+garbage collector does not track a dict that holds only ints and None, while
+it walks every element of a set on each full collection, which with millions
+of cached blocks is a pause of a second.
 
 Keys are the first 60 bits of the block hash (a 32-byte int object instead of
 a 65-byte bytes object, per entry). Two different prefixes share a key with
@@ -47,15 +52,15 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}
-        self._keys_of: dict[int, set[int]] = {}
+        self._keys_of: dict[int, dict[int, None]] = {}
 
     def store(self, slot: int, keys: Iterable[int]) -> None:
         bit = 1 << slot
         holders = self._holders
-        mine = self._keys_of.setdefault(slot, set())
+        mine = self._keys_of.setdefault(slot, {})
         for key in keys:
             if key not in mine:
-                mine.add(key)
+                mine[key] = None
                 holders[key] = holders.get(key, 0) | bit
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
@@ -64,7 +69,7 @@ class PrefixIndex:
             return
         for key in keys:
             if key in mine:
-                mine.discard(key)
+                del mine[key]
                 self._drop_holder(key, slot)
 
     def clear(self, slot: int) -> None:
