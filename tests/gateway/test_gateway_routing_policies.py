@@ -28,28 +28,24 @@ def make_router(*names: str, policy: str = RoutingPolicyName.KV, **config: objec
     return router
 
 
-def store(router: Router, name: str, hashes: list[BlockHash]) -> None:
-    """The replica's next batch: these blocks became cached."""
+def send(router: Router, name: str, **fields: object) -> None:
+    """The replica's next batch on its stream (a load report when it has no events)."""
     feed = router.replica(name).feed
+    sequence = feed.last_sequence + (1 if fields.get("events") else 0)
+    batch = scheduler_pb2.KVEventBatch(instance_id=feed.instance_id, sequence=sequence, **fields)
+    router.apply_kv_events(name, batch)
+
+
+def store(router: Router, name: str, hashes: list[BlockHash]) -> None:
     stored = scheduler_pb2.BlockStored(block_hashes=hashes, block_size=BLOCK_SIZE)
-    router.apply_kv_events(
-        name,
-        scheduler_pb2.KVEventBatch(
-            instance_id=feed.instance_id,
-            sequence=feed.last_sequence + 1,
-            events=[scheduler_pb2.KVCacheEvent(stored=stored)],
-        ),
-    )
+    send(router, name, events=[scheduler_pb2.KVCacheEvent(stored=stored)])
 
 
 def report_load(router: Router, name: str, requests: int = 0, active_blocks: int = 0) -> None:
-    feed = router.replica(name).feed
-    load = scheduler_pb2.ReplicaLoad(num_running=requests, num_active_blocks=active_blocks)
-    router.apply_kv_events(
+    send(
+        router,
         name,
-        scheduler_pb2.KVEventBatch(
-            instance_id=feed.instance_id, sequence=feed.last_sequence, load=load
-        ),
+        load=scheduler_pb2.ReplicaLoad(num_running=requests, num_active_blocks=active_blocks),
     )
 
 

@@ -8,10 +8,10 @@ import pytest
 from scheduler.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from scheduler.block_pool import BlockPool
 from scheduler.kv_events import (
+    RESYNC_BLOCKS_PER_BATCH,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
     KVEventBatch,
     KVEventLog,
     make_resync_batches,
@@ -19,6 +19,8 @@ from scheduler.kv_events import (
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 BLOCK_SIZE = 4
+# What the block pool hands its sink.
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def chain(tokens: list[int], salt: str | None = None) -> list[BlockHash]:
@@ -34,7 +36,7 @@ def cache_sequence(pool: BlockPool, hashes: list[BlockHash]) -> None:
     pool.free_blocks(reversed(blocks))
 
 
-def apply_events(contents: set[BlockHash], events: list[KVCacheEvent]) -> None:
+def apply_events(contents: set[BlockHash], events: list[Event]) -> None:
     for event in events:
         if isinstance(event, BlockStored):
             contents.update(event.block_hashes)
@@ -45,7 +47,7 @@ def apply_events(contents: set[BlockHash], events: list[KVCacheEvent]) -> None:
 
 
 def test_pool_reports_stored_chains_evictions_and_resets() -> None:
-    events: list[KVCacheEvent] = []
+    events: list[Event] = []
     pool = BlockPool(4, event_sink=events.append)
     first = chain(list(range(12)))
     cache_sequence(pool, first)
@@ -64,7 +66,7 @@ def test_pool_reports_stored_chains_evictions_and_resets() -> None:
 
 
 def test_stored_runs_split_where_content_was_already_cached_and_carry_their_parent() -> None:
-    events: list[KVCacheEvent] = []
+    events: list[Event] = []
     pool = BlockPool(8, event_sink=events.append)
     hashes = chain(list(range(16)))
     # Block 1's content is already cached in another block (another request
@@ -184,6 +186,8 @@ def test_resync_snapshots_are_cut_into_bounded_batches() -> None:
     for batch in batches:
         apply_events(contents, list(batch.events))
     assert contents == set(hashes)
+    default_parts = make_resync_batches(5, hashes * RESYNC_BLOCKS_PER_BATCH, 1.0)
+    assert len(default_parts) == 10
     assert make_resync_batches(0, [], 1.0) == [
         KVEventBatch(0, (AllBlocksCleared(),), 1.0, resync=True)
     ]
