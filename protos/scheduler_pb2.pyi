@@ -134,3 +134,71 @@ class SchedulerInfo(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+
+class StreamKVEventsRequest(_message.Message):
+    __slots__ = ("from_sequence", "instance_id", "subscriber")
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    instance_id: int
+    subscriber: str
+    def __init__(self, from_sequence: _Optional[int] = ..., instance_id: _Optional[int] = ..., subscriber: _Optional[str] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("instance_id", "sequence", "resync", "events", "load", "timestamp")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    instance_id: int
+    sequence: int
+    resync: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVCacheEvent]
+    load: ReplicaLoad
+    timestamp: float
+    def __init__(self, instance_id: _Optional[int] = ..., sequence: _Optional[int] = ..., resync: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class KVCacheEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    all_cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_active_blocks", "num_kv_blocks")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_active_blocks: int
+    num_kv_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_active_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...

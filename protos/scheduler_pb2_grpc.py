@@ -339,3 +339,105 @@ class Scheduler:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVEventsStub:
+    """---- KV cache events (routers index replicas by them) ----------------------
+
+    The prefix-cache events of one scheduler, for routers in front of several
+    engine replicas (gateway/routing). Served by the scheduler process next to
+    Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
+    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    which a router recomputes from a prompt's tokens.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StreamKVEvents = channel.unary_stream(
+                '/kvmesh.internal.v1.KVEvents/StreamKVEvents',
+                request_serializer=protos_dot_scheduler__pb2.StreamKVEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.KVEventBatch.FromString,
+                _registered_method=True)
+
+
+class KVEventsServicer:
+    """---- KV cache events (routers index replicas by them) ----------------------
+
+    The prefix-cache events of one scheduler, for routers in front of several
+    engine replicas (gateway/routing). Served by the scheduler process next to
+    Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
+    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    which a router recomputes from a prompt's tokens.
+    """
+
+    def StreamKVEvents(self, request, context):
+        """Every change of the scheduler's prefix cache, batched per engine step,
+        after a catch-up: the batches from from_sequence on if the scheduler still
+        holds them (it keeps the latest 2^18 block hashes' worth), else a resync
+        (a snapshot of every cached block, KVEventBatch.resync). While no batch
+        is due, a batch without events reports the load whenever it changed
+        (checked every 50 ms) and at least once a second, so that a subscriber
+        learns the last sequence even when no batch follows a lost one. A
+        subscriber that falls 10,000 batches behind is dropped with
+        RESOURCE_EXHAUSTED and reconnects from where it stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StreamKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKVEvents,
+                    request_deserializer=protos_dot_scheduler__pb2.StreamKVEventsRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.KVEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.internal.v1.KVEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.internal.v1.KVEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVEvents:
+    """---- KV cache events (routers index replicas by them) ----------------------
+
+    The prefix-cache events of one scheduler, for routers in front of several
+    engine replicas (gateway/routing). Served by the scheduler process next to
+    Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
+    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    which a router recomputes from a prompt's tokens.
+    """
+
+    @staticmethod
+    def StreamKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.internal.v1.KVEvents/StreamKVEvents',
+            protos_dot_scheduler__pb2.StreamKVEventsRequest.SerializeToString,
+            protos_dot_scheduler__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

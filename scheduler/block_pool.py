@@ -9,6 +9,9 @@ Contract:
   holder lets go, and taken from the front. Callers free a request's blocks in
   reverse so that the tail of a sequence, the least likely to be shared, goes
   first.
+- Every change of the prefix cache (a block registered under its hash, a
+  cached block evicted, the whole cache reset) is told to ``event_sink``
+  (scheduler.kv_events), if one was given, as it happens.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink, chain_runs
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +120,9 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Hands out blocks, takes them back, and remembers which hold cached prefixes."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, event_sink: KVEventSink | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -126,6 +132,8 @@ class BlockPool:
         # One block per hash: a second block computed with the same content
         # (two requests prefilling the same prefix at once) just stays uncached.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Hears of every change of the prefix cache (routers index replicas by it).
+        self.event_sink = event_sink
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -140,13 +148,17 @@ class BlockPool:
         """Take blocks from the front of the free queue (least recently freed)."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         cache = self.cached_block_hash_to_block
+        evicted: list[BlockHash] = []
         for block in blocks:
             if block.block_hash is not None:
                 # Reusing the block overwrites its KV: its old prefix is gone.
                 if cache.get(block.block_hash) is block:
                     del cache[block.block_hash]
+                    evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+        if evicted and self.event_sink is not None:
+            self.event_sink(BlockRemoved(tuple(evicted)))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -178,6 +190,7 @@ class BlockPool:
         if not self.enable_caching:
             return
         cache = self.cached_block_hash_to_block
+        stored: list[int] = []
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.block_hash is not None:
@@ -187,12 +200,18 @@ class BlockPool:
                 continue  # same content already cached in another block
             block.block_hash = block_hash
             cache[block_hash] = block
+            stored.append(index)
+        if stored and self.event_sink is not None:
+            for event in chain_runs(block_hashes, stored):
+                self.event_sink(event)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV, uncached)."""
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.event_sink is not None:
+            self.event_sink(AllBlocksCleared())
         logger.info("prefix cache reset")
 
     def check_integrity(self) -> None:

@@ -11,6 +11,7 @@ from kvstore.layout import KVLayout
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.block_hash import get_block_hasher
 from scheduler.config import SchedulerConfig
+from scheduler.kv_events_service import KVEventsServicer, attach_publisher
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
@@ -72,11 +73,15 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
+    services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(
-        "scheduler", [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
+        "scheduler", [services["Scheduler"].full_name, services["KVEvents"].full_name]
     )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(
         SchedulerServicer(engine, scheduler_info), service.server
+    )
+    scheduler_pb2_grpc.add_KVEventsServicer_to_server(
+        KVEventsServicer(attach_publisher(engine.core)), service.server
     )
     await service.start(config.bind_host, config.scheduler_port)
     # Start-up objects live as long as the process: keep the collector off them,

@@ -5,7 +5,7 @@
 - ``options``: how a field declares its default, help and limits, and how
   flags and variables become a config.
 - ``choices``: enumerations a flag accepts (scheduling policies, attention
-  backends, dtypes), imported by the code that acts on them.
+  backends, dtypes, routing policies), imported by the code that acts on them.
 - ``process``: variables that are not per-service flags (cache folders, kernel
   switches, tool defaults), each read through one typed accessor.
 
@@ -20,7 +20,9 @@ import dataclasses
 from services.config.choices import (
     ATTENTION_BACKENDS,
     DTYPES,
+    ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    RoutingPolicyName,
     SchedulingPolicyName,
 )
 from services.config.options import (
@@ -73,6 +75,7 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_SETTINGS",
     "PROCESS_SETTINGS",
+    "ROUTING_POLICIES",
     "SCHEDULING_POLICIES",
     "SERVICE_CONFIGS",
     "TOOL_SETTINGS",
@@ -83,6 +86,7 @@ __all__ = [
     "KVStoreConfig",
     "LauncherConfig",
     "Options",
+    "RoutingPolicyName",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",
     "WorkerConfig",

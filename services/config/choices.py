@@ -1,6 +1,7 @@
 """Enumerations that flags accept, declared once: the packages that act on them import these.
 
 ``scheduler.policy`` maps each scheduling policy name to its class,
+``gateway.routing.policies`` each routing policy name,
 ``kernels.registry`` each attention backend name, ``worker.config`` each
 dtype name to a torch dtype; tests check that each of them covers exactly the
 names declared here.
@@ -17,6 +18,17 @@ class SchedulingPolicyName(StrEnum):
 
 
 SCHEDULING_POLICIES: tuple[str, ...] = tuple(p.value for p in SchedulingPolicyName)
+
+
+class RoutingPolicyName(StrEnum):
+    """How the gateway picks an engine replica for a request (gateway.routing)."""
+
+    KV = "kv"
+    LOAD = "load"
+    ROUND_ROBIN = "round-robin"
+
+
+ROUTING_POLICIES: tuple[str, ...] = tuple(p.value for p in RoutingPolicyName)
 
 # In the order the worker tries them on CPU; "triton" is CUDA's (or Triton's
 # interpreter when forced by name).

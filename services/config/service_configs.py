@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config.choices import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
+from services.config.choices import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    ROUTING_POLICIES,
+    SCHEDULING_POLICIES,
+)
 from services.config.options import Options, opt
 
 DEFAULT_HOST = "127.0.0.1"
@@ -164,6 +169,12 @@ class GatewayConfig(CommonConfig):
     scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
     detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
     api_key: str = opt("", "if set, require 'Authorization: Bearer <key>' on /v1 routes")
+    routing_policy: str = opt(
+        "kv",
+        "how a request picks an engine replica: kv (prefix overlap weighed against load), "
+        "load (least loaded), round-robin",
+        choices=ROUTING_POLICIES,
+    )
 
 
 @dataclass(frozen=True)
