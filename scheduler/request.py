@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from scheduler.request_status import RequestStatus
 from scheduler.stopping import check_stop
@@ -22,7 +22,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "cache_salt",
-        "eos_token_id",
+        "eos_token_ids",
         "error",
         "finished_time",
         "first_scheduled_time",
@@ -47,7 +47,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: Iterable[int],
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -56,7 +56,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # Every end-of-sequence id of the model (config.json and
+        # generation_config.json): any of them stops the request.
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt

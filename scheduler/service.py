@@ -65,7 +65,7 @@ class SchedulerEngine:
         # Asks the kvstore what it holds of each new prompt (KV connector on).
         self.kv_lookup = kv_lookup if self.core.connector is not None else None
         self.worker = worker
-        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
@@ -99,7 +99,7 @@ class SchedulerEngine:
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
             priority=msg.priority,
             cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,

@@ -93,10 +93,6 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.model_config.eos_token_id
-
-    @property
     def attention_backend_name(self) -> str:
         return self.backend.name
 
