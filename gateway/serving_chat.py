@@ -120,7 +120,7 @@ class ChatServing(Serving):
         usage = usage_info(
             [prompt],
             [result.num_output_tokens for result in results],
-            [results[0].num_cached_tokens],
+            [result.num_cached_tokens for result in results],
         )
         response = ChatCompletionResponse(
             id=request_id, model=self._model_name, choices=choices, usage=usage
@@ -220,7 +220,7 @@ class ChatServing(Serving):
                     yield chunk(event)
             else:
                 if include_usage:
-                    usage = usage_info([prompt], num_output_tokens, [num_cached_tokens[0]])
+                    usage = usage_info([prompt], num_output_tokens, num_cached_tokens)
                     final = ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,

@@ -160,14 +160,20 @@ async def collect_choices(generation: MultiGeneration, num_choices: int) -> list
 
 
 def usage_info(
-    prompts: list[Prompt], num_output_tokens: list[int], cached_per_prompt: list[int]
+    prompts: list[Prompt], num_output_tokens: list[int], cached_per_choice: list[int]
 ) -> UsageInfo:
-    # A prompt shared by n choices is counted once, as OpenAI bills it.
+    """Usage of one API request; the two lists have one entry per choice.
+
+    A prompt shared by n choices is counted once in ``prompt_tokens``, as OpenAI
+    bills it, while ``cached_tokens`` adds up the prefix-cache hits of every
+    sample: with n > 1 the first sample computes the prompt and its siblings
+    are the ones that hit the cache, so counting one sample would hide them.
+    """
     prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
     completion_tokens = sum(num_output_tokens)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_per_prompt)),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_per_choice)),
     )

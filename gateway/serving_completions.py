@@ -100,7 +100,7 @@ class CompletionServing(Serving):
         usage = usage_info(
             prompts,
             [result.num_output_tokens for result in results],
-            [results[p * request.n].num_cached_tokens for p in range(len(prompts))],
+            [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
             id=request_id, model=self._model_name, choices=choices, usage=usage
@@ -163,7 +163,7 @@ class CompletionServing(Serving):
                     usage = usage_info(
                         prompts,
                         [cursor.num_output_tokens for cursor in cursors],
-                        [cursors[p * request.n].num_cached_tokens for p in range(len(prompts))],
+                        [cursor.num_cached_tokens for cursor in cursors],
                     )
                     final = CompletionStreamResponse(
                         id=request_id,

@@ -36,6 +36,9 @@ class FakeEngineClient:
     hang_after_deltas: int | None = None
     # Prompt tokens reported as prefix-cache hits.
     num_cached_tokens: int = 0
+    # Hits reported by the samples after the first of an n > 1 request (the
+    # scheduler computes the prompt once and lets the siblings hit its cache).
+    num_sibling_cached_tokens: int | None = None
     # When set, every request generates these token ids instead of echoing its prompt.
     script: list[int] | None = None
     ready: bool = True
@@ -130,11 +133,17 @@ class FakeEngineClient:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=self.num_cached_tokens,
+            num_cached_tokens=self._cached_tokens(request),
             num_output_tokens=len(output),
             logprobs=logprobs,
             error=error,
         )
+
+    def _cached_tokens(self, request: GenerationRequest) -> int:
+        is_sibling = request.parallel_group is not None and _choice_offset(request.request_id) > 0
+        if is_sibling and self.num_sibling_cached_tokens is not None:
+            return self.num_sibling_cached_tokens
+        return self.num_cached_tokens
 
 
 def fake_logprob(

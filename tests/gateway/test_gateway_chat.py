@@ -100,6 +100,20 @@ async def test_chat_response_fields(
     assert body["usage"]["total_tokens"] == len(prompt_ids) + 12
 
 
+async def test_chat_cached_tokens_count_every_sample_of_n(
+    client: httpx.AsyncClient, engine: FakeEngineClient
+) -> None:
+    engine.num_cached_tokens = 2
+    engine.num_sibling_cached_tokens = 16
+    request = {"messages": CONVERSATION, "max_tokens": 2, "n": 3}
+    response = await client.post("/v1/chat/completions", json=request)
+    assert response.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 34}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = await client.post("/v1/chat/completions", json={**request, **stream})
+    usage = parse_sse(streamed.text)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 34}
+
+
 async def test_max_tokens_defaults_to_the_room_left(
     client: httpx.AsyncClient, engine: FakeEngineClient, hf_tokenizer: Any
 ) -> None:

@@ -112,6 +112,22 @@ async def test_n_fans_out_into_sibling_requests(
     assert body["usage"]["completion_tokens"] == 12
 
 
+async def test_cached_tokens_count_every_sample_of_n(
+    client: httpx.AsyncClient, engine: FakeEngineClient
+) -> None:
+    # The first sample computes the prompt; its two siblings hit the cache.
+    engine.num_sibling_cached_tokens = 8
+    request = {"prompt": PROMPT, "max_tokens": 2, "n": 3}
+    response = await client.post("/v1/completions", json=request)
+    assert response.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    stream_options = {"include_usage": True}
+    streamed = await client.post(
+        "/v1/completions", json={**request, "stream": True, "stream_options": stream_options}
+    )
+    usage = parse_sse(streamed.text)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
 async def test_batched_prompts_strings_and_token_ids(
     client: httpx.AsyncClient, engine: FakeEngineClient, tokenizer: Tokenizer
 ) -> None:
