@@ -30,8 +30,10 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {params.min_tokens}")
-    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
-        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= vocab_size:
+            raise ValueError(f"{name} must be in [0, {vocab_size}], got {value}")
     for token_id, _ in params.logit_bias:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"logit_bias token id {token_id} outside the vocabulary")
