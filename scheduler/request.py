@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from scheduler.request_status import RequestStatus
 from scheduler.stopping import check_stop
 from services.sampling_params import SamplingParams
+from services.step import Logprobs
 
 
 class Request:
@@ -35,6 +36,7 @@ class Request:
         "output_token_ids",
         "parallel_group",
         "priority",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
@@ -83,6 +85,14 @@ class Request:
         self.stop_reason: int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        # SamplingParams.prompt_logprobs set: entry i holds the logprobs of
+        # prompt token i + 1 as the worker reports them chunk by chunk; they
+        # leave with the first output token (None from then on).
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] * (self.num_prompt_tokens - 1)
+            if sampling_params.prompt_logprobs is not None
+            else None
+        )
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

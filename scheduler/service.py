@@ -41,6 +41,10 @@ _FINISH_TO_PROTO = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 
+# A prompt position the worker never scored (cannot happen while the scheduler
+# skips prefix hits for such requests; kept so the list stays positional).
+_UNSCORED = common_pb2.TokenLogprobs(token_id=-1)
+
 # How often an otherwise idle loop asks the worker whether KV loads finished.
 _LOAD_POLL_INTERVAL_S = 0.002
 
@@ -184,6 +188,10 @@ class SchedulerEngine:
             msg.stop_token_id = out.stop_reason
         if out.new_logprobs:
             msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(
+                _UNSCORED if lp is None else logprobs_to_proto(lp) for lp in out.prompt_logprobs
+            )
         # A header waits here until the request's first output carries it to
         # the detokenizer; aborts and stop-string finishes drop unsent ones.
         header = self._headers.pop(out.request_id, None)
