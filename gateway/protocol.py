@@ -52,6 +52,8 @@ class _SamplingFields(_Request):
     # vLLM extensions.
     priority: StrictInt = 0
     cache_salt: str | None = None
+    prompt_logprobs: StrictInt | None = None
+    return_tokens_as_token_ids: bool = False
     # Structured outputs (gateway/structured_outputs.py): OpenAI's field, then
     # vLLM's older guided_* fields and its newer structured_outputs object.
     response_format: dict[str, Any] | None = None
@@ -114,6 +116,20 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's per-token entry of ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs layout: one entry per prompt token, None for the
+# first; each maps token id (a string in JSON) to its logprob, the prompt
+# token first, then the top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -128,6 +144,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # vLLM extension: the stop token id or stop string that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM extension: set when prompt logprobs were computed (prompt_logprobs,
+    # or echo with logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -206,6 +225,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM extension: the rendered prompt's logprobs when prompt_logprobs was set.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
-from gateway.logprobs_format import chat_logprobs
+from gateway.logprobs_format import chat_logprobs, vllm_prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -112,7 +112,13 @@ class ChatServing(Serving):
                     message=ChatResponseMessage(
                         content=parsed.content, tool_calls=tool_call_models(parsed.tool_calls)
                     ),
-                    logprobs=None if num_top is None else chat_logprobs(result.logprobs, num_top),
+                    logprobs=(
+                        None
+                        if num_top is None
+                        else chat_logprobs(
+                            result.logprobs, num_top, request.return_tokens_as_token_ids
+                        )
+                    ),
                     finish_reason=finish_reason,
                     stop_reason=result.stop_reason,
                 )
@@ -122,8 +128,17 @@ class ChatServing(Serving):
             [result.num_output_tokens for result in results],
             [result.num_cached_tokens for result in results],
         )
+        prompt_logprobs = results[0].prompt_logprobs
         response = ChatCompletionResponse(
-            id=request_id, model=self._model_name, choices=choices, usage=usage
+            id=request_id,
+            model=self._model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=(
+                None
+                if prompt_logprobs is None
+                else vllm_prompt_logprobs(prompt_logprobs, request.prompt_logprobs or 0)
+            ),
         )
         return JSONResponse(response.model_dump())
 
@@ -204,7 +219,9 @@ class ChatServing(Serving):
                     continue  # the detokenizer is holding text back (possible stop string)
                 logprobs = None
                 if num_top is not None and delta.logprobs:
-                    logprobs = chat_logprobs(delta.logprobs, num_top)
+                    logprobs = chat_logprobs(
+                        delta.logprobs, num_top, request.return_tokens_as_token_ids
+                    )
                 if plan.mode == "none":
                     yield chunk(
                         ChatStreamChoice(

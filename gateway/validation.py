@@ -215,11 +215,11 @@ def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> Non
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise InvalidRequestError("best_of is not supported", param="best_of")
-        if request.echo and request.logprobs is not None:
-            # OpenAI would score the prompt tokens too; the engine does not compute those yet.
-            raise InvalidRequestError(
-                "echo together with logprobs is not supported yet", param="echo"
-            )
+    if request.stream and request.prompt_logprobs:
+        # vLLM's rule: prompt logprobs ride on a whole response only (0 asks for nothing).
+        raise InvalidRequestError(
+            "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+        )
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream"
@@ -285,6 +285,20 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if any(not item for item in strings):
         raise InvalidRequestError("stop strings must not be empty", param="stop")
     return tuple(strings)
+
+
+def _requested_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per prompt position the engine must compute, None for none.
+
+    Completions' echo with logprobs shows the prompt's tokens with their
+    logprobs (OpenAI), so it needs them too. A stream never carries vLLM's
+    prompt_logprobs (check_unsupported refuses any above 0).
+    """
+    _check_range(request.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+    wanted = None if request.stream else request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        wanted = max(wanted or 0, request.logprobs)
+    return wanted
 
 
 def _requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -356,6 +370,7 @@ def sampling_params(
         logit_bias=_logit_bias(request.logit_bias, model.vocab_size),
         logprobs=_requested_logprobs(request),
         structured_output=structured_output_spec(request),
+        prompt_logprobs=_requested_prompt_logprobs(request),
     )
 
 

@@ -59,7 +59,9 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"prompt": "word " * 400}, "prompt"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
-    (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
+    (COMPLETIONS, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt_logprobs": -1}, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (COMPLETIONS, {"response_format": {"type": "xml"}}, "response_format"),
     (
         COMPLETIONS,
