@@ -198,16 +198,31 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
+def _without_none(handler: Any, model: BaseModel) -> dict[str, Any]:
+    # OpenAI sends only what a delta carries: no null placeholders.
+    return {key: value for key, value in handler(model).items() if value is not None}
+
+
 class DeltaFunctionCall(BaseModel):
     name: str | None = None
     arguments: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_unset_fields(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler, self)
+
 
 class DeltaToolCall(BaseModel):
+    """One streamed piece of a call: index, id, type and name first, then argument fragments."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_fields(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler, self)
 
 
 class ChatChoice(BaseModel):
@@ -237,7 +252,7 @@ class DeltaMessage(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_unset_fields(self, handler: Any) -> dict[str, Any]:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}, then {}.
-        return {key: value for key, value in handler(self).items() if value is not None}
+        return _without_none(handler, self)
 
 
 class ChatStreamChoice(BaseModel):

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from gateway.engine_client import GenerationDelta
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
 from gateway.logprobs_format import chat_logprobs, vllm_prompt_logprobs
@@ -23,6 +24,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
@@ -38,13 +40,8 @@ from gateway.serving_common import (
     usage_info,
 )
 from gateway.structured_outputs import structured_output_spec
-from gateway.tool_calling import (
-    StreamingToolParser,
-    ToolPlan,
-    plan_tools,
-    tool_call_deltas,
-    tool_call_models,
-)
+from gateway.tool_call_modes import StreamingToolParser, tool_call_delta
+from gateway.tool_calling import ToolPlan, plan_tools, tool_call_models
 from gateway.validation import Prompt, chat_prompt, check_model, check_unsupported
 from services.errors import InvalidRequestError, UnavailableError
 
@@ -144,40 +141,48 @@ class ChatServing(Serving):
 
     @staticmethod
     def _tool_stream_chunks(
-        index: int, delta, logprobs, parser: StreamingToolParser
+        index: int,
+        delta: GenerationDelta,
+        logprobs: ChatLogprobs | None,
+        parser: StreamingToolParser,
     ) -> list[ChatStreamChoice]:
-        """Content that is safe to send now; at the end, the calls and the finish reason."""
-        content = parser.feed(delta.text)
-        events = []
-        if content or logprobs:
-            events.append(
+        """Content and tool call deltas in generation order; at the end, the finish reason.
+
+        Consecutive content goes out as one delta; each call's start (id,
+        name) and argument fragments as deltas of their own, as OpenAI
+        streams them. The engine delta's logprobs ride on the first chunk.
+        """
+        events = parser.feed(delta.text)
+        if delta.finished:
+            events += parser.finish()
+        deltas: list[DeltaMessage] = []
+        for event in events:
+            if isinstance(event, str):
+                if deltas and deltas[-1].content is not None:
+                    deltas[-1].content += event
+                else:
+                    deltas.append(DeltaMessage(content=event))
+            else:
+                deltas.append(DeltaMessage(tool_calls=[tool_call_delta(event)]))
+        if logprobs is not None and not deltas:
+            deltas.append(DeltaMessage())
+        chunks = [
+            ChatStreamChoice(index=index, delta=message, logprobs=logprobs if i == 0 else None)
+            for i, message in enumerate(deltas)
+        ]
+        if delta.finished:
+            finish_reason = delta.finish_reason
+            if parser.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            chunks.append(
                 ChatStreamChoice(
-                    index=index, delta=DeltaMessage(content=content or None), logprobs=logprobs
+                    index=index,
+                    delta=DeltaMessage(),
+                    finish_reason=finish_reason,
+                    stop_reason=delta.stop_reason,
                 )
             )
-        if not delta.finished:
-            return events
-        rest, calls = parser.finish()
-        if rest:
-            events.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=rest)))
-        if calls:
-            events.append(
-                ChatStreamChoice(
-                    index=index, delta=DeltaMessage(tool_calls=tool_call_deltas(calls))
-                )
-            )
-        finish_reason = delta.finish_reason
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        events.append(
-            ChatStreamChoice(
-                index=index,
-                delta=DeltaMessage(),
-                finish_reason=finish_reason,
-                stop_reason=delta.stop_reason,
-            )
-        )
-        return events
+        return chunks
 
     async def _stream(
         self,
@@ -193,7 +198,7 @@ class ChatServing(Serving):
         num_top = self._num_top_logprobs(request)
         num_output_tokens = [0] * request.n
         num_cached_tokens = [0] * request.n
-        parsers = [StreamingToolParser(plan) for _ in range(request.n)]
+        parsers = [StreamingToolParser(plan.mode, plan.function_name) for _ in range(request.n)]
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
