@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from services.local_stack import REPO_ROOT, LocalStack
 from services.model_prep import default_model_path
@@ -24,7 +25,12 @@ pytestmark = pytest.mark.e2e
 
 TASKS = ("kvmesh_mc", "kvmesh_gen", "kvmesh_ppl")
 TASK_DIR = "tests/e2e/lm_eval_tasks"
+# float32 end to end, but different kernels: a continuation of a few tokens
+# stays within 1e-4 of transformers (measured: 3e-5 at most); a perplexity
+# document sums ~20 token logprobs, held to 1e-5 per token (measured: 1.1e-4
+# over 19 tokens, 5.6e-6 per token).
 LOGLIKELIHOOD_TOLERANCE = 1e-4
+ROLLING_TOLERANCE_PER_TOKEN = 1e-5
 
 
 def _lm_eval(model: str, model_args: dict[str, str], output: Path) -> dict[str, list[dict]]:
@@ -102,10 +108,13 @@ def test_local_completions_equals_hf(
             assert greedy == hf_greedy
     assert len(ours["kvmesh_mc"]) == 6
 
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
     for ours_sample, hf_sample in zip(ours["kvmesh_ppl"], hf_samples["kvmesh_ppl"], strict=True):
         # One rolling loglikelihood per document, summed over its windows.
         (ll,), (hf_ll,) = ours_sample["resps"][0], hf_sample["resps"][0]
-        assert float(ll) == pytest.approx(float(hf_ll), abs=LOGLIKELIHOOD_TOLERANCE)
+        num_tokens = len(tokenizer(ours_sample["doc"]["text"])["input_ids"])
+        tolerance = max(LOGLIKELIHOOD_TOLERANCE, ROLLING_TOLERANCE_PER_TOKEN * num_tokens)
+        assert float(ll) == pytest.approx(float(hf_ll), abs=tolerance)
     assert len(ours["kvmesh_ppl"]) == 2
 
     ours_texts = [s["resps"][0][0] for s in ours["kvmesh_gen"]]
