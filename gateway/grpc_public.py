@@ -122,7 +122,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_unsupported(completion)
             prompts = completion_prompts(completion, self.tokenizer)
             engine_requests = build_engine_requests(
-                request_id, prompts, completion, self.engine.model_info
+                request_id, prompts, completion, self.engine.model_info, self.tokenizer
             )
             if completion.n == 1:
                 # A single sample keeps the caller's id end to end.

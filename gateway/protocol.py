@@ -54,6 +54,9 @@ class _SamplingFields(_Request):
     cache_salt: str | None = None
     prompt_logprobs: StrictInt | None = None
     return_tokens_as_token_ids: bool = False
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     # Structured outputs (gateway/structured_outputs.py): OpenAI's field, then
     # vLLM's older guided_* fields and its newer structured_outputs object.
     response_format: dict[str, Any] | None = None
@@ -95,6 +98,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM extensions.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

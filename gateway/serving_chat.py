@@ -42,7 +42,13 @@ from gateway.serving_common import (
 from gateway.structured_outputs import structured_output_spec
 from gateway.tool_call_modes import StreamingToolParser, tool_call_delta
 from gateway.tool_calling import ToolPlan, plan_tools, tool_call_models
-from gateway.validation import Prompt, chat_prompt, check_model, check_unsupported
+from gateway.validation import (
+    Prompt,
+    chat_prompt,
+    check_model,
+    check_unsupported,
+    truncate_prompts,
+)
 from services.errors import InvalidRequestError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,8 @@ class ChatServing(Serving):
         check_unsupported(request)
         plan = plan_tools(request)
         prompt = chat_prompt(request, self._tokenizer, plan.tools if plan.renders_tools else None)
+        max_model_len = self._engine.model_info.max_model_len
+        (prompt,) = truncate_prompts([prompt], request, self._tokenizer, max_model_len)
         request_id = new_request_id("chatcmpl")
         constraint = plan.constraint()
         if constraint is not None and structured_output_spec(request) is not None:
@@ -62,7 +70,12 @@ class ChatServing(Serving):
                 param="tool_choice",
             )
         engine_requests = build_engine_requests(
-            request_id, [prompt], request, self._engine.model_info, structured_output=constraint
+            request_id,
+            [prompt],
+            request,
+            self._engine.model_info,
+            self._tokenizer,
+            structured_output=constraint,
         )
         logger.info(
             "request %s: chat, %d prompt tokens, n=%d, stream=%s",

@@ -65,6 +65,7 @@ def build_engine_requests(
     prompts: list[Prompt],
     request: CompletionRequest | ChatCompletionRequest,
     model: ModelInfo,
+    tokenizer: Tokenizer,
     structured_output: StructuredOutputSpec | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
@@ -77,7 +78,7 @@ def build_engine_requests(
     detokenize = detokenize_params(request)
     engine_requests = []
     for prompt_index, prompt in enumerate(prompts):
-        params = sampling_params(request, len(prompt.token_ids), model)
+        params = sampling_params(request, len(prompt.token_ids), model, tokenizer)
         if structured_output is not None:
             params = dataclasses.replace(params, structured_output=structured_output)
         group = f"{request_id}-p{prompt_index}" if request.n > 1 else None

@@ -37,7 +37,13 @@ from gateway.serving_common import (
     start_generation,
     usage_info,
 )
-from gateway.validation import Prompt, check_model, check_unsupported, completion_prompts
+from gateway.validation import (
+    Prompt,
+    check_model,
+    check_unsupported,
+    completion_prompts,
+    truncate_prompts,
+)
 from services.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -57,10 +63,16 @@ class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
-        prompts = completion_prompts(request, self._tokenizer)
+        model_info = self._engine.model_info
+        prompts = truncate_prompts(
+            completion_prompts(request, self._tokenizer),
+            request,
+            self._tokenizer,
+            model_info.max_model_len,
+        )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
-            request_id, prompts, request, self._engine.model_info
+            request_id, prompts, request, model_info, self._tokenizer
         )
         logger.info(
             "request %s: %d prompt(s) x n=%d, stream=%s",

@@ -144,19 +144,30 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The conversation as prompt text, through the model's own chat template.
 
     With ``tools``, a template that ignores them (renders the same text with and
     without) gets the tools and earlier calls written into the messages instead.
+    ``continue_final_message`` (vLLM) leaves the last message open, so the model
+    continues it rather than starting a new turn.
     """
     reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
     if reserved:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
         )
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     conversation = template_messages(messages)
-    kwargs = template_kwargs or {}
+    kwargs: dict[str, Any] = {
+        **(template_kwargs or {}),
+        "continue_final_message": continue_final_message,
+    }
     try:
         plain = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, **kwargs
@@ -188,12 +199,41 @@ def chat_prompt(
         request.add_generation_prompt,
         request.chat_template_kwargs,
         tools,
+        request.continue_final_message,
     )
     # The template already wrote any BOS it wants.
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if not token_ids:
         raise InvalidRequestError("messages rendered to an empty prompt", param="messages")
     return Prompt(token_ids=token_ids, text=text)
+
+
+def truncate_prompts(
+    prompts: list[Prompt],
+    request: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+) -> list[Prompt]:
+    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len)."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return prompts
+    if k == -1:
+        k = max_model_len
+    if not 1 <= k <= max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or in [1, max_model_len={max_model_len}], got {k}",
+            param="truncate_prompt_tokens",
+        )
+    truncated = []
+    for prompt in prompts:
+        if len(prompt.token_ids) <= k:
+            truncated.append(prompt)
+            continue
+        token_ids = prompt.token_ids[-k:]
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        truncated.append(Prompt(token_ids=token_ids, text=text))
+    return truncated
 
 
 def _check_range(
@@ -311,8 +351,39 @@ def _requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
+def _allowed_token_ids(
+    request: CompletionRequest | ChatCompletionRequest, vocab_size: int
+) -> tuple[int, ...]:
+    if request.allowed_token_ids is None:
+        return ()
+    if not request.allowed_token_ids:
+        raise InvalidRequestError("allowed_token_ids must not be empty", param="allowed_token_ids")
+    _check_token_ids(request.allowed_token_ids, vocab_size, "allowed_token_ids")
+    return tuple(request.allowed_token_ids)
+
+
+def bad_words_token_ids(
+    words: list[str] | None, tokenizer: Tokenizer
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as vLLM tokenizes it: as it reads at the start of a text, and
+    after a space when that is a different first token of the same length."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or []:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise InvalidRequestError("bad_words must not be empty strings", param="bad_words")
+        sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, model: ModelInfo
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
 ) -> SamplingParams:
     """The engine's sampling parameters for one prompt of ``request``."""
     _check_range(request.n, "n", 1, MAX_N)
@@ -371,6 +442,8 @@ def sampling_params(
         logprobs=_requested_logprobs(request),
         structured_output=structured_output_spec(request),
         prompt_logprobs=_requested_prompt_logprobs(request),
+        allowed_token_ids=_allowed_token_ids(request, model.vocab_size),
+        bad_words_token_ids=bad_words_token_ids(request.bad_words, tokenizer),
     )
 
 

@@ -45,6 +45,8 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         logit_bias_token_ids=[t for t, _ in p.logit_bias],
         logit_bias_values=[b for _, b in p.logit_bias],
+        allowed_token_ids=p.allowed_token_ids,
+        bad_words=[common_pb2.TokenSequence(token_ids=word) for word in p.bad_words_token_ids],
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -93,6 +95,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
             else None
         ),
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words),
     )
 
 

@@ -40,6 +40,12 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     for token_id in params.stop_token_ids:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"stop token id {token_id} outside the vocabulary")
+    for token_id in params.allowed_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"allowed token id {token_id} outside the vocabulary")
+    for word in params.bad_words_token_ids:
+        if not word or not all(0 <= token_id < vocab_size for token_id in word):
+            raise ValueError("bad_words token sequences must be non-empty and in the vocabulary")
 
 
 @dataclass
@@ -83,6 +89,22 @@ class SamplingMetadata:
     def max_num_logprobs(self) -> int | None:
         requested = [k for k in self.num_logprobs if k is not None]
         return max(requested) if requested else None
+
+
+def banned_by_bad_words(
+    bad_words: Sequence[Sequence[int]], output_token_ids: np.ndarray
+) -> list[int]:
+    """The tokens that would complete a bad word after ``output_token_ids`` (vLLM's rule)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(prefix) > len(output_token_ids):
+            continue
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix) :].tolist() == list(
+            prefix
+        ):
+            banned.append(word[-1])
+    return banned
 
 
 def build_sampling_metadata(
@@ -145,6 +167,25 @@ def build_sampling_metadata(
             torch.tensor(toks, device=device),
             torch.tensor(vals, dtype=torch.float32, device=device),
         )
+    if any(p.allowed_token_ids for p in params):
+        allowed = torch.ones(n, vocab_size, dtype=torch.bool)
+        for row, p in enumerate(params):
+            if p.allowed_token_ids:
+                allowed[row] = False
+                allowed[row, list(p.allowed_token_ids)] = True
+        metadata.allowed_token_mask = allowed.to(device)
+    banned = [
+        (row, token_id)
+        for row, p in enumerate(params)
+        for token_id in banned_by_bad_words(
+            p.bad_words_token_ids, token_ids[row, int(prompt_lens[row]) : int(num_tokens[row])]
+        )
+    ]
+    if banned:
+        mask = torch.zeros(n, vocab_size, dtype=torch.bool)
+        rows, toks = zip(*banned, strict=True)
+        mask[list(rows), list(toks)] = True
+        metadata.banned_token_mask = mask.to(device)
     blocked: list[tuple[int, int]] = []
     for row, p in enumerate(params):
         if p.min_tokens and int(num_tokens[row]) - int(prompt_lens[row]) < p.min_tokens:

@@ -46,6 +46,9 @@ def _params(**kw) -> SamplingParams:
         stop_token_ids=(5, 9),
         logit_bias=((11, 2.5), (12, -100.0)),
         logprobs=4,
+        prompt_logprobs=2,
+        allowed_token_ids=(3, 5, 8),
+        bad_words_token_ids=((17,), (4, 9, 4)),
         **kw,
     )
 
