@@ -29,15 +29,15 @@ from gateway.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeCompletionRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
-from gateway.validation import check_model, render_chat
+from gateway.validation import check_model, check_token_ids, render_chat
 from services.errors import (
-    InvalidRequestError,
     KvmeshError,
     UnauthenticatedError,
     UnavailableError,
@@ -197,16 +197,11 @@ def build_app(
     @app.post("/tokenize", response_model_exclude_none=True)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(request.model, served_model_name)
-        if (request.prompt is None) == (request.messages is None):
-            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
-        if request.prompt is not None:
+        if isinstance(request, TokenizeCompletionRequest):
             text = request.prompt
-            add_special = request.add_special_tokens is not False
         else:
-            text = render_chat(request.messages or [], tokenizer, request.add_generation_prompt)
-            # The template writes its own special tokens.
-            add_special = bool(request.add_special_tokens)
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special)
+            text = render_chat(request.messages, tokenizer, request.add_generation_prompt)
+        token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(
             count=len(token_ids),
             max_model_len=engine.model_info.max_model_len,
@@ -221,11 +216,7 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_name)
-        for token_id in request.tokens:
-            if not 0 <= token_id < tokenizer.vocab_size:
-                raise InvalidRequestError(
-                    f"token id {token_id} is outside the vocabulary", "tokens"
-                )
+        check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     return app

@@ -50,20 +50,39 @@ def _is_union_tag(part: str) -> bool:
     return part in _UNION_TAG_NAMES or "[" in part or "-" in part or part[:1].isupper()
 
 
-def _param_from_location(location: tuple[Any, ...]) -> str | None:
-    parts = [str(part) for part in location]
+def _param_from_location(location: tuple[Any, ...], body: Any) -> str | None:
+    """The path of the field at fault, as the client wrote it.
+
+    pydantic's location also names the union member or discriminator value it
+    tried ("str", "user"); walking the request body tells those apart from
+    the client's own keys. The last part stays even when absent: a missing field.
+    """
+    parts = list(location)
     if parts and parts[0] == "body":  # FastAPI's prefix for body fields
         parts = parts[1:]
-    named = [part for part in parts if part and not _is_union_tag(part)]
+    named: list[str] = []
+    node = body
+    for position, part in enumerate(parts):
+        in_dict = isinstance(node, dict) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
+            node = node[part]
+        elif position < len(parts) - 1 or _is_union_tag(str(part)):
+            continue  # pydantic's own label, not a field of the body
+        named.append(str(part))
     return ".".join(named) if named else None
 
 
-def invalid_request_from_validation(errors: Sequence[Any]) -> InvalidRequestError:
+def invalid_request_from_validation(errors: Sequence[Any], body: Any = None) -> InvalidRequestError:
     """pydantic's complaints about a request body, as one error naming the first field."""
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
-    param = _param_from_location(tuple(first.get("loc", ())))
+    location = tuple(first.get("loc", ()))
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        # A discriminated union (messages by role, tools by type) names the tag field.
+        location = (*location, str(first.get("ctx", {}).get("discriminator", "")).strip("'"))
+    param = _param_from_location(location, body)
     message = str(first.get("msg", "invalid value"))
     if param:
         message = f"{param}: {message}"
@@ -75,7 +94,7 @@ def invalid_request_from_validation(errors: Sequence[Any]) -> InvalidRequestErro
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RequestValidationError):
-            return error_response(invalid_request_from_validation(exc.errors()))
+            return error_response(invalid_request_from_validation(exc.errors(), exc.body))
         return response_for_exception(exc)
 
     async def on_kvmesh_error(_: Request, exc: Exception) -> JSONResponse:

@@ -81,7 +81,7 @@ def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> Comple
     try:
         return CompletionRequest.model_validate(body)
     except pydantic.ValidationError as exc:
-        raise invalid_request_from_validation(exc.errors()) from None
+        raise invalid_request_from_validation(exc.errors(), body) from None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

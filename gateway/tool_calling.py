@@ -117,9 +117,12 @@ class ToolPlan:
 
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     """Validate ``tools`` / ``tool_choice``; InvalidRequestError names the offending field."""
-    functions = [_function_of(tool, index) for index, tool in enumerate(request.tools or [])]
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    functions = [_function_of(tool, index) for index, tool in enumerate(tools)]
     names = [function["name"] for function in functions]
     choice = request.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump()
     parallel = request.parallel_tool_calls is not False
     if choice is None:
         return ToolPlan("auto" if functions else "none", functions, None, parallel)

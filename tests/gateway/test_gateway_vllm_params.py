@@ -51,7 +51,7 @@ async def test_allowed_token_ids_and_bad_words_reach_the_engine(
     [
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
-        ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words": ["  "]}, "bad_words.0"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
     ],
