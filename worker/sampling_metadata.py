@@ -131,7 +131,8 @@ def build_sampling_metadata(
         num_logprobs=[p.logprobs for p in params],
     )
     if not all_greedy:
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # Above the vocabulary (any int32 is valid) keeps every token, like 0.
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         if any(k < vocab_size for k in top_k):
             metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
         if any(p.top_p < 1.0 for p in params):

@@ -213,3 +213,12 @@ def test_allowed_token_ids_and_bad_words_decide_what_can_be_sampled() -> None:
     # Row 1 just generated 4, so 7 would complete "4 7"; row 2 did not.
     sampled = Sampler()(logits, _metadata(params, [[1], [1], [1]], [[], [3, 4], [4, 3]]))
     assert sampled.token_ids.tolist() == [60, 60, 7]
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    logits, prompts, outputs = _random_batch(6, 2)
+    params = [SamplingParams(temperature=1.0, top_k=2**31 - 1), SamplingParams(top_k=5)]
+    metadata = _metadata(params, prompts, outputs)
+    processed = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
+    assert not torch.isinf(processed[0]).any()
+    assert int((~torch.isinf(processed[1])).sum()) == 5
