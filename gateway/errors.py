@@ -9,7 +9,7 @@ and anything not raised on purpose is a bug: a logged 500.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,9 +31,13 @@ def error_body(error: KvmeshError) -> dict[str, Any]:
     }
 
 
-def error_response(error: KvmeshError, status_code: int | None = None) -> JSONResponse:
+def error_response(
+    error: KvmeshError, status_code: int | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     """The HTTP answer for ``error``: its kind's status unless the framework chose one."""
-    return JSONResponse(error_body(error), status_code=status_code or error.kind.http_status)
+    return JSONResponse(
+        error_body(error), status_code=status_code or error.kind.http_status, headers=headers
+    )
 
 
 def response_for_exception(exc: BaseException, where: str = "the HTTP API") -> JSONResponse:
@@ -105,7 +109,8 @@ def install_exception_handlers(app: FastAPI) -> None:
             return response_for_exception(exc)
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         kind = ErrorKind.from_http_status(exc.status_code)
-        return error_response(KvmeshError.of_kind(kind, message), exc.status_code)
+        # The framework's headers stay (405's Allow lists the methods the path takes).
+        return error_response(KvmeshError.of_kind(kind, message), exc.status_code, exc.headers)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(KvmeshError, on_kvmesh_error)

@@ -8,8 +8,9 @@ accepts. What depends on the served model (its name, vocabulary size and
 context length) is marked with ``x-kvmesh-limit`` and filled in per server by
 gateway/openapi_schema.py; rules that tie several fields together live in
 ``gateway/validation.py`` and are described on the fields they involve.
-Unknown fields are ignored, as OpenAI does. Token ids are ``StrictInt`` so
-that ``true`` or ``"12"`` is refused instead of silently becoming a token.
+Unknown fields are ignored, as OpenAI does. The models are strict, so ``true``
+or ``"12"`` is refused instead of silently becoming a number (``json_int`` takes
+2.0 for 2, as JSON Schema's integer does).
 """
 
 from __future__ import annotations
@@ -17,12 +18,53 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Seeds are int64, up to the largest one a JSON double holds exactly: a client
+# (or a test generator) that passes numbers through floats stays in range.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1024
 MAX_N = 128
 MAX_LOGPROBS = 20
+
+
+# Arguments of transformers' apply_chat_template: chat_template_kwargs are
+# template variables only, never a client-supplied template or output format.
+RESERVED_TEMPLATE_KWARGS = [
+    "chat_template",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_assistant_tokens_mask",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "conversation",
+    "messages",
+]
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's integer: 2 and 2.0, never true or "2" (pydantic checks the rest)."""
+    if isinstance(value, bool | str):
+        raise ValueError("Input should be an integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def json_int(**constraints: Any) -> Any:
+    """An integer as JSON Schema defines it (the request models are otherwise strict).
+
+    The bounds go inside, next to ``int``: after the validator pydantic would
+    publish them as keywords JSON Schema does not know.
+    """
+    return Annotated[int, Field(strict=False, **constraints), BeforeValidator(_json_integer)]
 
 
 def _limit(kind: str) -> dict[str, str]:
@@ -31,18 +73,19 @@ def _limit(kind: str) -> dict[str, str]:
 
 
 # A token id of the served model's vocabulary: [0, vocab_size).
-TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra=_limit("token_id"))]
+TokenId = json_int(ge=0, json_schema_extra=_limit("token_id"))
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # The served model's name (OpenAI's "model"); absent means that model.
 ModelName = Annotated[str, Field(json_schema_extra=_limit("model"))]
 # Tokens to generate: at most max_model_len - 1 (the prompt needs one).
-OutputLength = Annotated[StrictInt, Field(ge=1, json_schema_extra=_limit("output_len"))]
+OutputLength = json_int(ge=1, json_schema_extra=_limit("output_len"))
 NonEmptyString = Annotated[str, Field(min_length=1)]
-Logprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+Logprobs = json_int(ge=0, le=MAX_LOGPROBS)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: a boolean is true or false, a string is a string, as the schema says.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -93,27 +136,27 @@ class _SamplingFields(_Request):
     """Parameters shared by completions and chat completions."""
 
     model: ModelName | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    n: json_int(ge=1, le=MAX_N) = 1
     max_tokens: OutputLength | None = Field(
         default=None,
         description="With the prompt, at most the model's context length (max_model_len).",
     )
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = Field(
+    top_k: json_int(ge=-1, le=INT32_MAX) | None = Field(
         default=None, description="0 or -1 disables top-k."
     )
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: json_int(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: NonEmptyString | list[NonEmptyString] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = Field(
         default=False, description="Cannot be combined with a structured output."
     )
-    min_tokens: Annotated[StrictInt, Field(ge=0, json_schema_extra=_limit("output_len"))] = Field(
+    min_tokens: json_int(ge=0, json_schema_extra=_limit("output_len")) = Field(
         default=0, description="At most max_tokens."
     )
     logit_bias: (
@@ -130,7 +173,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = Field(default=None, description="Only with stream true.")
     user: str | None = None
     # vLLM extensions.
-    priority: Annotated[StrictInt, Field(ge=INT32_MIN, le=INT32_MAX)] = 0
+    priority: json_int(ge=INT32_MIN, le=INT32_MAX) = 0
     cache_salt: NonEmptyString | None = None
     prompt_logprobs: Logprobs | None = Field(
         default=None, description="Above 0 only without stream."
@@ -139,7 +182,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     truncate_prompt_tokens: (
-        Literal[-1] | Annotated[StrictInt, Field(ge=1, json_schema_extra=_limit("context"))] | None
+        Literal[-1] | json_int(ge=1, json_schema_extra=_limit("context")) | None
     ) = Field(default=None, description="Keep the prompt's last k tokens; -1: max_model_len.")
     # Structured outputs (gateway/structured_outputs.py): OpenAI's field, then
     # vLLM's older guided_* fields and its newer structured_outputs object; at
@@ -166,9 +209,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         default=None, description="Not supported: only empty."
     )
-    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = Field(
-        default=None, description="Only equal to n."
-    )
+    best_of: json_int(ge=1, le=MAX_N) | None = Field(default=None, description="Only equal to n.")
 
 
 class TextContentPart(_Request):
@@ -250,7 +291,13 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = Field(
         default=False, description="Only with add_generation_prompt false."
     )
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: (
+        Annotated[
+            dict[str, Any],
+            Field(json_schema_extra={"propertyNames": {"not": {"enum": RESERVED_TEMPLATE_KWARGS}}}),
+        ]
+        | None
+    ) = Field(default=None, description="Variables for the chat template.")
 
 
 # ---------------------------------------------------------------- responses
@@ -430,6 +477,31 @@ class ChatCompletionStreamResponse(BaseModel):
 # ---------------------------------------------------------------- other endpoints
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers (OpenAI's shape); the status says which kind."""
+
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -446,7 +518,7 @@ class ModelList(BaseModel):
 
 class _TokenizeFields(_Request):
     # Either form, not both: the other one's field is refused.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     model: ModelName | None = None
     return_token_strs: bool = False
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.engine_client import ModelInfo
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.protocol import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
@@ -23,27 +28,6 @@ from services.sampling_params import DetokenizeParams, SamplingParams
 
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# Arguments of transformers' apply_chat_template: chat_template_kwargs are
-# template variables only, never a client-supplied template or output format.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "chat_template",
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "conversation",
-        "messages",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -88,6 +72,9 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
             check_token_ids(item, tokenizer.vocab_size, "prompt")
             token_ids = list(item)
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        if not token_ids:
+            # A string of characters the tokenizer drops (the schema cannot say which).
+            raise InvalidRequestError("prompt has no tokens", param="prompt")
         prompts.append(Prompt(token_ids=token_ids, text=text))
     return prompts
 
@@ -136,7 +123,7 @@ def render_chat(
     ``continue_final_message`` (vLLM) leaves the last message open, so the model
     continues it rather than starting a new turn.
     """
-    reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+    reserved = set(RESERVED_TEMPLATE_KWARGS).intersection(template_kwargs or {})
     if reserved:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
@@ -302,7 +289,8 @@ def _requested_prompt_logprobs(request: CompletionRequest | ChatCompletionReques
 def _requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(request, CompletionRequest):
         return request.logprobs
-    if request.top_logprobs is not None and not request.logprobs:
+    # vLLM's rule: asking for alternatives needs logprobs; 0 asks for none.
+    if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     return (request.top_logprobs or 0) if request.logprobs else None
 
