@@ -56,7 +56,7 @@ class InProcessEngine:
                 enable_prefix_caching=enable_prefix_caching,
             )
         )
-        self.eos_token_id = runner.eos_token_id
+        self.eos_token_ids = runner.model_config.eos_token_ids
         self.results: dict[str, GenerationResult] = {}
 
     def add_request(
@@ -68,7 +68,7 @@ class InProcessEngine:
                 request_id=request_id,
                 prompt_token_ids=list(prompt_token_ids),
                 sampling_params=params,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
             )
         )

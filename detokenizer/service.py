@@ -117,6 +117,7 @@ class DetokenizerEngine:
                 num_cached_tokens=out.num_cached_tokens,
                 logprobs=out.logprobs,
                 error=out.error,
+                prompt_logprobs=out.prompt_logprobs,
             )
             if out.HasField("stop_token_id"):
                 msg.stop_token_id = out.stop_token_id

@@ -12,32 +12,41 @@ import hmac
 import logging
 from collections.abc import Awaitable
 from importlib import metadata
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
 from gateway.metrics import GatewayMetrics
+from gateway.openapi_schema import build_openapi
 from gateway.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    ReadyResponse,
+    TokenizeCompletionRequest,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
-from gateway.validation import check_model, render_chat
+from gateway.validation import check_model, check_token_ids, render_chat
 from services.errors import (
-    InvalidRequestError,
     KvmeshError,
     UnauthenticatedError,
     UnavailableError,
@@ -137,6 +146,49 @@ async def _serve_until_disconnect(raw_request: Request, handler: Awaitable[Respo
     return handler_task.result()
 
 
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+_MODEL_NOT_FOUND = _error("The model named is not the one served")
+_OVERLOADED = _error("Too many requests are waiting; retry later")
+_UNAVAILABLE = _error("The engine is not available")
+
+
+def _documented_errors(requires_api_key: bool) -> dict[int | str, dict[str, Any]]:
+    errors: dict[int | str, dict[str, Any]] = {400: _error("The request is invalid")}
+    if requires_api_key:
+        errors[401] = _error("Missing or wrong API key")
+    return errors
+
+
+def _only_auth(errors: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    """The errors of a route without a body: only a missing API key."""
+    return {status: error for status, error in errors.items() if status == 401}
+
+
+def _generated(model: type[BaseModel]) -> dict[str, Any]:
+    """A generation's 200: the whole response as JSON, or server-sent events when streamed."""
+    return {
+        "model": model,
+        "description": "The response, or with stream true its chunks as server-sent events",
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "A chunk as JSON, an error body, or [DONE] last",
+                        }
+                    },
+                }
+            }
+        },
+    }
+
+
 def build_app(
     engine: EngineClient,
     tokenizer: Tokenizer,
@@ -147,6 +199,18 @@ def build_app(
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token."""
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
+    schema: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        # Built on first use: the engine's model facts are known only once it started.
+        if not schema:
+            schema.update(
+                build_openapi(app, served_model_name, engine.model_info, tokenizer.vocab_size)
+            )
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    errors = _documented_errors(api_key is not None and api_key != "")
     # Added last = outermost: a refused key never reaches the routes.
     app.add_middleware(_InternalErrorMiddleware)
     if api_key:
@@ -156,27 +220,37 @@ def build_app(
     completions = CompletionServing(engine, tokenizer, served_model_name, metrics)
     chat = ChatServing(engine, tokenizer, served_model_name, metrics)
 
-    @app.post("/v1/completions", response_model=None)
+    generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: _generated(CompletionResponse), **generation_errors},
+    )
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await _serve_until_disconnect(raw_request, completions.create_completion(request))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: _generated(ChatCompletionResponse), **generation_errors},
+    )
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await _serve_until_disconnect(raw_request, chat.create_chat_completion(request))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_only_auth(errors))
     async def list_models() -> ModelList:
         card = ModelCard(id=served_model_name, max_model_len=engine.model_info.max_model_len)
         return ModelList(data=[card])
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> HealthResponse:
         # Liveness only: the process answers. Readiness is /ready.
-        return Response(status_code=200)
+        return HealthResponse()
 
-    @app.get("/ready", response_model=None)
+    @app.get("/ready", response_model=ReadyResponse, responses={503: _UNAVAILABLE})
     async def ready() -> Response:
         try:
             await asyncio.wait_for(engine.check_ready(), timeout=READY_TIMEOUT_S)
@@ -184,29 +258,32 @@ def build_app(
             return error_response(UnavailableError(f"engine not ready: {exc.message}"))
         except TimeoutError:
             return error_response(UnavailableError("engine not ready: readiness check timed out"))
-        return JSONResponse({"status": "ready"})
+        return JSONResponse(ReadyResponse().model_dump())
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}},
+    )
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": _package_version()}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_package_version())
 
-    @app.post("/tokenize", response_model_exclude_none=True)
+    @app.post(
+        "/tokenize",
+        response_model_exclude_none=True,
+        responses={**errors, 404: _MODEL_NOT_FOUND},
+    )
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(request.model, served_model_name)
-        if (request.prompt is None) == (request.messages is None):
-            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
-        if request.prompt is not None:
+        if isinstance(request, TokenizeCompletionRequest):
             text = request.prompt
-            add_special = request.add_special_tokens is not False
         else:
-            text = render_chat(request.messages or [], tokenizer, request.add_generation_prompt)
-            # The template writes its own special tokens.
-            add_special = bool(request.add_special_tokens)
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special)
+            text = render_chat(request.messages, tokenizer, request.add_generation_prompt)
+        token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(
             count=len(token_ids),
             max_model_len=engine.model_info.max_model_len,
@@ -218,14 +295,10 @@ def build_app(
             ),
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={**errors, 404: _MODEL_NOT_FOUND})
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_name)
-        for token_id in request.tokens:
-            if not 0 <= token_id < tokenizer.vocab_size:
-                raise InvalidRequestError(
-                    f"token id {token_id} is outside the vocabulary", "tokens"
-                )
+        check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     return app

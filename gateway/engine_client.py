@@ -58,12 +58,14 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token at one position and its top alternatives."""
+    """The sampled (or prompt) token at one position and its top alternatives."""
 
     token_id: int
     token: str
     logprob: float
     top_logprobs: list[TopLogprob] = field(default_factory=list)
+    # 1-based rank of token_id in the model's distribution (None: not reported).
+    rank: int | None = None
 
 
 @dataclass
@@ -81,6 +83,9 @@ class GenerationDelta:
     # Per new token (parallel to token_ids); None when logprobs were not requested.
     logprobs: list[TokenLogprob] | None
     error: str | None = None
+    # On the first delta of a request with prompt_logprobs set: one entry per
+    # prompt token, None for the first (nothing precedes it). None otherwise.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

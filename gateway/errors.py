@@ -9,7 +9,7 @@ and anything not raised on purpose is a bug: a logged 500.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,9 +31,13 @@ def error_body(error: KvmeshError) -> dict[str, Any]:
     }
 
 
-def error_response(error: KvmeshError, status_code: int | None = None) -> JSONResponse:
+def error_response(
+    error: KvmeshError, status_code: int | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     """The HTTP answer for ``error``: its kind's status unless the framework chose one."""
-    return JSONResponse(error_body(error), status_code=status_code or error.kind.http_status)
+    return JSONResponse(
+        error_body(error), status_code=status_code or error.kind.http_status, headers=headers
+    )
 
 
 def response_for_exception(exc: BaseException, where: str = "the HTTP API") -> JSONResponse:
@@ -50,20 +54,39 @@ def _is_union_tag(part: str) -> bool:
     return part in _UNION_TAG_NAMES or "[" in part or "-" in part or part[:1].isupper()
 
 
-def _param_from_location(location: tuple[Any, ...]) -> str | None:
-    parts = [str(part) for part in location]
+def _param_from_location(location: tuple[Any, ...], body: Any) -> str | None:
+    """The path of the field at fault, as the client wrote it.
+
+    pydantic's location also names the union member or discriminator value it
+    tried ("str", "user"); walking the request body tells those apart from
+    the client's own keys. The last part stays even when absent: a missing field.
+    """
+    parts = list(location)
     if parts and parts[0] == "body":  # FastAPI's prefix for body fields
         parts = parts[1:]
-    named = [part for part in parts if part and not _is_union_tag(part)]
+    named: list[str] = []
+    node = body
+    for position, part in enumerate(parts):
+        in_dict = isinstance(node, dict) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
+            node = node[part]
+        elif position < len(parts) - 1 or _is_union_tag(str(part)):
+            continue  # pydantic's own label, not a field of the body
+        named.append(str(part))
     return ".".join(named) if named else None
 
 
-def invalid_request_from_validation(errors: Sequence[Any]) -> InvalidRequestError:
+def invalid_request_from_validation(errors: Sequence[Any], body: Any = None) -> InvalidRequestError:
     """pydantic's complaints about a request body, as one error naming the first field."""
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
-    param = _param_from_location(tuple(first.get("loc", ())))
+    location = tuple(first.get("loc", ()))
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        # A discriminated union (messages by role, tools by type) names the tag field.
+        location = (*location, str(first.get("ctx", {}).get("discriminator", "")).strip("'"))
+    param = _param_from_location(location, body)
     message = str(first.get("msg", "invalid value"))
     if param:
         message = f"{param}: {message}"
@@ -75,7 +98,7 @@ def invalid_request_from_validation(errors: Sequence[Any]) -> InvalidRequestErro
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RequestValidationError):
-            return error_response(invalid_request_from_validation(exc.errors()))
+            return error_response(invalid_request_from_validation(exc.errors(), exc.body))
         return response_for_exception(exc)
 
     async def on_kvmesh_error(_: Request, exc: Exception) -> JSONResponse:
@@ -86,7 +109,8 @@ def install_exception_handlers(app: FastAPI) -> None:
             return response_for_exception(exc)
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         kind = ErrorKind.from_http_status(exc.status_code)
-        return error_response(KvmeshError.of_kind(kind, message), exc.status_code)
+        # The framework's headers stay (405's Allow lists the methods the path takes).
+        return error_response(KvmeshError.of_kind(kind, message), exc.status_code, exc.headers)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(KvmeshError, on_kvmesh_error)

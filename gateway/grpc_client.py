@@ -114,17 +114,13 @@ class GrpcEngineClient:
             stop_reason = out.stop_string
         logprobs = None
         if len(out.logprobs):
-            logprobs = [
-                TokenLogprob(
-                    token_id=lp.token_id,
-                    token=self._token_text(lp.token_id),
-                    logprob=lp.logprob,
-                    top_logprobs=[
-                        TopLogprob(token_id=t, token=self._token_text(t), logprob=v)
-                        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                    ],
-                )
-                for lp in out.logprobs
+            logprobs = [self._token_logprob(lp) for lp in out.logprobs]
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        if len(out.prompt_logprobs):
+            # Entry 0 is the first prompt token, which has no logprob.
+            prompt_logprobs = [None]
+            prompt_logprobs += [
+                None if lp.token_id < 0 else self._token_logprob(lp) for lp in out.prompt_logprobs
             ]
         return GenerationDelta(
             request_id=out.request_id,
@@ -137,6 +133,19 @@ class GrpcEngineClient:
             num_output_tokens=out.num_output_tokens,
             logprobs=logprobs,
             error=out.error or None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _token_logprob(self, lp: common_pb2.TokenLogprobs) -> TokenLogprob:
+        return TokenLogprob(
+            token_id=lp.token_id,
+            token=self._token_text(lp.token_id),
+            logprob=lp.logprob,
+            top_logprobs=[
+                TopLogprob(token_id=t, token=self._token_text(t), logprob=v)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            ],
+            rank=lp.rank,
         )
 
     def _fail_all(self, reason: str) -> None:

@@ -81,7 +81,7 @@ def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> Comple
     try:
         return CompletionRequest.model_validate(body)
     except pydantic.ValidationError as exc:
-        raise invalid_request_from_validation(exc.errors()) from None
+        raise invalid_request_from_validation(exc.errors(), body) from None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -122,7 +122,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_unsupported(completion)
             prompts = completion_prompts(completion, self.tokenizer)
             engine_requests = build_engine_requests(
-                request_id, prompts, completion, self.engine.model_info
+                request_id, prompts, completion, self.engine.model_info, self.tokenizer
             )
             if completion.n == 1:
                 # A single sample keeps the caller's id end to end.

@@ -15,14 +15,16 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from gateway.engine_client import GenerationDelta
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
-from gateway.logprobs_format import chat_logprobs
+from gateway.logprobs_format import chat_logprobs, vllm_prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
@@ -38,14 +40,15 @@ from gateway.serving_common import (
     usage_info,
 )
 from gateway.structured_outputs import structured_output_spec
-from gateway.tool_calling import (
-    StreamingToolParser,
-    ToolPlan,
-    plan_tools,
-    tool_call_deltas,
-    tool_call_models,
+from gateway.tool_call_modes import StreamingToolParser, tool_call_delta
+from gateway.tool_calling import ToolPlan, plan_tools, tool_call_models
+from gateway.validation import (
+    Prompt,
+    chat_prompt,
+    check_model,
+    check_unsupported,
+    truncate_prompts,
 )
-from gateway.validation import Prompt, chat_prompt, check_model, check_unsupported
 from services.errors import InvalidRequestError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class ChatServing(Serving):
         check_unsupported(request)
         plan = plan_tools(request)
         prompt = chat_prompt(request, self._tokenizer, plan.tools if plan.renders_tools else None)
+        max_model_len = self._engine.model_info.max_model_len
+        (prompt,) = truncate_prompts([prompt], request, self._tokenizer, max_model_len)
         request_id = new_request_id("chatcmpl")
         constraint = plan.constraint()
         if constraint is not None and structured_output_spec(request) is not None:
@@ -65,7 +70,12 @@ class ChatServing(Serving):
                 param="tool_choice",
             )
         engine_requests = build_engine_requests(
-            request_id, [prompt], request, self._engine.model_info, structured_output=constraint
+            request_id,
+            [prompt],
+            request,
+            self._engine.model_info,
+            self._tokenizer,
+            structured_output=constraint,
         )
         logger.info(
             "request %s: chat, %d prompt tokens, n=%d, stream=%s",
@@ -112,7 +122,13 @@ class ChatServing(Serving):
                     message=ChatResponseMessage(
                         content=parsed.content, tool_calls=tool_call_models(parsed.tool_calls)
                     ),
-                    logprobs=None if num_top is None else chat_logprobs(result.logprobs, num_top),
+                    logprobs=(
+                        None
+                        if num_top is None
+                        else chat_logprobs(
+                            result.logprobs, num_top, request.return_tokens_as_token_ids
+                        )
+                    ),
                     finish_reason=finish_reason,
                     stop_reason=result.stop_reason,
                 )
@@ -120,49 +136,66 @@ class ChatServing(Serving):
         usage = usage_info(
             [prompt],
             [result.num_output_tokens for result in results],
-            [results[0].num_cached_tokens],
+            [result.num_cached_tokens for result in results],
         )
+        prompt_logprobs = results[0].prompt_logprobs
         response = ChatCompletionResponse(
-            id=request_id, model=self._model_name, choices=choices, usage=usage
+            id=request_id,
+            model=self._model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=(
+                None
+                if prompt_logprobs is None
+                else vllm_prompt_logprobs(prompt_logprobs, request.prompt_logprobs or 0)
+            ),
         )
         return JSONResponse(response.model_dump())
 
     @staticmethod
     def _tool_stream_chunks(
-        index: int, delta, logprobs, parser: StreamingToolParser
+        index: int,
+        delta: GenerationDelta,
+        logprobs: ChatLogprobs | None,
+        parser: StreamingToolParser,
     ) -> list[ChatStreamChoice]:
-        """Content that is safe to send now; at the end, the calls and the finish reason."""
-        content = parser.feed(delta.text)
-        events = []
-        if content or logprobs:
-            events.append(
+        """Content and tool call deltas in generation order; at the end, the finish reason.
+
+        Consecutive content goes out as one delta; each call's start (id,
+        name) and argument fragments as deltas of their own, as OpenAI
+        streams them. The engine delta's logprobs ride on the first chunk.
+        """
+        events = parser.feed(delta.text)
+        if delta.finished:
+            events += parser.finish()
+        deltas: list[DeltaMessage] = []
+        for event in events:
+            if isinstance(event, str):
+                if deltas and deltas[-1].content is not None:
+                    deltas[-1].content += event
+                else:
+                    deltas.append(DeltaMessage(content=event))
+            else:
+                deltas.append(DeltaMessage(tool_calls=[tool_call_delta(event)]))
+        if logprobs is not None and not deltas:
+            deltas.append(DeltaMessage())
+        chunks = [
+            ChatStreamChoice(index=index, delta=message, logprobs=logprobs if i == 0 else None)
+            for i, message in enumerate(deltas)
+        ]
+        if delta.finished:
+            finish_reason = delta.finish_reason
+            if parser.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            chunks.append(
                 ChatStreamChoice(
-                    index=index, delta=DeltaMessage(content=content or None), logprobs=logprobs
+                    index=index,
+                    delta=DeltaMessage(),
+                    finish_reason=finish_reason,
+                    stop_reason=delta.stop_reason,
                 )
             )
-        if not delta.finished:
-            return events
-        rest, calls = parser.finish()
-        if rest:
-            events.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=rest)))
-        if calls:
-            events.append(
-                ChatStreamChoice(
-                    index=index, delta=DeltaMessage(tool_calls=tool_call_deltas(calls))
-                )
-            )
-        finish_reason = delta.finish_reason
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        events.append(
-            ChatStreamChoice(
-                index=index,
-                delta=DeltaMessage(),
-                finish_reason=finish_reason,
-                stop_reason=delta.stop_reason,
-            )
-        )
-        return events
+        return chunks
 
     async def _stream(
         self,
@@ -178,7 +211,7 @@ class ChatServing(Serving):
         num_top = self._num_top_logprobs(request)
         num_output_tokens = [0] * request.n
         num_cached_tokens = [0] * request.n
-        parsers = [StreamingToolParser(plan) for _ in range(request.n)]
+        parsers = [StreamingToolParser(plan.mode, plan.function_name) for _ in range(request.n)]
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
@@ -204,7 +237,9 @@ class ChatServing(Serving):
                     continue  # the detokenizer is holding text back (possible stop string)
                 logprobs = None
                 if num_top is not None and delta.logprobs:
-                    logprobs = chat_logprobs(delta.logprobs, num_top)
+                    logprobs = chat_logprobs(
+                        delta.logprobs, num_top, request.return_tokens_as_token_ids
+                    )
                 if plan.mode == "none":
                     yield chunk(
                         ChatStreamChoice(
@@ -220,7 +255,7 @@ class ChatServing(Serving):
                     yield chunk(event)
             else:
                 if include_usage:
-                    usage = usage_info([prompt], num_output_tokens, [num_cached_tokens[0]])
+                    usage = usage_info([prompt], num_output_tokens, num_cached_tokens)
                     final = ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,

@@ -65,6 +65,7 @@ def build_engine_requests(
     prompts: list[Prompt],
     request: CompletionRequest | ChatCompletionRequest,
     model: ModelInfo,
+    tokenizer: Tokenizer,
     structured_output: StructuredOutputSpec | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
@@ -77,7 +78,7 @@ def build_engine_requests(
     detokenize = detokenize_params(request)
     engine_requests = []
     for prompt_index, prompt in enumerate(prompts):
-        params = sampling_params(request, len(prompt.token_ids), model)
+        params = sampling_params(request, len(prompt.token_ids), model, tokenizer)
         if structured_output is not None:
             params = dataclasses.replace(params, structured_output=structured_output)
         group = f"{request_id}-p{prompt_index}" if request.n > 1 else None
@@ -127,9 +128,12 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: GenerationDelta) -> None:
         self.text += delta.text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_output_tokens = delta.num_output_tokens
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
@@ -160,14 +164,20 @@ async def collect_choices(generation: MultiGeneration, num_choices: int) -> list
 
 
 def usage_info(
-    prompts: list[Prompt], num_output_tokens: list[int], cached_per_prompt: list[int]
+    prompts: list[Prompt], num_output_tokens: list[int], cached_per_choice: list[int]
 ) -> UsageInfo:
-    # A prompt shared by n choices is counted once, as OpenAI bills it.
+    """Usage of one API request; the two lists have one entry per choice.
+
+    A prompt shared by n choices is counted once in ``prompt_tokens``, as OpenAI
+    bills it, while ``cached_tokens`` adds up the prefix-cache hits of every
+    sample: with n > 1 the first sample computes the prompt and its siblings
+    are the ones that hit the cache, so counting one sample would hide them.
+    """
     prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
     completion_tokens = sum(num_output_tokens)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_per_prompt)),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_per_choice)),
     )

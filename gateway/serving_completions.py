@@ -10,14 +10,22 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
+from gateway.engine_client import TokenLogprob
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
-from gateway.logprobs_format import completion_logprobs
+from gateway.logprobs_format import (
+    completion_logprobs,
+    concat_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from gateway.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    PromptLogprobs,
 )
 from gateway.serving_common import (
     SSE_DONE,
@@ -29,7 +37,13 @@ from gateway.serving_common import (
     start_generation,
     usage_info,
 )
-from gateway.validation import Prompt, check_model, check_unsupported, completion_prompts
+from gateway.validation import (
+    Prompt,
+    check_model,
+    check_unsupported,
+    completion_prompts,
+    truncate_prompts,
+)
 from services.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -49,10 +63,16 @@ class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
-        prompts = completion_prompts(request, self._tokenizer)
+        model_info = self._engine.model_info
+        prompts = truncate_prompts(
+            completion_prompts(request, self._tokenizer),
+            request,
+            self._tokenizer,
+            model_info.max_model_len,
+        )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
-            request_id, prompts, request, self._engine.model_info
+            request_id, prompts, request, model_info, self._tokenizer
         )
         logger.info(
             "request %s: %d prompt(s) x n=%d, stream=%s",
@@ -84,28 +104,68 @@ class CompletionServing(Serving):
         results = await collect_choices(generation, len(prompts) * request.n)
         choices = []
         for index, result in enumerate(results):
-            echo = prompts[index // request.n].text if request.echo else ""
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = completion_logprobs(result.logprobs, request.logprobs, len(echo))
+            prompt = prompts[index // request.n]
+            echo = prompt.text if request.echo else ""
             choices.append(
                 CompletionChoice(
                     index=index,
                     text=echo + result.text,
-                    logprobs=logprobs,
+                    logprobs=self._logprobs(
+                        request, prompt, result.prompt_logprobs, result.logprobs, len(echo)
+                    ),
                     finish_reason=result.finish_reason,
                     stop_reason=result.stop_reason,
+                    prompt_logprobs=self._prompt_logprobs(request, result.prompt_logprobs),
                 )
             )
         usage = usage_info(
             prompts,
             [result.num_output_tokens for result in results],
-            [results[p * request.n].num_cached_tokens for p in range(len(prompts))],
+            [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
             id=request_id, model=self._model_name, choices=choices, usage=usage
         )
         return JSONResponse(response.model_dump())
+
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        prompt: Prompt,
+        prompt_logprobs: list[TokenLogprob | None] | None,
+        logprobs: list[TokenLogprob],
+        text_offset: int,
+    ) -> CompletionLogprobs | None:
+        """OpenAI's columnar logprobs of the generated tokens, after the prompt's when echoed.
+
+        ``prompt_logprobs`` is set only on the part of a choice that echoes the prompt.
+        """
+        if request.logprobs is None:
+            return None
+        as_ids = request.return_tokens_as_token_ids
+        generated = completion_logprobs(logprobs, request.logprobs, text_offset, as_ids)
+        if not request.echo or prompt_logprobs is None:
+            return generated
+        echoed = echo_logprobs(
+            prompt.token_ids,
+            self._tokenizer.token_to_text(prompt.token_ids[0]),
+            prompt_logprobs,
+            request.logprobs,
+            as_ids,
+        )
+        return concat_logprobs(echoed, generated)
+
+    @staticmethod
+    def _prompt_logprobs(
+        request: CompletionRequest, prompt_logprobs: list[TokenLogprob | None] | None
+    ) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs field: whenever they were computed, as vLLM answers."""
+        if prompt_logprobs is None:
+            return None
+        num_top = request.prompt_logprobs
+        if num_top is None:
+            num_top = request.logprobs or 0
+        return vllm_prompt_logprobs(prompt_logprobs, num_top)
 
     async def _stream(
         self,
@@ -131,17 +191,18 @@ class CompletionServing(Serving):
                 cursor = cursors[index]
                 cursor.num_output_tokens = delta.num_output_tokens
                 cursor.num_cached_tokens = delta.num_cached_tokens
-                text = cursor.echo_text + delta.text
+                echo = cursor.echo_text
+                text = echo + delta.text
                 cursor.echo_text = ""
                 if not text and not delta.finished and not delta.logprobs:
                     continue  # the detokenizer is holding text back (possible stop string)
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = completion_logprobs(
-                        delta.logprobs or [],
-                        request.logprobs,
-                        cursor.text_offset + len(text) - len(delta.text),
-                    )
+                logprobs = self._logprobs(
+                    request,
+                    prompts[index // request.n],
+                    delta.prompt_logprobs if echo else None,
+                    delta.logprobs or [],
+                    cursor.text_offset + len(echo),
+                )
                 cursor.text_offset += len(text)
                 chunk = CompletionStreamResponse(
                     id=request_id,
@@ -163,7 +224,7 @@ class CompletionServing(Serving):
                     usage = usage_info(
                         prompts,
                         [cursor.num_output_tokens for cursor in cursors],
-                        [cursors[p * request.n].num_cached_tokens for p in range(len(prompts))],
+                        [cursor.num_cached_tokens for cursor in cursors],
                     )
                     final = CompletionStreamResponse(
                         id=request_id,

@@ -93,7 +93,7 @@ def structured_output_spec(
     """The one constraint the request asks for, or None; InvalidRequestError names the field."""
     found: dict[str, StructuredOutputSpec] = {}
     if request.response_format is not None:
-        spec = _from_response_format(request.response_format)
+        spec = _from_response_format(request.response_format.model_dump(by_alias=True))
         if spec is not None:
             found["response_format"] = spec
     if request.guided_json is not None:
@@ -113,7 +113,8 @@ def structured_output_spec(
             "grammar", _non_empty_string(request.guided_grammar, "guided_grammar")
         )
     if request.structured_outputs is not None:
-        spec = _from_structured_outputs(request.structured_outputs)
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        spec = _from_structured_outputs(fields)
         if spec is not None:
             found["structured_outputs"] = spec
     if len(found) > 1:

@@ -83,6 +83,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's own template; raises ChatTemplateError."""
@@ -93,6 +94,7 @@ class Tokenizer:
                 messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **template_kwargs,
             )

@@ -21,17 +21,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.protocol import ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall
+from gateway.protocol import ChatCompletionRequest
 from gateway.protocol import FunctionCall as FunctionCallModel
 from gateway.protocol import ToolCall as ToolCallModel
-from gateway.tool_parser_hermes import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    ParsedOutput,
-    ToolCall,
-    new_tool_call_id,
-    parse_hermes_tool_calls,
-)
+from gateway.tool_call_modes import StreamingToolParser
+from gateway.tool_call_stream import ParsedOutput, ToolCall, collect
+from gateway.tool_parser_hermes import TOOL_CALL_END, TOOL_CALL_START
 from services.errors import InvalidRequestError
 from services.sampling_params import StructuredOutputSpec
 
@@ -108,44 +103,26 @@ class ToolPlan:
         return None
 
     def parse(self, text: str) -> ParsedOutput:
-        """The generated text as content and tool calls; unparsable output stays content."""
-        if self.mode == "auto":
-            return parse_hermes_tool_calls(text)
-        if self.mode == "named":
-            try:
-                arguments = json.loads(text)
-            except json.JSONDecodeError:
-                return ParsedOutput(content=text)  # cut short (max_tokens)
-            call = ToolCall(
-                id=new_tool_call_id(),
-                name=self.function_name or "",
-                arguments=json.dumps(arguments, ensure_ascii=False),
-            )
-            return ParsedOutput(content=None, tool_calls=[call])
-        if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
-                return ParsedOutput(content=text)
-            return ParsedOutput(
-                content=None,
-                tool_calls=[
-                    ToolCall(
-                        id=new_tool_call_id(),
-                        name=call["name"],
-                        arguments=json.dumps(call["arguments"], ensure_ascii=False),
-                    )
-                    for call in calls
-                ],
-            )
-        return ParsedOutput(content=text)
+        """The generated text as content and tool calls; unparsable output stays content.
+
+        The same parser as a stream's, run over the whole text, so a streamed
+        response adds up to this one.
+        """
+        if self.mode == "none":
+            return ParsedOutput(content=text)
+        parser = StreamingToolParser(self.mode, self.function_name)
+        events = parser.feed(text) + parser.finish()
+        return collect(events) if parser.ok else ParsedOutput(content=text)
 
 
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     """Validate ``tools`` / ``tool_choice``; InvalidRequestError names the offending field."""
-    functions = [_function_of(tool, index) for index, tool in enumerate(request.tools or [])]
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    functions = [_function_of(tool, index) for index, tool in enumerate(tools)]
     names = [function["name"] for function in functions]
     choice = request.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump()
     parallel = request.parallel_tool_calls is not False
     if choice is None:
         return ToolPlan("auto" if functions else "none", functions, None, parallel)
@@ -236,57 +213,3 @@ def tool_call_models(calls: list[ToolCall]) -> list[ToolCallModel]:
         )
         for call in calls
     ]
-
-
-def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
-    """Each call whole in one delta entry (OpenAI's chunk shape, arguments not split)."""
-    return [
-        DeltaToolCall(
-            index=index,
-            id=call.id,
-            type="function",
-            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-        )
-        for index, call in enumerate(calls)
-    ]
-
-
-class StreamingToolParser:
-    """Splits a streamed generation into content to send now and calls to send at the end.
-
-    "auto" streams content until a ``<tool_call>`` could be starting and holds
-    everything from there; forced modes hold everything. ``finish`` parses
-    what was held.
-    """
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self._text = ""
-        self._sent = 0  # characters of _text already sent as content
-
-    def feed(self, text: str) -> str:
-        self._text += text
-        if self.plan.mode != "auto":
-            return ""
-        start = self._text.find(TOOL_CALL_START, self._sent)
-        if start >= 0:
-            safe = start
-        else:
-            safe = len(self._text)
-            # Hold a tail that could grow into "<tool_call>".
-            for keep in range(min(len(TOOL_CALL_START) - 1, len(self._text) - self._sent), 0, -1):
-                if TOOL_CALL_START.startswith(self._text[-keep:]):
-                    safe = len(self._text) - keep
-                    break
-        content = self._text[self._sent : safe]
-        self._sent = max(self._sent, safe)
-        return content
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content still to send, parsed calls) once the generation ended."""
-        parsed = self.plan.parse(self._text)
-        if parsed.tool_calls:
-            return "", parsed.tool_calls
-        rest = self._text[self._sent :]
-        self._sent = len(self._text)
-        return rest, []

@@ -1,84 +1,139 @@
-"""Parse Hermes-style tool calls out of generated text (not wired into the API yet).
+"""Hermes-style tool calls in generated text, streamed as they are generated.
 
 Hermes, Qwen2.5 and many fine-tunes emit each call as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, optionally after
-some plain text. This turns a finished generation into OpenAI's shape: the
-leading text as ``content`` and each call as a function tool call whose
-``arguments`` is a JSON string. A generation with any malformed call block is
-returned as plain content with no calls: guessing at half a call would hand
-the client arguments the model never produced.
+some plain text. ``HermesToolStream`` turns the text into content and call
+events while it streams (gateway/tool_call_stream.py); ``parse_hermes_tool_calls``
+runs it over a finished generation. As in vLLM, the text before the first call
+is the content, verbatim. A generation with a malformed call block, a call cut
+short, or prose after the calls is plain content with no calls when parsed
+whole: guessing at half a call would hand the client arguments the model never
+produced. A stream cannot take back what it sent; from such a point on it
+sends the text as content.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+from gateway.tool_call_scanner import MalformedCallError
+from gateway.tool_call_stream import (
+    CallStreamer,
+    ParsedOutput,
+    StreamEvent,
+    collect,
+    new_tool_call_id,
+)
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def _held_prefix_length(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that could grow into ``marker``."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, serialized, as OpenAI sends it
+class HermesToolStream:
+    """Content until the first ``<tool_call>``, then calls; ``ok``: still well formed."""
 
+    def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
+        self._make_id = make_id
+        self._pending = ""  # received, not yet consumed
+        self._state = "content"  # content, call, after_call, between, malformed
+        self._call: CallStreamer | None = None
+        self._num_calls = 0
+        self.ok = True
 
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    def feed(self, text: str) -> list[StreamEvent]:
+        self._pending += text
+        events: list[StreamEvent] = []
+        try:
+            while self._advance(events):
+                pass
+        except MalformedCallError:
+            self.ok = False
+            self._state = "malformed"
+            events.append(self._pending)
+            self._pending = ""
+        return events
+
+    def _advance(self, events: list[StreamEvent]) -> bool:
+        """Consume what the current state can; True if the state changed (go again)."""
+        pending = self._pending
+        state = self._state
+        if state == "malformed":
+            if pending:
+                events.append(pending)
+            self._pending = ""
+            return False
+        if state == "content":
+            start = pending.find(TOOL_CALL_START)
+            safe = (
+                start
+                if start >= 0
+                else len(pending) - _held_prefix_length(pending, TOOL_CALL_START)
+            )
+            if safe:
+                events.append(pending[:safe])
+            if start < 0:
+                self._pending = pending[safe:]
+                return False
+            self._pending = pending[start + len(TOOL_CALL_START) :]
+            self._start_call()
+            return True
+        if state == "call":
+            assert self._call is not None
+            taken, call_events = self._call.feed(pending)
+            events += call_events
+            self._pending = pending[taken:]
+            if not self._call.scanner.done:
+                return False
+            events += self._call.finish()
+            self._state = "after_call"
+            return True
+        # after_call expects the end marker, between expects the next call.
+        marker = TOOL_CALL_END if state == "after_call" else TOOL_CALL_START
+        stripped = pending.lstrip()
+        if stripped.startswith(marker):
+            self._pending = stripped[len(marker) :]
+            if state == "after_call":
+                self._state = "between"
+            else:
+                self._start_call()
+            return True
+        if stripped and not marker.startswith(stripped):
+            raise MalformedCallError(f"expected {marker}")
+        return False
+
+    def _start_call(self) -> None:
+        self._call = CallStreamer(self._num_calls, self._make_id)
+        self._num_calls += 1
+        self._state = "call"
+
+    def finish(self) -> list[StreamEvent]:
+        """Flush held content; a generation that ends inside a call is not well formed."""
+        if self._state == "content":
+            events: list[StreamEvent] = [self._pending] if self._pending else []
+            self._pending = ""
+            return events
+        if self._state == "between" and not self._pending.strip():
+            return []
+        if self._state != "malformed":
+            self.ok = False
+        rest, self._pending = self._pending, ""
+        return [rest] if rest else []
 
 
 def parse_hermes_tool_calls(
     text: str, make_id: Callable[[], str] = new_tool_call_id
 ) -> ParsedOutput:
-    """Split ``text`` into leading content and the tool calls that follow it."""
-    if TOOL_CALL_START not in text:
+    """Split a finished ``text`` into leading content and the tool calls that follow it."""
+    stream = HermesToolStream(make_id)
+    events = stream.feed(text) + stream.finish()
+    if not stream.ok:
         return ParsedOutput(content=text)
-    blocks = list(_BLOCK.finditer(text))
-    # Text after the last closed block must be whitespace; an unclosed block
-    # (generation cut by max_tokens) makes the whole output plain content.
-    trailing = text[blocks[-1].end() :] if blocks else text
-    if not blocks or trailing.strip():
-        return ParsedOutput(content=text)
-    calls = []
-    for block in blocks:
-        call = _parse_block(block.group(1), make_id)
-        if call is None:
-            return ParsedOutput(content=text)
-        calls.append(call)
-    leading = text[: blocks[0].start()].strip()
-    return ParsedOutput(content=leading or None, tool_calls=calls)
-
-
-def _parse_block(body: str, make_id: Callable[[], str]) -> ToolCall | None:
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-        return None
-    arguments = payload.get("arguments", {})
-    if isinstance(arguments, str):
-        # Some models already serialize the arguments; accept them only if they are JSON.
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(
-        id=make_id(),
-        name=payload["name"],
-        arguments=json.dumps(arguments, ensure_ascii=False),
-    )
+    return collect(events)

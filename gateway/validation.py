@@ -1,50 +1,33 @@
-"""Turn an API request into engine inputs, refusing anything out of range with a 400.
+"""Turn an API request into engine inputs, refusing with a 400 what the models cannot check.
 
-Each refusal is an ``InvalidRequestError`` whose ``param`` names the offending field,
-so clients see ``{"error": {"param": "temperature", ...}}`` like OpenAI's.
-Limits follow OpenAI where it documents one and vLLM otherwise.
+The request models (gateway/protocol.py) check each field on its own; here
+are the rules that depend on the served model (vocabulary, context length,
+name) or tie fields together. Each refusal is an ``InvalidRequestError`` whose
+``param`` names the offending field, so clients see ``{"error": {"param":
+"max_tokens", ...}}`` like OpenAI's. Limits follow OpenAI where it documents
+one and vLLM otherwise.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.engine_client import ModelInfo
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.protocol import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
 from services.errors import InvalidRequestError, NotFoundError
 from services.sampling_params import DetokenizeParams, SamplingParams
 
-MAX_N = 128
-MAX_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# Arguments of transformers' apply_chat_template: chat_template_kwargs are
-# template variables only, never a client-supplied template or output format.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "chat_template",
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "conversation",
-        "messages",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -63,7 +46,7 @@ def check_model(requested: str | None, served_model_name: str) -> None:
         )
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(
@@ -80,60 +63,47 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
         items = [list(raw)]  # type: ignore[arg-type]
     else:
         items = list(raw)  # type: ignore[arg-type]
-    if not items:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
             token_ids = tokenizer.encode(item, add_special_tokens=True)
             text = item
         else:
-            _check_token_ids(item, tokenizer.vocab_size, "prompt")
+            check_token_ids(item, tokenizer.vocab_size, "prompt")
             token_ids = list(item)
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
         if not token_ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+            # A string of characters the tokenizer drops (the schema cannot say which).
+            raise InvalidRequestError("prompt has no tokens", param="prompt")
         prompts.append(Prompt(token_ids=token_ids, text=text))
     return prompts
 
 
-def _message_text(message: ChatMessage, index: int) -> str | None:
+def _message_text(message: ChatMessage) -> str:
     content = message.content
-    if content is None or isinstance(content, str):
+    if content is None:
+        return ""  # an assistant turn with tool calls only
+    if isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise InvalidRequestError(
-                f"content parts of type {part.type!r} are not supported; send text parts",
-                param=f"messages.{index}.content",
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
+    return "\n".join(part.text for part in content)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: plain dicts with string content."""
-    if not messages:
-        raise InvalidRequestError("messages must not be empty", param="messages")
     rendered: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        text = _message_text(message, index)
-        if text is None and not message.tool_calls:
-            raise InvalidRequestError(
-                f"a {message.role} message needs content", param=f"messages.{index}.content"
-            )
+    for message in messages:
         # Few templates know "developer"; OpenAI defines it as the new name of "system".
         entry: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,
-            "content": text if text is not None else "",
+            "content": _message_text(message),
         }
         for key in ("name", "tool_call_id"):
-            value = getattr(message, key)
+            value = getattr(message, key, None)
             if value is not None:
                 entry[key] = value
-        if message.tool_calls:
-            entry["tool_calls"] = tool_calls_for_template(message.tool_calls)
+        tool_calls = getattr(message, "tool_calls", None)
+        if tool_calls:
+            entry["tool_calls"] = tool_calls_for_template(tool_calls)
         rendered.append(entry)
     return rendered
 
@@ -144,19 +114,30 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The conversation as prompt text, through the model's own chat template.
 
     With ``tools``, a template that ignores them (renders the same text with and
     without) gets the tools and earlier calls written into the messages instead.
+    ``continue_final_message`` (vLLM) leaves the last message open, so the model
+    continues it rather than starting a new turn.
     """
-    reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+    reserved = set(RESERVED_TEMPLATE_KWARGS).intersection(template_kwargs or {})
     if reserved:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
         )
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     conversation = template_messages(messages)
-    kwargs = template_kwargs or {}
+    kwargs: dict[str, Any] = {
+        **(template_kwargs or {}),
+        "continue_final_message": continue_final_message,
+    }
     try:
         plain = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, **kwargs
@@ -188,6 +169,7 @@ def chat_prompt(
         request.add_generation_prompt,
         request.chat_template_kwargs,
         tools,
+        request.continue_final_message,
     )
     # The template already wrote any BOS it wants.
     token_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -196,30 +178,47 @@ def chat_prompt(
     return Prompt(token_ids=token_ids, text=text)
 
 
-def _check_range(
-    value: float | None, name: str, low: float, high: float, low_open: bool = False
-) -> None:
-    if value is None:
-        return
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
+def truncate_prompts(
+    prompts: list[Prompt],
+    request: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+) -> list[Prompt]:
+    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len)."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return prompts
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
         raise InvalidRequestError(
-            f"{name} must be in {bracket}{low}, {high}], got {value}", param=name
+            f"truncate_prompt_tokens must be -1 or at most max_model_len={max_model_len}",
+            param="truncate_prompt_tokens",
         )
+    truncated = []
+    for prompt in prompts:
+        if len(prompt.token_ids) <= k:
+            truncated.append(prompt)
+            continue
+        token_ids = prompt.token_ids[-k:]
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        truncated.append(Prompt(token_ids=token_ids, text=text))
+    return truncated
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse features that are not implemented yet instead of ignoring them."""
-    if isinstance(request, CompletionRequest):
-        if request.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise InvalidRequestError("best_of is not supported", param="best_of")
-        if request.echo and request.logprobs is not None:
-            # OpenAI would score the prompt tokens too; the engine does not compute those yet.
-            raise InvalidRequestError(
-                "echo together with logprobs is not supported yet", param="echo"
-            )
+    """Refuse combinations of fields that are not implemented or not allowed together."""
+    if (
+        isinstance(request, CompletionRequest)
+        and request.best_of is not None
+        and request.best_of != request.n
+    ):
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    if request.stream and request.prompt_logprobs:
+        # vLLM's rule: prompt logprobs ride on a whole response only (0 asks for nothing).
+        raise InvalidRequestError(
+            "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+        )
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream"
@@ -245,8 +244,6 @@ def _max_tokens(
         if default is None:
             return room
         requested = default
-    elif requested < 1:
-        raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
     if requested > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -262,58 +259,74 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
         return ()
     bias = []
     for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
+        token_id = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(
-                f"logit_bias token id {token_id} is out of range", "logit_bias"
-            )
-        if not math.isfinite(value) or not -100 <= value <= 100:
-            raise InvalidRequestError(
-                "logit_bias values must be in [-100, 100]", param="logit_bias"
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                param="logit_bias",
             )
         bias.append((token_id, float(value)))
     return tuple(bias)
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    strings = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not item for item in strings):
-        raise InvalidRequestError("stop strings must not be empty", param="stop")
-    return tuple(strings)
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+def _requested_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per prompt position the engine must compute, None for none.
+
+    Completions' echo with logprobs shows the prompt's tokens with their
+    logprobs (OpenAI), so it needs them too. A stream never carries vLLM's
+    prompt_logprobs (check_unsupported refuses any above 0).
+    """
+    wanted = None if request.stream else request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        wanted = max(wanted or 0, request.logprobs)
+    return wanted
 
 
 def _requested_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(request, CompletionRequest):
-        _check_range(request.logprobs, "logprobs", 0, MAX_LOGPROBS)
         return request.logprobs
-    _check_range(request.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
-    if request.top_logprobs is not None and not request.logprobs:
+    # vLLM's rule: asking for alternatives needs logprobs; 0 asks for none.
+    if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
+def _allowed_token_ids(
+    request: CompletionRequest | ChatCompletionRequest, vocab_size: int
+) -> tuple[int, ...]:
+    if request.allowed_token_ids is None:
+        return ()
+    check_token_ids(request.allowed_token_ids, vocab_size, "allowed_token_ids")
+    return tuple(request.allowed_token_ids)
+
+
+def bad_words_token_ids(
+    words: list[str] | None, tokenizer: Tokenizer
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as vLLM tokenizes it: as it reads at the start of a text, and
+    after a space when that is a different first token of the same length."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or []:
+        # Not empty: the model allows only words with a non-space character.
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, model: ModelInfo
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
 ) -> SamplingParams:
     """The engine's sampling parameters for one prompt of ``request``."""
-    _check_range(request.n, "n", 1, MAX_N)
-    _check_range(request.temperature, "temperature", 0.0, 2.0)
-    _check_range(request.top_p, "top_p", 0.0, 1.0, low_open=True)
-    _check_range(request.min_p, "min_p", 0.0, 1.0)
-    _check_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _check_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    _check_range(request.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_open=True)
-    _check_range(request.seed, "seed", _INT64_MIN, _INT64_MAX)
-    _check_range(request.priority, "priority", _INT64_MIN, _INT64_MAX)
-    if request.top_k is not None and request.top_k < -1:
-        raise InvalidRequestError(
-            f"top_k must be -1, 0 (off) or positive, got {request.top_k}", "top_k"
-        )
     if isinstance(request, ChatCompletionRequest):
         requested = request.max_completion_tokens
         param = "max_completion_tokens"
@@ -331,13 +344,13 @@ def sampling_params(
             model.max_model_len,
             prompt_param="prompt",
         )
-    if not 0 <= request.min_tokens <= max_tokens:
+    if request.min_tokens > max_tokens:
         raise InvalidRequestError(
-            f"min_tokens must be in [0, max_tokens={max_tokens}], got {request.min_tokens}",
+            f"min_tokens must be at most max_tokens={max_tokens}, got {request.min_tokens}",
             param="min_tokens",
         )
     stop_token_ids = tuple(request.stop_token_ids or ())
-    _check_token_ids(list(stop_token_ids), model.vocab_size, "stop_token_ids")
+    check_token_ids(list(stop_token_ids), model.vocab_size, "stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -356,6 +369,9 @@ def sampling_params(
         logit_bias=_logit_bias(request.logit_bias, model.vocab_size),
         logprobs=_requested_logprobs(request),
         structured_output=structured_output_spec(request),
+        prompt_logprobs=_requested_prompt_logprobs(request),
+        allowed_token_ids=_allowed_token_ids(request, model.vocab_size),
+        bad_words_token_ids=bad_words_token_ids(request.bad_words, tokenizer),
     )
 
 

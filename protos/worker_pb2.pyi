@@ -106,8 +106,18 @@ class KVConnectorOutput(_message.Message):
     num_failed_saves: int
     def __init__(self, finished_loads: _Optional[_Iterable[_Union[KVLoadResult, _Mapping]]] = ..., saved_block_hashes: _Optional[_Iterable[bytes]] = ..., num_failed_saves: _Optional[int] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("req_id", "start_position", "logprobs")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    start_position: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, req_id: _Optional[str] = ..., start_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "logprobs", "errors", "execute_seconds", "kv_connector_output")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "logprobs", "errors", "execute_seconds", "kv_connector_output", "prompt_logprobs")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +132,7 @@ class StepResult(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_CONNECTOR_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -129,7 +140,8 @@ class StepResult(_message.Message):
     errors: _containers.ScalarMap[str, str]
     execute_seconds: float
     kv_connector_output: KVConnectorOutput
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ..., kv_connector_output: _Optional[_Union[KVConnectorOutput, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ..., kv_connector_output: _Optional[_Union[KVConnectorOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

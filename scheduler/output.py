@@ -34,6 +34,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    # On the first output of a request with prompt_logprobs set: entry i scores
+    # prompt token i + 1 (None only for a position the worker never scored).
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

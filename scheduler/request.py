@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from scheduler.request_status import RequestStatus
 from scheduler.stopping import check_stop
 from services.sampling_params import SamplingParams
+from services.step import Logprobs
 
 
 class Request:
@@ -22,7 +23,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "cache_salt",
-        "eos_token_id",
+        "eos_token_ids",
         "error",
         "finished_time",
         "first_scheduled_time",
@@ -35,6 +36,7 @@ class Request:
         "output_token_ids",
         "parallel_group",
         "priority",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
@@ -47,7 +49,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: Iterable[int],
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -56,7 +58,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # Every end-of-sequence id of the model (config.json and
+        # generation_config.json): any of them stops the request.
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
@@ -81,6 +85,14 @@ class Request:
         self.stop_reason: int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        # SamplingParams.prompt_logprobs set: entry i holds the logprobs of
+        # prompt token i + 1 as the worker reports them chunk by chunk; they
+        # leave with the first output token (None from then on).
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] * (self.num_prompt_tokens - 1)
+            if sampling_params.prompt_logprobs is not None
+            else None
+        )
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -51,6 +51,7 @@ from services.step import (
     KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -356,11 +357,17 @@ class Scheduler:
             request = waiting.peek()
             if request.parallel_group is not None and self._defer_sibling(request):
                 break  # head-of-line, as when blocks are short: its turn comes in a step or two
-            computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            # Prompt logprobs come from the logits of every prompt position, which
+            # a cache hit (local, or loaded by the connector) never computes: such
+            # a request computes its whole prompt (vLLM's rule).
+            computes_whole_prompt = request.sampling_params.prompt_logprobs is not None
+            computed_blocks, num_cached_tokens = (
+                ([], 0) if computes_whole_prompt else kv.get_computed_blocks(request)
+            )
             # With nothing running there is nobody to keep room for, and a request
             # needing the whole pool must still be admitted.
             watermark = self._num_watermark_blocks if running else 0
-            if self.connector is not None:
+            if self.connector is not None and not computes_whole_prompt:
                 num_external_tokens, _ = self.connector.get_num_new_matched_tokens(
                     request, num_cached_tokens
                 )
@@ -567,6 +574,8 @@ class Scheduler:
             if model_runner_output.logprobs
             else None
         )
+        if model_runner_output.prompt_logprobs:
+            self._collect_prompt_logprobs(model_runner_output.prompt_logprobs)
         now: float | None = None
         # Async mode: num_computed_tokens already counts later steps, so this
         # step's end is its start (as sent to the worker) plus its tokens.
@@ -607,19 +616,44 @@ class Scheduler:
                 request.first_token_time = now
             logprobs = logprobs_by_id.get(request_id) if logprobs_by_id else None
             # Positional: keywords make this call ~2x slower, and every request takes it.
-            outputs.append(
-                RequestOutput(
-                    request_id,
-                    token_ids,  # new_token_ids
-                    request.status.finish_reason if stopped else None,
-                    request.stop_reason,
-                    [logprobs] if logprobs is not None else None,  # new_logprobs
-                    request.num_prompt_tokens,
-                    request.num_cached_tokens,
-                )
+            output = RequestOutput(
+                request_id,
+                token_ids,  # new_token_ids
+                request.status.finish_reason if stopped else None,
+                request.stop_reason,
+                [logprobs] if logprobs is not None else None,  # new_logprobs
+                request.num_prompt_tokens,
+                request.num_cached_tokens,
             )
+            if request.prompt_logprobs is not None:
+                # The first token: the whole prompt is scored by now.
+                output.prompt_logprobs = request.prompt_logprobs
+                request.prompt_logprobs = None
+            outputs.append(output)
             if stopped:
                 finished.append(request)
+
+    def _collect_prompt_logprobs(self, runs: list[PromptLogprobs]) -> None:
+        """Store the prompt positions the worker scored until the first token takes them.
+
+        A request recomputing its prompt after a preemption (before its first
+        token) overwrites the same positions with the same values.
+        """
+        for run in runs:
+            request = self.requests.get(run.req_id)
+            if request is None or request.prompt_logprobs is None:
+                continue  # finished meanwhile, or its prompt logprobs already left
+            stored = request.prompt_logprobs
+            start = run.start_position - 1
+            if start < 0 or start + len(run.entries) > len(stored):
+                logger.warning(
+                    "request %s: prompt logprobs for positions %s..%s outside its prompt",
+                    run.req_id,
+                    run.start_position,
+                    run.start_position + len(run.entries) - 1,
+                )
+                continue
+            stored[start : start + len(run.entries)] = run.entries
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
         """Confirmed saves; finished loads rejoin the waiting queue (loaded blocks cached)."""

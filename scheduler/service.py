@@ -41,6 +41,10 @@ _FINISH_TO_PROTO = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 
+# A prompt position the worker never scored (cannot happen while the scheduler
+# skips prefix hits for such requests; kept so the list stays positional).
+_UNSCORED = common_pb2.TokenLogprobs(token_id=-1)
+
 # How often an otherwise idle loop asks the worker whether KV loads finished.
 _LOAD_POLL_INTERVAL_S = 0.002
 
@@ -65,7 +69,7 @@ class SchedulerEngine:
         # Asks the kvstore what it holds of each new prompt (KV connector on).
         self.kv_lookup = kv_lookup if self.core.connector is not None else None
         self.worker = worker
-        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
@@ -99,7 +103,7 @@ class SchedulerEngine:
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic(),
             priority=msg.priority,
             cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
@@ -188,6 +192,10 @@ class SchedulerEngine:
             msg.stop_token_id = out.stop_reason
         if out.new_logprobs:
             msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(
+                _UNSCORED if lp is None else logprobs_to_proto(lp) for lp in out.prompt_logprobs
+            )
         # A header waits here until the request's first output carries it to
         # the detokenizer; aborts and stop-string finishes drop unsent ones.
         header = self._headers.pop(out.request_id, None)

@@ -21,7 +21,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     num_output_tokens = len(request.output_token_ids)
     if num_output_tokens >= params.min_tokens:
         last_token_id = request.output_token_ids[-1]
-        if last_token_id == request.eos_token_id and not params.ignore_eos:
+        if last_token_id in request.eos_token_ids and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if params.stop_token_ids and last_token_id in params.stop_token_ids:

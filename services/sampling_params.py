@@ -56,6 +56,16 @@ class SamplingParams:
     # None: unconstrained. Otherwise every sampled token keeps the text a
     # prefix of the spec's language, and EOS is forced when it is complete.
     structured_output: StructuredOutputSpec | None = None
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob (from the
+    # second on) plus the top k, computed during prefill. Such a request
+    # computes its whole prompt (no prefix-cache hits: cached positions have
+    # no logits).
+    prompt_logprobs: int | None = None
+    # vLLM's allowed_token_ids: only these may be sampled (empty: any token).
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token sequences: a sequence's last token is banned
+    # where the output ends with the rest of it (one-token words always).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_greedy(self) -> bool:

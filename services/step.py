@@ -130,6 +130,20 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of a run of one request's prompt tokens, computed in one step.
+
+    ``entries[i]`` scores prompt token ``start_position + i`` given the tokens
+    before it (its ``token_id`` is that prompt token); ``start_position >= 1``
+    since the first prompt token has nothing before it.
+    """
+
+    req_id: str
+    start_position: int
+    entries: list[Logprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     """The worker's answer to one step.
 
@@ -147,6 +161,9 @@ class ModelRunnerOutput:
     # the batch is unaffected.
     errors: dict[str, str] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    # Prompt logprobs computed this step (requests with prompt_logprobs set
+    # whose prompt was computed in this step).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> ModelRunnerOutput:

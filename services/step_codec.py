@@ -25,6 +25,7 @@ from services.step import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -44,6 +45,8 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         logit_bias_token_ids=[t for t, _ in p.logit_bias],
         logit_bias_values=[b for _, b in p.logit_bias],
+        allowed_token_ids=p.allowed_token_ids,
+        bad_words=[common_pb2.TokenSequence(token_ids=word) for word in p.bad_words_token_ids],
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -51,6 +54,8 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.structured_output is not None:
         msg.structured_output.CopyFrom(structured_output_to_proto(p.structured_output))
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -89,6 +94,9 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
             if msg.HasField("structured_output")
             else None
         ),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words),
     )
 
 
@@ -127,6 +135,22 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> Logprobs:
         rank=msg.rank,
         top_token_ids=list(msg.top_token_ids),
         top_logprobs=list(msg.top_logprobs),
+    )
+
+
+def prompt_logprobs_to_proto(run: PromptLogprobs) -> worker_pb2.PromptLogprobs:
+    return worker_pb2.PromptLogprobs(
+        req_id=run.req_id,
+        start_position=run.start_position,
+        logprobs=[logprobs_to_proto(lp) for lp in run.entries],
+    )
+
+
+def prompt_logprobs_from_proto(msg: worker_pb2.PromptLogprobs) -> PromptLogprobs:
+    return PromptLogprobs(
+        req_id=msg.req_id,
+        start_position=msg.start_position,
+        entries=[logprobs_from_proto(lp) for lp in msg.logprobs],
     )
 
 
@@ -255,6 +279,7 @@ def model_runner_output_to_proto(
             if out.kv_connector_output.is_empty()
             else kv_connector_output_to_proto(out.kv_connector_output)
         ),
+        prompt_logprobs=[prompt_logprobs_to_proto(run) for run in out.prompt_logprobs],
     )
 
 
@@ -269,4 +294,5 @@ def model_runner_output_from_proto(msg: worker_pb2.StepResult) -> ModelRunnerOut
         logprobs=logprobs,
         errors=dict(msg.errors),
         kv_connector_output=kv_connector_output_from_proto(msg.kv_connector_output),
+        prompt_logprobs=[prompt_logprobs_from_proto(run) for run in msg.prompt_logprobs],
     )

@@ -62,6 +62,21 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _all_eos_ids(folder: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's EOS ids, then generation_config.json's others.
+
+    Chat models often end a turn with a token that config.json does not name
+    (Llama 3 lists <|eot_id|> and <|eom_id|> in generation_config.json only);
+    every one of them must stop generation.
+    """
+    ids = list(_eos_ids(hf_config.get("eos_token_id")))
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        generation = json.loads(generation_file.read_text())
+        ids += [i for i in _eos_ids(generation.get("eos_token_id")) if i not in ids]
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint folder plus the architecture facts read from its config.json."""
@@ -96,10 +111,6 @@ class ModelConfig:
             )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @classmethod
     def from_pretrained(
@@ -153,7 +164,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             vocab_size=int(hf_config["vocab_size"]),
             max_model_len=int(max_model_len),
-            eos_token_ids=_eos_ids(hf_config.get("eos_token_id")),
+            eos_token_ids=_all_eos_ids(folder, hf_config),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

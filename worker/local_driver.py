@@ -37,6 +37,8 @@ class DriverRequest:
     owned_block_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Prompt position -> that prompt token's logprobs (prompt_logprobs set).
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
     sent: bool = False
     error: str | None = None
 
@@ -142,6 +144,9 @@ class LocalDriver:
             request.output_token_ids.extend(tokens)
             if tokens:
                 request.logprobs.append(logprobs)
+        for run in output.prompt_logprobs:
+            entries = enumerate(run.entries, start=run.start_position)
+            self.requests[run.req_id].prompt_logprobs.update(entries)
         for req_id in [r for r, req in self.requests.items() if req.is_finished]:
             request = self.requests.pop(req_id)
             self.finished[req_id] = request

@@ -16,12 +16,17 @@ import numpy as np
 import torch
 
 from kernels.registry import select_attention_backend
-from services.step import ModelRunnerOutput, SchedulerOutput
+from services.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.kv_connector import KVConnectorWorker
 from worker.model_loader import load_model
+from worker.prompt_logprobs import (
+    PromptLogprobsSpan,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from worker.sampler import Sampler
 from worker.sampling_metadata import build_sampling_metadata
 from worker.step_inputs import StepInputs, check_schedulable, prepare_step_inputs
@@ -94,10 +99,6 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.model_config.eos_token_id
 
     @property
     def attention_backend_name(self) -> str:
@@ -197,9 +198,12 @@ class ModelRunner:
         inputs = prepare_step_inputs(
             self.input_batch, rows, num_scheduled, self.backend, self.device
         )
+        prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
         prepared = time.perf_counter()
         try:
-            sampled, logprobs = self._forward_and_sample(inputs)
+            sampled, logprobs, output.prompt_logprobs = self._forward_and_sample(
+                inputs, prompt_spans
+            )
         except Exception as exc:
             # One failure here belongs to the whole step: fail its requests,
             # keep the worker alive for the next one.
@@ -224,14 +228,22 @@ class ModelRunner:
         self.timings.num_steps += 1
         return output
 
-    def _forward_and_sample(self, inputs: StepInputs) -> tuple[torch.Tensor, list]:
+    def _forward_and_sample(
+        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+    ) -> tuple[torch.Tensor, list, list[PromptLogprobs]]:
+        """(sampled token per sampling row, their logprobs, prompt logprobs)."""
         forward_started = time.perf_counter()
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
         )
+        prompt_logprobs = (
+            compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_spans)
+            if prompt_spans
+            else []
+        )
         if inputs.logits_indices.shape[0] == 0:
             self.timings.forward += time.perf_counter() - forward_started
-            return torch.empty(0, dtype=torch.int64), []
+            return torch.empty(0, dtype=torch.int64), [], prompt_logprobs
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sample_started = time.perf_counter()
         self.timings.forward += sample_started - forward_started
@@ -259,4 +271,4 @@ class ModelRunner:
         if step_grammar is not None:
             step_grammar.accept(result.token_ids.tolist())
         self.timings.sample += time.perf_counter() - sample_started
-        return result.token_ids, result.logprobs
+        return result.token_ids, result.logprobs, prompt_logprobs

@@ -30,14 +30,22 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {params.min_tokens}")
-    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
-        raise ValueError(f"logprobs must be in [0, {vocab_size}], got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= vocab_size:
+            raise ValueError(f"{name} must be in [0, {vocab_size}], got {value}")
     for token_id, _ in params.logit_bias:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"logit_bias token id {token_id} outside the vocabulary")
     for token_id in params.stop_token_ids:
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"stop token id {token_id} outside the vocabulary")
+    for token_id in params.allowed_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"allowed token id {token_id} outside the vocabulary")
+    for word in params.bad_words_token_ids:
+        if not word or not all(0 <= token_id < vocab_size for token_id in word):
+            raise ValueError("bad_words token sequences must be non-empty and in the vocabulary")
 
 
 @dataclass
@@ -83,6 +91,22 @@ class SamplingMetadata:
         return max(requested) if requested else None
 
 
+def banned_by_bad_words(
+    bad_words: Sequence[Sequence[int]], output_token_ids: np.ndarray
+) -> list[int]:
+    """The tokens that would complete a bad word after ``output_token_ids`` (vLLM's rule)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(prefix) > len(output_token_ids):
+            continue
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix) :].tolist() == list(
+            prefix
+        ):
+            banned.append(word[-1])
+    return banned
+
+
 def build_sampling_metadata(
     params: Sequence[SamplingParams],
     token_ids: np.ndarray,  # [n, >= max(num_tokens)] prompt + output per row
@@ -107,7 +131,8 @@ def build_sampling_metadata(
         num_logprobs=[p.logprobs for p in params],
     )
     if not all_greedy:
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # Above the vocabulary (any int32 is valid) keeps every token, like 0.
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         if any(k < vocab_size for k in top_k):
             metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
         if any(p.top_p < 1.0 for p in params):
@@ -143,6 +168,25 @@ def build_sampling_metadata(
             torch.tensor(toks, device=device),
             torch.tensor(vals, dtype=torch.float32, device=device),
         )
+    if any(p.allowed_token_ids for p in params):
+        allowed = torch.ones(n, vocab_size, dtype=torch.bool)
+        for row, p in enumerate(params):
+            if p.allowed_token_ids:
+                allowed[row] = False
+                allowed[row, list(p.allowed_token_ids)] = True
+        metadata.allowed_token_mask = allowed.to(device)
+    banned = [
+        (row, token_id)
+        for row, p in enumerate(params)
+        for token_id in banned_by_bad_words(
+            p.bad_words_token_ids, token_ids[row, int(prompt_lens[row]) : int(num_tokens[row])]
+        )
+    ]
+    if banned:
+        mask = torch.zeros(n, vocab_size, dtype=torch.bool)
+        rows, toks = zip(*banned, strict=True)
+        mask[list(rows), list(toks)] = True
+        metadata.banned_token_mask = mask.to(device)
     blocked: list[tuple[int, int]] = []
     for row, p in enumerate(params):
         if p.min_tokens and int(num_tokens[row]) - int(prompt_lens[row]) < p.min_tokens:

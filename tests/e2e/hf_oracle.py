@@ -39,3 +39,11 @@ def greedy(prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False
         past = out.past_key_values
         next_id = int(out.logits[0, -1].argmax())
     return tokens
+
+
+@torch.inference_mode()
+def prompt_logprobs(prompt_ids: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab] float32 log-probabilities: row p - 1 scores prompt token p."""
+    model, _ = _model_and_tokenizer()
+    logits = model(torch.tensor([prompt_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]

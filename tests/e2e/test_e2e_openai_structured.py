@@ -126,16 +126,26 @@ def test_required_tool_choice_streams_tool_call_deltas(client) -> None:
         temperature=0,
         stream=True,
     )
-    calls = []
+    pieces = []
     finish_reason = None
     for chunk in stream:
         delta = chunk.choices[0].delta
-        calls.extend(delta.tool_calls or [])
+        pieces.extend(delta.tool_calls or [])
         finish_reason = chunk.choices[0].finish_reason or finish_reason
-    assert calls and finish_reason == "tool_calls"
-    for call in calls:
-        assert call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert pieces and finish_reason == "tool_calls"
+    # As OpenAI streams them: each call's id and name first, then argument fragments.
+    calls: dict[int, dict[str, str]] = {}
+    for piece in pieces:
+        if piece.index not in calls:
+            assert piece.id and piece.function.name and piece.function.arguments == ""
+            calls[piece.index] = {"name": piece.function.name, "arguments": ""}
+        else:
+            assert piece.id is None and piece.function.name is None
+            calls[piece.index]["arguments"] += piece.function.arguments
+    assert len(pieces) > len(calls) + 1  # the arguments came in several fragments
+    for call in calls.values():
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
 
 
 def test_auto_parses_a_hermes_call_from_the_text(client) -> None:

@@ -36,6 +36,9 @@ class FakeEngineClient:
     hang_after_deltas: int | None = None
     # Prompt tokens reported as prefix-cache hits.
     num_cached_tokens: int = 0
+    # Hits reported by the samples after the first of an n > 1 request (the
+    # scheduler computes the prompt once and lets the siblings hit its cache).
+    num_sibling_cached_tokens: int | None = None
     # When set, every request generates these token ids instead of echoing its prompt.
     script: list[int] | None = None
     ready: bool = True
@@ -100,9 +103,12 @@ class FakeEngineClient:
                 finish_reason = "length"
             new_text = full_text[len(sent_text) :]
             sent_text = full_text
-            yield self._delta(
+            delta = self._delta(
                 request, new_text, [token_id], output, finish_reason, stop_reason, logprob_step=step
             )
+            if step == 0:
+                delta.prompt_logprobs = self._prompt_logprobs(request)
+            yield delta
             if finish_reason is not None:
                 return
 
@@ -130,11 +136,26 @@ class FakeEngineClient:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=self.num_cached_tokens,
+            num_cached_tokens=self._cached_tokens(request),
             num_output_tokens=len(output),
             logprobs=logprobs,
             error=error,
         )
+
+    def _prompt_logprobs(self, request: GenerationRequest) -> list[TokenLogprob | None] | None:
+        """Prompt token p scored like an output token of step p (see fake_logprob)."""
+        num_top = request.sampling_params.prompt_logprobs
+        if num_top is None:
+            return None
+        prompt = request.prompt_token_ids
+        scored = [fake_logprob(prompt[p], p, num_top, self.decode) for p in range(1, len(prompt))]
+        return [None, *scored]
+
+    def _cached_tokens(self, request: GenerationRequest) -> int:
+        is_sibling = request.parallel_group is not None and _choice_offset(request.request_id) > 0
+        if is_sibling and self.num_sibling_cached_tokens is not None:
+            return self.num_sibling_cached_tokens
+        return self.num_cached_tokens
 
 
 def fake_logprob(
@@ -147,7 +168,7 @@ def fake_logprob(
         for k in range(num_top)
     ]
     return TokenLogprob(
-        token_id=token_id, token=decode([token_id]), logprob=sampled, top_logprobs=top
+        token_id=token_id, token=decode([token_id]), logprob=sampled, top_logprobs=top, rank=1
     )
 
 

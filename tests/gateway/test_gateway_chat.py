@@ -100,6 +100,20 @@ async def test_chat_response_fields(
     assert body["usage"]["total_tokens"] == len(prompt_ids) + 12
 
 
+async def test_chat_cached_tokens_count_every_sample_of_n(
+    client: httpx.AsyncClient, engine: FakeEngineClient
+) -> None:
+    engine.num_cached_tokens = 2
+    engine.num_sibling_cached_tokens = 16
+    request = {"messages": CONVERSATION, "max_tokens": 2, "n": 3}
+    response = await client.post("/v1/chat/completions", json=request)
+    assert response.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 34}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = await client.post("/v1/chat/completions", json={**request, **stream})
+    usage = parse_sse(streamed.text)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 34}
+
+
 async def test_max_tokens_defaults_to_the_room_left(
     client: httpx.AsyncClient, engine: FakeEngineClient, hf_tokenizer: Any
 ) -> None:
@@ -199,3 +213,52 @@ async def test_chat_stream_logprobs_per_chunk(client: httpx.AsyncClient) -> None
     ]
     assert [entry["logprob"] for entry in entries] == [-0.5, -1.0, -1.5]
     assert all(entry["top_logprobs"] == [] for entry in entries)
+
+
+async def test_chat_prompt_logprobs_cover_the_rendered_prompt(
+    client: httpx.AsyncClient, hf_tokenizer: Any
+) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"messages": CONVERSATION, "max_tokens": 2, "prompt_logprobs": 0},
+    )
+    body = response.json()
+    prompt_ids = hf_prompt_ids(hf_tokenizer, CONVERSATION)
+    prompt_logprobs = body["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for position, entry in enumerate(prompt_logprobs[1:], start=1):
+        assert list(entry) == [str(prompt_ids[position])]
+        assert entry[str(prompt_ids[position])]["logprob"] == -0.5 * (position + 1)
+    streamed = await client.post(
+        "/v1/chat/completions",
+        json={"messages": CONVERSATION, "stream": True, "prompt_logprobs": 1},
+    )
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+async def test_chat_logprobs_as_token_ids_stream_and_whole(
+    client: httpx.AsyncClient, hf_tokenizer: Any
+) -> None:
+    prompt_ids = hf_prompt_ids(hf_tokenizer, CONVERSATION)
+    request = {
+        "messages": CONVERSATION,
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    whole = (await client.post("/v1/chat/completions", json=request)).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in prompt_ids[:2]]
+    assert content[0]["bytes"] == list(f"token_id:{prompt_ids[0]}".encode())
+    assert content[0]["top_logprobs"][0]["token"] == f"token_id:{prompt_ids[0]}"
+    streamed = await client.post("/v1/chat/completions", json={**request, "stream": True})
+    chunks = parse_sse(streamed.text)[:-1]
+    tokens = [
+        entry["token"]
+        for chunk in chunks
+        if chunk["choices"][0]["logprobs"] is not None
+        for entry in chunk["choices"][0]["logprobs"]["content"]
+    ]
+    assert tokens == [entry["token"] for entry in content]

@@ -112,6 +112,22 @@ async def test_n_fans_out_into_sibling_requests(
     assert body["usage"]["completion_tokens"] == 12
 
 
+async def test_cached_tokens_count_every_sample_of_n(
+    client: httpx.AsyncClient, engine: FakeEngineClient
+) -> None:
+    # The first sample computes the prompt; its two siblings hit the cache.
+    engine.num_sibling_cached_tokens = 8
+    request = {"prompt": PROMPT, "max_tokens": 2, "n": 3}
+    response = await client.post("/v1/completions", json=request)
+    assert response.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    stream_options = {"include_usage": True}
+    streamed = await client.post(
+        "/v1/completions", json={**request, "stream": True, "stream_options": stream_options}
+    )
+    usage = parse_sse(streamed.text)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
 async def test_batched_prompts_strings_and_token_ids(
     client: httpx.AsyncClient, engine: FakeEngineClient, tokenizer: Tokenizer
 ) -> None:
@@ -254,3 +270,69 @@ async def test_stream_logprobs_offsets_continue_across_chunks(client: httpx.Asyn
         offsets += logprobs["text_offset"]
     assert len(tokens) == 4
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(4)]
+
+
+async def test_echo_with_logprobs_scores_the_prompt_in_openai_layout(
+    client: httpx.AsyncClient, engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    prompt_ids = tokenizer.encode(PROMPT)
+    request = {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+    response = await client.post("/v1/completions", json=request)
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    num_prompt = len(prompt_ids)
+    assert engine.requests[0].sampling_params.prompt_logprobs == 1
+    assert logprobs["tokens"][:num_prompt] == [tokenizer.token_to_text(t) for t in prompt_ids]
+    # The first prompt token has nothing before it; prompt token p scores -0.5 * (p + 1).
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    scored = logprobs["token_logprobs"][1:num_prompt]
+    assert scored == [-0.5 * (p + 1) for p in range(1, num_prompt)]
+    assert logprobs["token_logprobs"][num_prompt:] == [-0.5, -1.0]
+    assert len(logprobs["tokens"]) == num_prompt + 2
+    assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    assert logprobs["text_offset"][0] == 0
+    assert logprobs["text_offset"][num_prompt] == len(PROMPT)
+    # As lm-evaluation-harness reads a loglikelihood: the continuation's logprobs.
+    continuation = logprobs["token_logprobs"][3:-1]
+    assert continuation == [-0.5 * (p + 1) for p in range(3, num_prompt)] + [-0.5]
+    streamed = await client.post("/v1/completions", json={**request, "stream": True})
+    chunks = parse_sse(streamed.text)[:-1]
+    streamed_logprobs = [c["choices"][0]["logprobs"] for c in chunks]
+    for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [item for lp in streamed_logprobs for item in lp[key]] == logprobs[key]
+
+
+async def test_prompt_logprobs_in_vllm_layout(
+    client: httpx.AsyncClient, tokenizer: Tokenizer
+) -> None:
+    prompt_ids = tokenizer.encode(PROMPT)
+    response = await client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2}
+    )
+    choice = response.json()["choices"][0]
+    assert choice["logprobs"] is None
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for position, entry in enumerate(prompt_logprobs[1:], start=1):
+        token = prompt_ids[position]
+        # The prompt token first, then the top 2 (the fake's: the token itself, token + 1).
+        assert list(entry) == [str(token), str(token + 1)]
+        assert entry[str(token)] == {
+            "logprob": -0.5 * (position + 1),
+            "rank": 1,
+            "decoded_token": tokenizer.decode([token]),
+        }
+        assert entry[str(token + 1)]["rank"] == 2
+
+
+async def test_return_tokens_as_token_ids_names_tokens_by_id(
+    client: httpx.AsyncClient, tokenizer: Tokenizer
+) -> None:
+    prompt_ids = tokenizer.encode(PROMPT)
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "return_tokens_as_token_ids": True},
+    )
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{prompt_ids[0]}", f"token_id:{prompt_ids[1]}"]
+    assert list(logprobs["top_logprobs"][0]) == [f"token_id:{prompt_ids[0]}"]

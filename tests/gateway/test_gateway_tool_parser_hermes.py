@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from gateway.tool_parser_hermes import ParsedOutput, ToolCall, parse_hermes_tool_calls
+from gateway.tool_call_stream import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+    collect,
+)
+from gateway.tool_parser_hermes import HermesToolStream, parse_hermes_tool_calls
 
 
 def parse(text: str) -> ParsedOutput:
@@ -28,7 +35,8 @@ def test_single_call_with_leading_text() -> None:
         "</tool_call>"
     )
     parsed = parse(text)
-    assert parsed.content == "Let me check."
+    # As vLLM: the text before the first call, verbatim; arguments as generated.
+    assert parsed.content == "Let me check.\n"
     assert parsed.tool_calls == [
         ToolCall(id="call_0", name="get_weather", arguments='{"city": "Zürich", "unit": "C"}')
     ]
@@ -72,3 +80,37 @@ def test_malformed_calls_fall_back_to_plain_content(text: str) -> None:
     parsed = parse(text)
     assert parsed.content == text
     assert parsed.tool_calls == []
+
+
+STREAMED = (
+    'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", '
+    '"days": [1, 2], "note": "a \\"}\\" b"}}\n</tool_call>\n<tool_call>{"arguments": '
+    '{}, "name": "now"}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_streamed_pieces_add_up_to_the_parsed_calls(piece: int) -> None:
+    counter = itertools.count()
+    stream = HermesToolStream(make_id=lambda: f"call_{next(counter)}")
+    events = []
+    for start in range(0, len(STREAMED), piece):
+        events += stream.feed(STREAMED[start : start + piece])
+    events += stream.finish()
+    assert stream.ok
+    assert collect(events) == parse(STREAMED)
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [(s.index, s.name) for s in starts] == [(0, "get_weather"), (1, "now")]
+    first_arguments = [e for e in events if isinstance(e, ToolCallArguments) and e.index == 0]
+    # The name goes out before any argument text, which streams in fragments.
+    assert events.index(starts[0]) < events.index(first_arguments[0])
+    if piece < 5:
+        assert len(first_arguments) > 3
+    assert json.loads("".join(e.text for e in first_arguments))["note"] == 'a "}" b'
+    assert "".join(e for e in events if isinstance(e, str)) == "Checking."
+
+
+def test_text_that_only_looks_like_a_call_start_is_content() -> None:
+    stream = HermesToolStream()
+    events = stream.feed("a <tool") + stream.feed("box> b") + stream.finish()
+    assert "".join(events) == "a <toolbox> b" and stream.ok

@@ -137,7 +137,27 @@ async def test_auto_parses_hermes_calls_into_tool_calls(
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
-async def test_auto_streams_text_then_one_complete_tool_call_delta(
+def _streamed_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reassemble streamed tool calls the way the OpenAI client does, checking their shape:
+    the first piece of a call has its id, type and name; the others only argument text."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in (c for d in deltas for c in d["delta"].get("tool_calls") or []):
+        index = piece["index"]
+        if index not in calls:
+            assert set(piece) == {"index", "id", "type", "function"}
+            assert piece["function"]["arguments"] == ""
+            calls[index] = {
+                "id": piece["id"],
+                "type": piece["type"],
+                "function": dict(piece["function"]),
+            }
+        else:
+            assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+            calls[index]["function"]["arguments"] += piece["function"]["arguments"]
+    return [calls[index] for index in sorted(calls)]
+
+
+async def test_auto_streams_text_then_the_call_as_deltas(
     client: httpx.AsyncClient, engine: FakeEngineClient, tokenizer: Tokenizer
 ) -> None:
     _script(engine, tokenizer, "Let me check. " + CALL_TEXT)
@@ -147,11 +167,15 @@ async def test_auto_streams_text_then_one_complete_tool_call_delta(
     deltas = [event["choices"][0] for event in events[:-1]]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     assert content == "Let me check. "  # nothing of the call leaks as text
-    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
-    assert len(calls) == 1 and calls[0]["index"] == 0
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    pieces = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+    assert len(pieces) > 2  # the name, then the arguments token by token
+    (call,) = _streamed_calls(deltas)
+    assert call["function"]["name"] == "get_weather"
+    assert call["function"]["arguments"] == '{"city": "Paris"}'
     assert deltas[-1]["finish_reason"] == "tool_calls"
+    whole = (await client.post(CHAT, json={**body, "stream": False})).json()["choices"][0]
+    assert whole["message"]["content"] == "Let me check. "
+    assert whole["message"]["tool_calls"][0]["function"] == call["function"]
 
 
 async def test_auto_without_a_call_streams_plain_content(
@@ -183,7 +207,7 @@ async def test_named_tool_choice_forces_the_arguments_schema(
     assert spec == StructuredOutputSpec("json", json.dumps(SCHEMA))
     if stream:
         deltas = [e["choices"][0] for e in parse_sse(response.text)[:-1]]
-        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        calls = _streamed_calls(deltas)
         finish_reason = deltas[-1]["finish_reason"]
     else:
         message = response.json()["choices"][0]["message"]
@@ -220,3 +244,12 @@ async def test_required_forces_an_array_of_calls_to_known_tools(
         "get_weather",
     ]
     assert choice["finish_reason"] == "tool_calls"
+    streamed = await client.post(CHAT, json={**body, "stream": True})
+    deltas = [e["choices"][0] for e in parse_sse(streamed.text)[:-1]]
+    calls = _streamed_calls(deltas)
+    assert [c["function"] for c in calls] == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in choice["message"]["tool_calls"]
+    ]
+    assert [c["function"]["arguments"] for c in calls] == ["{}", '{"city": "Oslo"}']
+    assert deltas[-1]["finish_reason"] == "tool_calls"

@@ -38,7 +38,7 @@ def make_request(
     *,
     request_id: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
-    eos_token_id: int | None = 2,
+    eos_token_ids: Sequence[int] = (2,),
     arrival_time: float = 0.0,
     priority: int = 0,
     cache_salt: str | None = None,
@@ -55,7 +55,7 @@ def make_request(
         request_id=request_id if request_id is not None else f"req-{serial}",
         prompt_token_ids=list(prompt_token_ids),
         sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
-        eos_token_id=eos_token_id,
+        eos_token_ids=eos_token_ids,
         arrival_time=arrival_time,
         priority=priority,
         cache_salt=cache_salt,

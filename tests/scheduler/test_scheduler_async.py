@@ -153,7 +153,7 @@ def _request(req_id: str, n_prompt: int, max_tokens: int, **kwargs) -> Request:
     # The prompt depends on the id only, so a sync and an async run see the same one.
     seed = sum(map(ord, req_id)) * 31
     kwargs.setdefault("prompt_token_ids", [10 + (seed + 7 * i) % 900 for i in range(n_prompt)])
-    return make_request(n_prompt, max_tokens, request_id=req_id, eos_token_id=EOS, **kwargs)
+    return make_request(n_prompt, max_tokens, request_id=req_id, eos_token_ids=(EOS,), **kwargs)
 
 
 def test_async_step_counts_for_one_request_match_sync_exactly() -> None:

@@ -19,7 +19,7 @@ def _request(num_tokens: int, request_id: str = "r") -> Request:
         request_id,
         list(range(100, 100 + num_tokens)),
         SamplingParams(max_tokens=8),
-        eos_token_id=None,
+        eos_token_ids=(),
         arrival_time=0.0,
     )
     extend_block_hashes(request.block_hashes, request.all_token_ids, BLOCK, None, sha256_block_hash)

@@ -34,6 +34,23 @@ def test_eos_stops_with_stop_and_keeps_the_eos_token() -> None:
     assert [o.finish_reason for o in outputs[:-1]] == [None, None]
 
 
+def test_every_eos_id_of_the_model_stops() -> None:
+    # Llama 3 style: config.json names one EOS, generation_config.json more.
+    for eos in (EOS, 128_009, 128_008):
+        request = make_request(4, max_tokens=10, eos_token_ids=(EOS, 128_009, 128_008))
+        outputs = _generate(request, [5, eos, 6])
+        assert _tokens(outputs) == [5, eos]
+        assert outputs[-1].finish_reason is FinishReason.STOP
+        assert outputs[-1].stop_reason is None
+
+
+def test_ignore_eos_ignores_every_eos_id() -> None:
+    request = make_request(4, max_tokens=3, eos_token_ids=(EOS, 7), ignore_eos=True)
+    outputs = _generate(request, [7, EOS, 7, 7])
+    assert _tokens(outputs) == [7, EOS, 7]
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+
+
 def test_ignore_eos_runs_to_max_tokens() -> None:
     outputs = _generate(make_request(4, max_tokens=4, ignore_eos=True), [EOS] * 6)
     assert _tokens(outputs) == [EOS] * 4

@@ -15,6 +15,7 @@ from services.step import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from services.step_codec import (
@@ -45,6 +46,9 @@ def _params(**kw) -> SamplingParams:
         stop_token_ids=(5, 9),
         logit_bias=((11, 2.5), (12, -100.0)),
         logprobs=4,
+        prompt_logprobs=2,
+        allowed_token_ids=(3, 5, 8),
+        bad_words_token_ids=((17,), (4, 9, 4)),
         **kw,
     )
 
@@ -82,9 +86,12 @@ def test_unknown_structured_output_kind_is_an_invalid_request() -> None:
 
 
 def test_seed_zero_and_logprobs_zero_are_not_lost() -> None:
-    p = SamplingParams(seed=0, logprobs=0)
+    p = SamplingParams(seed=0, logprobs=0, prompt_logprobs=0)
     back = sampling_params_from_proto(sampling_params_to_proto(p))
-    assert back.seed == 0 and back.logprobs == 0
+    assert back.seed == 0 and back.logprobs == 0 and back.prompt_logprobs == 0
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
+        SamplingParams()
+    )
 
 
 def test_detokenize_params_round_trip() -> None:
@@ -150,3 +157,18 @@ def test_model_runner_output_round_trip_with_mixed_logprobs() -> None:
     assert back.errors == out.errors
     assert back.logprobs[1] is None and back.logprobs[2] is None
     assert back.logprobs[0].token_id == 5 and back.logprobs[0].top_token_ids == [5, 6]
+
+
+def test_prompt_logprobs_round_trip() -> None:
+    out = ModelRunnerOutput.make_empty(step_id=8)
+    assert not model_runner_output_to_proto(out).prompt_logprobs
+    out.prompt_logprobs = [
+        PromptLogprobs(
+            "a",
+            1,
+            [Logprobs(17, -2.5, 3, [4, 9], [-0.5, -1.0]), Logprobs(4, -0.5, 1, [4, 9], [-0.5, -1])],
+        ),
+        PromptLogprobs("b", 33, [Logprobs(8, -7.0, 120, [], [])]),
+    ]
+    back = model_runner_output_from_proto(model_runner_output_to_proto(out))
+    assert back.prompt_logprobs == out.prompt_logprobs

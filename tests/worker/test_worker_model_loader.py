@@ -101,6 +101,14 @@ def test_sharded_checkpoint_with_tied_embeddings_loads(tmp_path: Path) -> None:
     )
 
 
+def test_eos_ids_come_from_config_and_generation_config(tmp_path: Path) -> None:
+    make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 9]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (5, 7, 9)
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", torch.float32)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -21,6 +21,13 @@ def reference_processed_logits(
 ) -> torch.Tensor:
     """One request, one token at a time, straight from the definitions (float64)."""
     x = logits.double().clone()
+    if params.allowed_token_ids:
+        allowed = torch.zeros(len(x), dtype=torch.bool)
+        allowed[list(params.allowed_token_ids)] = True
+        x[~allowed] = -math.inf
+    for word in params.bad_words_token_ids:
+        if len(word) == 1 or output[len(output) - len(word) + 1 :] == list(word[:-1]):
+            x[word[-1]] = -math.inf
     if len(output) < params.min_tokens:
         for token in {*params.stop_token_ids, *([] if params.ignore_eos else EOS)}:
             x[token] = -math.inf
@@ -65,6 +72,8 @@ MIXED_PARAMS = [
     SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=(9, 11)),
     SamplingParams(temperature=1.0, min_tokens=5, ignore_eos=True),
     SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0),
+    SamplingParams(temperature=0.0, allowed_token_ids=(3, 50, 51, 199)),
+    SamplingParams(temperature=0.9, top_k=30, bad_words_token_ids=((40,), (12, 13, 41), (9, 42))),
 ]
 
 
@@ -91,6 +100,8 @@ def test_each_processor_matches_per_request_reference(seed: int) -> None:
     logits, prompts, outputs = _random_batch(seed, len(MIXED_PARAMS))
     # Make sure min_tokens rows are still below their minimum and hit EOS/stop ids.
     outputs[8], outputs[9] = [9, 2], [2]
+    # The bad-words row ends with the start of two of its words (41 and 42 banned, 40 always).
+    outputs[12] = [5, 12, 13] if seed else [1, 9]
     metadata = _metadata(MIXED_PARAMS, prompts, outputs)
     processed = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
     for row, params in enumerate(MIXED_PARAMS):
@@ -170,7 +181,7 @@ def test_logprobs_are_the_raw_distribution_with_rank_and_top_k() -> None:
     logits, prompts, outputs = _random_batch(6, len(MIXED_PARAMS))
     params = [
         SamplingParams(**{**p.__dict__, "logprobs": k})
-        for p, k in zip(MIXED_PARAMS, [0, 1, 5, None, 3, 20, 2, 1, 0, 4, 7], strict=True)
+        for p, k in zip(MIXED_PARAMS, [0, 1, 5, None, 3, 20, 2, 1, 0, 4, 7, 2, None], strict=True)
     ]
     result = Sampler()(logits, _metadata(params, prompts, outputs))
     raw = torch.log_softmax(logits, dim=-1)
@@ -187,3 +198,27 @@ def test_logprobs_are_the_raw_distribution_with_rank_and_top_k() -> None:
         top = torch.topk(raw[row], p.logprobs) if p.logprobs else None
         assert entry.top_token_ids == (top.indices.tolist() if top else [])
         assert entry.top_logprobs == pytest.approx(top.values.tolist() if top else [], abs=1e-5)
+
+
+def test_allowed_token_ids_and_bad_words_decide_what_can_be_sampled() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 7] = 10.0  # the argmax everywhere, unless masked
+    logits[:, 8] = 9.0
+    logits[:, 60] = 8.0
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=(60, 61)),
+        SamplingParams(temperature=0.0, bad_words_token_ids=((4, 7), (8,))),
+        SamplingParams(temperature=0.0, bad_words_token_ids=((4, 7),)),
+    ]
+    # Row 1 just generated 4, so 7 would complete "4 7"; row 2 did not.
+    sampled = Sampler()(logits, _metadata(params, [[1], [1], [1]], [[], [3, 4], [4, 3]]))
+    assert sampled.token_ids.tolist() == [60, 60, 7]
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    logits, prompts, outputs = _random_batch(6, 2)
+    params = [SamplingParams(temperature=1.0, top_k=2**31 - 1), SamplingParams(top_k=5)]
+    metadata = _metadata(params, prompts, outputs)
+    processed = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
+    assert not torch.isinf(processed[0]).any()
+    assert int((~torch.isinf(processed[1])).sum()) == 5

@@ -1,0 +1,169 @@
+"""Read a tool call's JSON while it is being generated, one character at a time.
+
+A call is an object ``{"name": "...", "arguments": {...}}``. ``CallScanner``
+follows its structure as text arrives, so a stream can send the function's
+name as soon as its string is closed and the arguments' text as it is
+generated, exactly as it will read once complete: the arguments object is
+passed on verbatim, never re-serialized, so the streamed fragments add up to
+the arguments a non-streamed response returns. It checks structure, not every
+JSON rule; ``finish`` runs the real parser over the whole object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+_WHITESPACE = " \t\r\n"
+
+
+class MalformedCallError(ValueError):
+    """The text cannot be a tool call object."""
+
+
+@dataclass
+class CallScanner:
+    """One call object, fed in pieces; raises MalformedCallError as soon as it cannot be one."""
+
+    text: str = ""
+    done: bool = False
+    # Top-level key -> (start, end) of its value in ``text``; end None while open.
+    values: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    _state: str = "start"  # start, key, in_key, colon, value, in_value, after_value
+    _key_start: int = 0
+    _key: str = ""
+    _depth: int = 0  # nesting inside the current value
+    _in_string: bool = False
+    _escape: bool = False
+
+    def feed(self, text: str) -> int:
+        """Consume ``text`` up to the end of the object; returns how many characters it took."""
+        for offset, char in enumerate(text):
+            if self.done:
+                return offset
+            self._step(char)
+            self.text += char
+        return len(text)
+
+    def _step(self, char: str) -> None:
+        position = len(self.text)
+        state = self._state
+        if state == "in_value":
+            self._step_value(char, position)
+        elif state == "in_key":
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self._key = json.loads(self.text[self._key_start :] + char)
+                self._state = "colon"
+        elif char in _WHITESPACE:
+            return
+        elif state == "start":
+            self._expect(char == "{", "a tool call must be a JSON object")
+            self._state = "key"
+        elif state in ("key", "after_value"):
+            if char == "}":
+                self.done = True
+            elif char == "," and state == "after_value":
+                self._state = "key"
+            else:
+                self._expect(char == '"' and state == "key", "expected a key")
+                self._key_start = position
+                self._state = "in_key"
+        elif state == "colon":
+            self._expect(char == ":", "expected ':' after a key")
+            self._state = "value"
+        elif state == "value":
+            self.values[self._key] = (position, None)
+            self._state = "in_value"
+            self._step_value(char, position)
+
+    def _step_value(self, char: str, position: int) -> None:
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self._in_string = False
+                if self._depth == 0:
+                    self._close_value(position + 1)
+            return
+        if char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            if self._depth == 0:  # a primitive value ends where its object does
+                self._close_value(position)
+                self.done = True
+                return
+            self._depth -= 1
+            if self._depth == 0:
+                self._close_value(position + 1)
+        elif self._depth == 0 and char in ",":
+            self._close_value(position)
+            self._state = "key"
+        elif self._depth == 0 and char in _WHITESPACE:
+            self._close_value(position)
+
+    def _close_value(self, end: int) -> None:
+        start, _ = self.values[self._key]
+        self.values[self._key] = (start, end)
+        self._state = "after_value"
+
+    @staticmethod
+    def _expect(condition: bool, message: str) -> None:
+        if not condition:
+            raise MalformedCallError(message)
+
+    def value_text(self, key: str) -> str | None:
+        """The key's value as generated so far (None before it starts)."""
+        span = self.values.get(key)
+        if span is None:
+            return None
+        start, end = span
+        return self.text[start:end]
+
+    def is_closed(self, key: str) -> bool:
+        span = self.values.get(key)
+        return span is not None and span[1] is not None
+
+    @property
+    def name(self) -> str | None:
+        """The function's name once its string is complete."""
+        if not self.is_closed("name"):
+            return None
+        name = json.loads(self.value_text("name") or "null")
+        if not isinstance(name, str):
+            raise MalformedCallError("a tool call's name must be a string")
+        return name
+
+    def finish(self) -> tuple[str, str]:
+        """(name, arguments) of the complete object; arguments as generated, "{}" if absent.
+
+        Arguments given as a JSON string holding a JSON object (some models
+        double-encode them) are that string's content.
+        """
+        if not self.done:
+            raise MalformedCallError("the tool call is incomplete")
+        try:
+            payload = json.loads(self.text)
+        except json.JSONDecodeError as exc:
+            raise MalformedCallError(str(exc)) from exc
+        name = payload.get("name")
+        if not isinstance(name, str):
+            raise MalformedCallError("a tool call needs a name")
+        arguments = payload.get("arguments", {})
+        raw = self.value_text("arguments")
+        if isinstance(arguments, str):
+            raw = arguments
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise MalformedCallError("arguments must be a JSON object") from exc
+        if not isinstance(arguments, dict):
+            raise MalformedCallError("arguments must be a JSON object")
+        return name, raw if raw is not None else "{}"

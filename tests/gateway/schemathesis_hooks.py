@@ -1,0 +1,138 @@
+"""The request rules JSON Schema cannot state, for `schemathesis run` (SCHEMATHESIS_HOOKS).
+
+/openapi.json states every rule about one field (gateway/protocol.py). These
+tie fields together or need the tokenizer; the schema describes each on its
+fields, and this hook keeps schemathesis from generating "valid" requests that
+break one, so that its positive_data_acceptance check holds the server to the
+rest. Each rule is written here independently of the server's code, except the
+chat prompt's token count, which uses the gateway's own rendering of a chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+import schemathesis
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.tokenizer import Tokenizer
+from gateway.tool_calling import plan_tools
+from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
+from services.errors import KvmeshError
+from services.model_prep import default_model_path
+from tests.gateway.helpers import MAX_MODEL_LEN
+
+_TOKENIZER = Tokenizer.from_pretrained(default_model_path())
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _is_json_object_text(value: Any) -> bool:
+    if not isinstance(value, str):
+        return True  # an object given as such
+    try:
+        return isinstance(json.loads(value), dict | bool)
+    except json.JSONDecodeError:
+        return False
+
+
+def _structured_sources(body: dict[str, Any]) -> list[Any]:
+    """The structured-output constraints the body asks for (at most one is allowed)."""
+    sources: list[Any] = [body[field] for field in _GUIDED_FIELDS if body.get(field) is not None]
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        sources.append(response_format)
+    structured = body.get("structured_outputs")
+    if isinstance(structured, dict):
+        sources += [value for value in structured.values() if value not in (None, False)]
+    return sources
+
+
+def _json_texts_valid(body: dict[str, Any]) -> bool:
+    structured = body.get("structured_outputs")
+    nested = structured.get("json") if isinstance(structured, dict) else None
+    return _is_json_object_text(body.get("guided_json")) and _is_json_object_text(nested)
+
+
+def _tool_rules_hold(body: dict[str, Any]) -> bool:
+    """tool_choice other than none needs tools, names one of them, and forces no second
+    structured output."""
+    choice = body.get("tool_choice")
+    if choice in (None, "none"):
+        return True
+    names = [tool["function"]["name"] for tool in body.get("tools") or []]
+    if not names:
+        return False
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        return False
+    return choice == "auto" or not _structured_sources(body)
+
+
+def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
+    sources = _structured_sources(body)
+    forced_tool = chat and body.get("tool_choice") not in (None, "none", "auto")
+    return not (
+        (body.get("stream_options") is not None and not body.get("stream"))
+        or (body.get("prompt_logprobs") and body.get("stream"))
+        or (chat and body.get("top_logprobs") and not body.get("logprobs"))
+        or len(sources) > 1
+        or (body.get("ignore_eos") and (sources or forced_tool))
+        or not _json_texts_valid(body)
+        or (not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1))
+        or (chat and body.get("continue_final_message") and body.get("add_generation_prompt", True))
+        or (chat and not _tool_rules_hold(body))
+    )
+
+
+def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
+    """Tokens of each prompt as the gateway counts them (None: not a valid body)."""
+    if chat:
+        try:
+            request = ChatCompletionRequest.model_validate(body)
+            plan = plan_tools(request)
+            prompt = chat_prompt(request, _TOKENIZER, plan.tools if plan.renders_tools else None)
+        except (pydantic.ValidationError, KvmeshError):
+            return None  # refused for a reason of its own, which the run must see
+        lengths = [len(prompt.token_ids)]
+    else:
+        try:
+            raw = CompletionRequest.model_validate(body).prompt
+        except pydantic.ValidationError:
+            return None
+        items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
+        lengths = [
+            len(_TOKENIZER.encode(item)) if isinstance(item, str) else len(item)
+            for item in items or []
+        ]
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None:
+        keep = MAX_MODEL_LEN if truncate == -1 else truncate
+        lengths = [min(length, keep) for length in lengths]
+    return lengths
+
+
+def _fits_the_context(body: dict[str, Any], chat: bool) -> bool:
+    """Each prompt has a token, prompt + max_tokens <= max_model_len, min_tokens <= max_tokens."""
+    lengths = _prompt_lengths(body, chat)
+    if not lengths:
+        return lengths is None
+    if min(lengths) == 0 or max(lengths) >= MAX_MODEL_LEN:
+        return False
+    room = MAX_MODEL_LEN - max(lengths)
+    if chat:
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or room
+    else:
+        max_tokens = body.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
+    return max_tokens <= room and (body.get("min_tokens") or 0) <= max_tokens
+
+
+@schemathesis.hook
+def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
+    """Applied to every phase's cases (filter_body would miss the coverage phase)."""
+    body = case.body
+    path = case.operation.path
+    if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions"):
+        return True
+    chat = path == "/v1/chat/completions"
+    return _cross_field_rules_hold(body, chat) and _fits_the_context(body, chat)
