@@ -183,9 +183,10 @@ class ModelRunner:
         )
         prepared = time.perf_counter()
         try:
-            sampled, logprobs = self._forward_and_sample(inputs)
+            sampled, logprobs, failed_rows = self._forward_and_sample(inputs)
         except Exception as exc:
-            # One failure here belongs to the whole step: fail its requests,
+            # A failure in the forward pass belongs to the whole step (the
+            # sampler isolates its own per row): fail the step's requests,
             # keep the worker alive for the next one.
             logger.exception("step %s failed", scheduler_output.step_id)
             for req_id in req_ids:
@@ -201,6 +202,9 @@ class ModelRunner:
         output.sampled_token_ids = [[] for _ in req_ids]
         output.logprobs = [None] * len(req_ids)
         for position, index in enumerate(np.flatnonzero(inputs.sample_mask)):
+            if position in failed_rows:
+                self._fail_request(req_ids[index], failed_rows[position], output)
+                continue
             output.sampled_token_ids[index] = [token_list[position]]
             output.logprobs[index] = logprobs[position]
         output.errors.update(self.structured_output.pop_errors())
@@ -208,14 +212,20 @@ class ModelRunner:
         self.timings.num_steps += 1
         return output
 
-    def _forward_and_sample(self, inputs: StepInputs) -> tuple[torch.Tensor, list]:
+    def _fail_request(self, req_id: str, message: str, output: ModelRunnerOutput) -> None:
+        output.errors[req_id] = message
+        self.input_batch.remove_request(req_id)
+        self.structured_output.remove_request(req_id)
+
+    def _forward_and_sample(self, inputs: StepInputs) -> tuple[torch.Tensor, list, dict[int, str]]:
+        """Sampled tokens, logprobs and failed rows (by sampling position)."""
         forward_started = time.perf_counter()
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
         )
         if inputs.logits_indices.shape[0] == 0:
             self.timings.forward += time.perf_counter() - forward_started
-            return torch.empty(0, dtype=torch.int64), []
+            return torch.empty(0, dtype=torch.int64), [], {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sample_started = time.perf_counter()
         self.timings.forward += sample_started - forward_started
@@ -243,4 +253,4 @@ class ModelRunner:
         if step_grammar is not None:
             step_grammar.accept(result.token_ids.tolist())
         self.timings.sample += time.perf_counter() - sample_started
-        return result.token_ids, result.logprobs
+        return result.token_ids, result.logprobs, result.failed_rows
