@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -28,8 +28,9 @@ from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError
-from services.step import SchedulerOutput
+from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import logprobs_to_proto, sampling_params_from_proto
+from services.step_deadline import StepDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class SchedulerEngine:
         metrics: SchedulerMetrics,
         max_waiting_requests: int,
         kv_lookup: StorePrefixLookup | None = None,
+        step_deadline: StepDeadline | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -77,6 +79,8 @@ class SchedulerEngine:
         # Steps sent to the worker whose results are not back: (step, send time).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_num_scheduled_tokens = 0
+        # A worker that misses it is treated as lost (hung, not dead).
+        self.step_deadline = step_deadline or StepDeadline()
         self.healthy = True
 
     # ---- control (called from RPC handlers) -------------------------------
@@ -243,6 +247,7 @@ class SchedulerEngine:
                     self.config.num_kv_blocks,
                 )
             self.healthy = True
+            self.step_deadline.reset()  # a restarted worker starts cold
             logger.info("worker reconnected")
             return
 
@@ -262,7 +267,9 @@ class SchedulerEngine:
         if not self._in_flight or (len(self._in_flight) < 2 and scheduled):
             return  # first step of a burst: schedule the next one before waiting
         scheduler_output, start = self._in_flight[0]
-        runner_output = await self.worker.receive(scheduler_output.step_id)
+        runner_output = await self._within_deadline(
+            scheduler_output, self.worker.receive(scheduler_output.step_id)
+        )
         self._in_flight.popleft()
         # Aborts and stop-string finishes that arrived meanwhile go first, so a
         # request finished by a stop string publishes no tokens past it.
@@ -272,6 +279,28 @@ class SchedulerEngine:
         self.metrics.step_seconds.labels(self.metrics.model_name).observe(
             time.perf_counter() - start
         )
+
+    async def _within_deadline(
+        self, scheduler_output: SchedulerOutput, result: Awaitable[ModelRunnerOutput]
+    ) -> ModelRunnerOutput:
+        """The worker's answer to a step, or UnavailableError once it is overdue."""
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        deadline = self.step_deadline.for_step(num_tokens)
+        started = time.perf_counter()
+        try:
+            runner_output = await asyncio.wait_for(result, deadline)
+        except TimeoutError:
+            logger.error(
+                "worker did not answer step %d (%d tokens) in %.1fs; treating it as lost",
+                scheduler_output.step_id,
+                num_tokens,
+                deadline,
+            )
+            raise UnavailableError(
+                f"worker did not answer in {deadline:.1f}s (hung); treated as lost"
+            ) from None
+        self.step_deadline.record(time.perf_counter() - started, num_tokens)
+        return runner_output
 
     def _has_work(self) -> bool:
         return self.core.has_unfinished_requests() or self.core.has_connector_work()
@@ -297,7 +326,9 @@ class SchedulerEngine:
         if not self._worth_sending(scheduler_output):
             return
         start = time.perf_counter()
-        runner_output = await self.worker.execute(scheduler_output)
+        runner_output = await self._within_deadline(
+            scheduler_output, self.worker.execute(scheduler_output)
+        )
         outputs = self.core.update_from_output(scheduler_output, runner_output)
         self._publish(self._step_id, outputs)
         self.metrics.step_seconds.labels(self.metrics.model_name).observe(

@@ -31,6 +31,12 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Liveness, kept apart from readiness ('' and each named service): SERVING from
+# the moment the server starts (a worker loading its weights is alive), NOT_SERVING
+# only while the service knows it is stuck (a worker step past its deadline).
+# Orchestrators restart on it: deploy/k8s/worker.yaml probes it, and so does
+# ``kvmesh up``'s launcher.
+LIVENESS_SERVICE = "kvmesh.Liveness"
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -106,6 +112,12 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _health_status(up: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
 class GrpcService:
     """A grpc.aio server with health and reflection, for one kvmesh service."""
 
@@ -128,18 +140,18 @@ class GrpcService:
             raise OSError(f"{self.name}: could not bind {host}:{port}")
         await self.server.start()
         await self.set_serving(False)
+        await self.set_alive(True)
         logger.info("%s listening on %s:%d", self.name, host, self.port)
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
         """Flip readiness for the whole server ('') and each named service."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
         for service in ["", *self._service_names]:
-            await self.health.set(service, status)
+            await self.health.set(service, _health_status(serving))
+
+    async def set_alive(self, alive: bool) -> None:
+        """Flip liveness (``LIVENESS_SERVICE``); NOT_SERVING asks for a restart."""
+        await self.health.set(LIVENESS_SERVICE, _health_status(alive))
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

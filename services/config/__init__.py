@@ -51,6 +51,7 @@ from services.config.service_configs import (
     KVStoreConfig,
     LauncherConfig,
     SchedulerServiceConfig,
+    StepDeadlineOptions,
     WorkerConfig,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
     "Options",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",
+    "StepDeadlineOptions",
     "WorkerConfig",
     "add_config_arguments",
     "as_env_text",
