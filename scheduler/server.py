@@ -73,6 +73,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         block_size=info.block_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting_requests=config.max_waiting_requests,
     )
     service = GrpcService(
         "scheduler", [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]

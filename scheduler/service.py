@@ -71,6 +71,8 @@ class SchedulerEngine:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
+        # Live request -> the client_id of the gateway that submitted it.
+        self._client_of: dict[str, str] = {}
         self._pending_aborts: set[str] = set()
         self._pending_stops: set[str] = set()
         self._wakeup = asyncio.Event()
@@ -121,6 +123,7 @@ class SchedulerEngine:
             client_id=msg.client_id,
             arrival_time=time.time(),
         )
+        self._client_of[msg.request_id] = msg.client_id
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
 
@@ -145,6 +148,10 @@ class SchedulerEngine:
         self._wakeup.set()
         return live
 
+    def requests_of_client(self, client_id: str) -> list[str]:
+        """Live requests submitted by the gateway ``client_id``."""
+        return [rid for rid, client in self._client_of.items() if client == client_id]
+
     def finish_on_stop_string(self, request_ids: list[str]) -> None:
         self._pending_stops.update(request_ids)
         self._wakeup.set()
@@ -157,23 +164,54 @@ class SchedulerEngine:
 
     def unsubscribe(self, key: int) -> None:
         self._subscribers.pop(key, None)
+        if not self._subscribers:
+            live = self.abort(self.core.live_request_ids())
+            if live:
+                logger.warning("no output subscriber left: aborting %d live requests", len(live))
 
     # ---- the step loop -----------------------------------------------------
 
     def _apply_pending_control(self) -> None:
         if self._pending_aborts:
-            ids = list(self._pending_aborts)
+            ids = [rid for rid in self._pending_aborts if self.core.get_request(rid) is not None]
             self._pending_aborts.clear()
+            # Requests whose header went out hold detokenizer state: one last
+            # output releases it. The others were never seen downstream.
+            ended = [
+                self._final_output(rid, FinishReason.ABORT)
+                for rid in ids
+                if rid not in self._headers
+            ]
             self.core.abort_requests(ids)
-            for rid in ids:
-                self._headers.pop(rid, None)
+            self._forget(ids)
+            self._publish(self._step_id, ended)
         if self._pending_stops:
             ids = [rid for rid in self._pending_stops if self.core.get_request(rid) is not None]
             self._pending_stops.clear()
             if ids:
                 self.core.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
-            for rid in ids:
-                self._headers.pop(rid, None)
+            self._forget(ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop the service's own state of requests that ended without an output."""
+        for rid in request_ids:
+            self._headers.pop(rid, None)
+            self._client_of.pop(rid, None)
+
+    def _final_output(
+        self, request_id: str, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
+        """The last output of a live request that ends outside a step (abort, lost worker)."""
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason=reason,
+            stop_reason=None,
+            new_logprobs=None,
+            num_prompt_tokens=self.core.get_request(request_id).num_prompt_tokens,
+            num_cached_tokens=0,
+            error=error,
+        )
 
     def _to_proto(self, out: RequestOutput) -> scheduler_pb2.RequestOutput:
         msg = scheduler_pb2.RequestOutput(
@@ -193,6 +231,8 @@ class SchedulerEngine:
         header = self._headers.pop(out.request_id, None)
         if header is not None:
             msg.header.CopyFrom(header)
+        if out.finish_reason is not None:
+            self._client_of.pop(out.request_id, None)
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
@@ -211,19 +251,7 @@ class SchedulerEngine:
     def _fail_all(self, reason: str) -> None:
         """Finish every live request with an error (the worker lost their KV)."""
         ids = self.core.live_request_ids()
-        failed = [
-            RequestOutput(
-                request_id=rid,
-                new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                stop_reason=None,
-                new_logprobs=None,
-                num_prompt_tokens=self.core.get_request(rid).num_prompt_tokens,
-                num_cached_tokens=0,
-                error=reason,
-            )
-            for rid in ids
-        ]
+        failed = [self._final_output(rid, FinishReason.ERROR, reason) for rid in ids]
         self.core.abort_requests(ids)
         # Loads in flight died with the worker: their blocks are free again.
         self.core.release_remote_loads()
@@ -396,9 +424,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AddRequestResponse()
 
     async def AbortRequests(self, request, context):
-        return scheduler_pb2.AbortRequestsResponse(
-            aborted_ids=self.engine.abort(list(request.request_ids))
-        )
+        ids = list(request.request_ids)
+        if request.client_id:
+            ids += self.engine.requests_of_client(request.client_id)
+        return scheduler_pb2.AbortRequestsResponse(aborted_ids=self.engine.abort(ids))
 
     async def FinishRequests(self, request, context):
         self.engine.finish_on_stop_string(list(request.request_ids))
