@@ -19,8 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission import AdmissionGate, AdmissionMiddleware
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
+from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -143,18 +146,29 @@ def build_app(
     served_model_name: str,
     metrics_registry: CollectorRegistry | None = None,
     api_key: str | None = None,
+    limits: GatewayLimits | None = None,
+    admission: AdmissionGate | None = None,
 ) -> FastAPI:
-    """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token."""
+    """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
+
+    ``admission`` bounds the generation calls in flight (shared with the public
+    gRPC API); without it, the engine's own 429 is the only bound.
+    """
+    limits = limits or GatewayLimits()
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
-    # Added last = outermost: a refused key never reaches the routes.
+    # Each add wraps the ones before, so they run in reverse: a refused key
+    # never reaches the gate, and a call the gate refuses has no body read.
     app.add_middleware(_InternalErrorMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if admission is not None:
+        app.add_middleware(AdmissionMiddleware, gate=admission)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(engine, tokenizer, served_model_name, metrics)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics)
+    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits)
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits)
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -194,11 +208,7 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": _package_version()}
 
-    @app.post("/tokenize", response_model_exclude_none=True)
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        check_model(request.model, served_model_name)
-        if (request.prompt is None) == (request.messages is None):
-            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+    def tokenize_in_thread(request: TokenizeRequest) -> TokenizeResponse:
         if request.prompt is not None:
             text = request.prompt
             add_special = request.add_special_tokens is not False
@@ -218,6 +228,13 @@ def build_app(
             ),
         )
 
+    @app.post("/tokenize", response_model_exclude_none=True)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        check_model(request.model, served_model_name)
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+        return await tokenizer.offload(tokenize_in_thread, request)
+
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_name)
@@ -226,6 +243,6 @@ def build_app(
                 raise InvalidRequestError(
                     f"token id {token_id} is outside the vocabulary", "tokens"
                 )
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await tokenizer.offload(tokenizer.decode, request.tokens))
 
     return app

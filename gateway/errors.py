@@ -31,9 +31,18 @@ def error_body(error: KvmeshError) -> dict[str, Any]:
     }
 
 
+# Seconds an overloaded server asks a client to wait before retrying (429's Retry-After).
+RETRY_AFTER_S = 1
+
+
 def error_response(error: KvmeshError, status_code: int | None = None) -> JSONResponse:
-    """The HTTP answer for ``error``: its kind's status unless the framework chose one."""
-    return JSONResponse(error_body(error), status_code=status_code or error.kind.http_status)
+    """The HTTP answer for ``error``: its kind's status unless the framework chose one.
+
+    Every OVERLOADED answer (429) says when to retry, as RFC 9110 suggests."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.kind is ErrorKind.OVERLOADED else None
+    return JSONResponse(
+        error_body(error), status_code=status_code or error.kind.http_status, headers=headers
+    )
 
 
 def response_for_exception(exc: BaseException, where: str = "the HTTP API") -> JSONResponse:

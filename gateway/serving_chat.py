@@ -56,7 +56,9 @@ class ChatServing(Serving):
         check_model(request.model, self._model_name)
         check_unsupported(request)
         plan = plan_tools(request)
-        prompt = chat_prompt(request, self._tokenizer, plan.tools if plan.renders_tools else None)
+        prompt = await self._tokenizer.offload(
+            chat_prompt, request, self._tokenizer, plan.tools if plan.renders_tools else None
+        )
         request_id = new_request_id("chatcmpl")
         constraint = plan.constraint()
         if constraint is not None and structured_output_spec(request) is not None:

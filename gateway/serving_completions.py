@@ -49,7 +49,9 @@ class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
-        prompts = completion_prompts(request, self._tokenizer)
+        prompts = await self._tokenizer.offload(
+            completion_prompts, request, self._tokenizer, self._limits.max_prompts_per_request
+        )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
             request_id, prompts, request, self._engine.model_info

@@ -121,11 +121,21 @@ def _health_status(up: bool) -> health_pb2.HealthCheckResponse.ServingStatus.Val
 class GrpcService:
     """A grpc.aio server with health and reflection, for one kvmesh service."""
 
-    def __init__(self, name: str, service_full_names: Iterable[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        service_full_names: Iterable[str],
+        max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        """``max_receive_message_bytes``: the largest message a caller may send; a
+        public port takes far less than the internal ones' step and KV messages."""
         self.name = name
-        self.server = grpc.aio.server(
-            interceptors=[ErrorBoundaryInterceptor()], options=SERVER_OPTIONS
-        )
+        receive_limit = "grpc.max_receive_message_length"
+        options = [
+            *(option for option in SERVER_OPTIONS if option[0] != receive_limit),
+            (receive_limit, max_receive_message_bytes),
+        ]
+        self.server = grpc.aio.server(interceptors=[ErrorBoundaryInterceptor()], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_full_names)

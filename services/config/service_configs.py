@@ -186,6 +186,20 @@ class GatewayConfig(CommonConfig):
     scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
     detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
     api_key: str = opt("", "if set, require 'Authorization: Bearer <key>' on /v1 routes")
+    max_inflight_requests: int = opt(
+        0,
+        "generation calls (HTTP and gRPC) this gateway serves at once; past it, 429 before "
+        "the body is read (0: what the engine holds, max_num_seqs + max_waiting_requests)",
+        minimum=0,
+    )
+    max_request_body_bytes: int = opt(
+        8 << 20,
+        "largest HTTP request body (413 past it) and public gRPC message accepted",
+        minimum=1024,
+    )
+    max_prompts_per_request: int = opt(
+        128, "most prompts in one /v1/completions or Generate call", minimum=1
+    )
 
 
 @dataclass(frozen=True)
