@@ -163,6 +163,12 @@ class GrpcService:
         """Flip liveness (``LIVENESS_SERVICE``); NOT_SERVING asks for a restart."""
         await self.health.set(LIVENESS_SERVICE, _health_status(alive))
 
+    async def set_alive_and_ready(self, up: bool) -> None:
+        """Both at once: a service stuck in its work is neither (a worker's hung step:
+        a scheduler must not attach to it again until it is back)."""
+        await self.set_alive(up)
+        await self.set_serving(up)
+
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)

@@ -173,7 +173,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     watchdog = StepWatchdog(
-        StepDeadline(StepDeadlinePolicy.from_options(config)), service.set_alive
+        StepDeadline(StepDeadlinePolicy.from_options(config)), service.set_alive_and_ready
     )
     servicer = WorkerServicer(watchdog)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)

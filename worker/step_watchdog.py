@@ -4,8 +4,10 @@ The scheduler fails a worker over when a step misses its deadline, but only an
 orchestrator can restart the process, and it asks the worker itself. A step
 stuck in a kernel leaves the event loop free to answer health checks, so the
 loop watches the step thread: while the running step is older than its
-deadline (``services.step_deadline``) the liveness service says NOT_SERVING.
-A worker that is stopped outright answers nothing, which fails the probe too.
+deadline (``services.step_deadline``) the liveness service says NOT_SERVING,
+and so does readiness, so that the scheduler, which failed the worker over,
+does not attach to it again before the step ends. A worker that is stopped
+outright answers nothing, which fails the probes too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class StepWatchdog:
     def __init__(
         self,
         deadline: StepDeadline,
-        set_alive: Callable[[bool], Awaitable[None]],
+        set_alive: Callable[[bool], Awaitable[None]],  # liveness (and readiness) on/off
         poll_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -1,4 +1,5 @@
-"""A step past its deadline turns the worker's liveness off, on the real health service."""
+"""A step past its deadline turns the worker's liveness (and readiness) off, on the real
+health service."""
 
 from __future__ import annotations
 
@@ -27,21 +28,25 @@ async def test_liveness_fails_while_a_step_is_overdue_and_recovers_after() -> No
         result = await asyncio.to_thread(check_grpc, address, LIVENESS_SERVICE)
         return result.healthy
 
+    async def ready() -> bool:
+        return (await asyncio.to_thread(check_grpc, address)).healthy
+
     try:
         assert await alive()  # alive from the start, before it is ready
-        assert not (await asyncio.to_thread(check_grpc, address)).healthy
+        assert not await ready()
+        await service.set_serving(True)  # the model is loaded
         clock = Clock()
         policy = StepDeadlinePolicy(min_s=1.0, cold_s=30.0, warm_steps=2)
-        watchdog = StepWatchdog(StepDeadline(policy), service.set_alive, clock=clock)
+        watchdog = StepWatchdog(StepDeadline(policy), service.set_alive_and_ready, clock=clock)
         with watchdog.step(8):
             clock.now = 29.0  # cold: the first steps may be slow
             await watchdog.check()
             assert await alive()
             clock.now = 31.0
             await watchdog.check()
-            assert not await alive()
+            assert not await alive() and not await ready()
         await watchdog.check()
-        assert await alive()
+        assert await alive() and await ready()
         with watchdog.step(8):  # the second cold step; the third is measured
             clock.now += 0.01
         with watchdog.step(8):
