@@ -29,7 +29,15 @@ import httpx
 import pytest
 import uvloop
 
-from tests.e2e.burst import Answer, burst, open_streams, percentile, rss_mib, sequential
+from tests.e2e.burst import (
+    Answer,
+    burst,
+    cpu_seconds,
+    open_streams,
+    percentile,
+    rss_mib,
+    sequential,
+)
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_worker_failure import _children_of, _wait_for
 
@@ -43,12 +51,14 @@ SERVICES = ("gateway", "scheduler", "detokenizer", "worker", "kvstore")
 
 
 class RssSampler:
-    """Max RSS (MiB) of each service process, sampled every 100 ms on a thread."""
+    """Max RSS (MiB) of each service process, sampled every 100 ms on a thread, and
+    the CPU seconds each spent meanwhile."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.before = {name: rss_mib(pid) for name, pid in pids.items()}
         self.peak = dict(self.before)
+        self.cpu_s = {name: -cpu_seconds(pid) for name, pid in pids.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -64,6 +74,8 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        for name, pid in self.pids.items():
+            self.cpu_s[name] += cpu_seconds(pid)
 
 
 def service_pids(launcher_pid: int) -> dict[str, int]:
@@ -85,7 +97,8 @@ def report(answers: list[Answer], sampler: RssSampler) -> None:
         print(f"200 latency s: p50 {percentile(served, 0.5):.2f}, max {max(served):.2f}")
     for name in SERVICES:
         before, peak = sampler.before[name], sampler.peak[name]
-        print(f"{name:12s} RSS MiB: before {before:.0f}, peak {peak:.0f}")
+        cpu = sampler.cpu_s[name]
+        print(f"{name:12s} RSS MiB: before {before:.0f}, peak {peak:.0f}; CPU {cpu:.1f} s")
 
 
 def _kv_usage(metrics_url: str) -> float:
