@@ -5,6 +5,12 @@ step it advances every request's incremental detokenizer in one pass, asks
 the scheduler (one FinishRequests call per step) to finish requests whose
 stop string matched, and routes the deltas to the gateway that submitted each
 request (by client_id), again one message per step.
+
+A gateway's subscription ending means the gateway is gone (or cut off): the
+scheduler is asked to abort every request it submitted, which would otherwise
+run to max_tokens for nobody. A gateway that falls ``_MAX_GATEWAY_BACKLOG``
+step batches behind is cut off the same way (its stream ends with
+RESOURCE_EXHAUSTED; it fails its requests and subscribes again).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -26,6 +33,7 @@ from protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.errors import OverloadedError
 from services.grpc_server import insecure_channel
 from services.step_codec import detokenize_params_from_proto
 
@@ -44,6 +52,17 @@ _STOPS = Counter("kvmesh:detokenizer_stop_string_matches_total", "requests ended
 # arrive from the scheduler; remembered so those are dropped quietly.
 _MAX_REMEMBERED_STOPS = 65_536
 
+# Step batches queued for one gateway before it is cut off as stuck.
+_MAX_GATEWAY_BACKLOG = 4096
+
+
+@dataclass
+class GatewaySubscription:
+    """One gateway's stream: its bounded queue, and whether it was cut off."""
+
+    queue: asyncio.Queue[detokenizer_pb2.DetokenizedBatch]
+    cut_off: bool = False
+
 
 class DetokenizerEngine:
     def __init__(self, table: DetokenizerTable, scheduler_addr: str) -> None:
@@ -52,22 +71,47 @@ class DetokenizerEngine:
         self._client_of: dict[str, str] = {}
         self._num_output_tokens: dict[str, int] = {}
         self._stopped: OrderedDict[str, None] = OrderedDict()
-        self._subscribers: dict[str, asyncio.Queue[detokenizer_pb2.DetokenizedBatch]] = {}
+        self._subscribers: dict[str, GatewaySubscription] = {}
         self.connected = False
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
-        # Fire-and-forget FinishRequests calls, referenced until done.
+        # Fire-and-forget FinishRequests / AbortRequests calls, referenced until done.
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- gateway side ------------------------------------------------------
 
-    def subscribe(self, client_id: str) -> asyncio.Queue[detokenizer_pb2.DetokenizedBatch]:
-        queue: asyncio.Queue[detokenizer_pb2.DetokenizedBatch] = asyncio.Queue()
-        self._subscribers[client_id] = queue
-        return queue
+    def subscribe(self, client_id: str) -> GatewaySubscription:
+        subscription = GatewaySubscription(asyncio.Queue(maxsize=_MAX_GATEWAY_BACKLOG))
+        self._subscribers[client_id] = subscription
+        return subscription
 
-    def unsubscribe(self, client_id: str, queue: asyncio.Queue) -> None:
-        if self._subscribers.get(client_id) is queue:
+    def unsubscribe(self, client_id: str, subscription: GatewaySubscription) -> None:
+        """The gateway's stream ended: unless it already subscribed again, it is gone."""
+        if self._subscribers.get(client_id) is subscription:
             del self._subscribers[client_id]
+            self._abort_client(client_id)
+
+    def _abort_client(self, client_id: str) -> None:
+        """Have the scheduler abort every request of a gone gateway."""
+        if self._stub is None:
+            return  # no scheduler stream: it aborts everything itself
+        logger.warning("gateway %r is gone; aborting its requests", client_id)
+        self._in_background(
+            self._stub.AbortRequests(
+                scheduler_pb2.AbortRequestsRequest(client_id=client_id), timeout=10
+            ),
+            f"abort the requests of gateway {client_id!r}",
+        )
+
+    def _in_background(self, call: Awaitable[object], what: str) -> None:
+        async def run() -> None:
+            try:
+                await call
+            except grpc.aio.AioRpcError as e:
+                logger.warning("could not %s: %s", what, e.details())
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- scheduler side ----------------------------------------------------
 
@@ -161,13 +205,21 @@ class DetokenizerEngine:
         self, step_id: int, per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]]
     ) -> None:
         for client, outputs in per_client.items():
-            queue = self._subscribers.get(client)
-            if queue is None:
+            subscription = self._subscribers.get(client)
+            if subscription is None:
                 logger.warning(
                     "no gateway %r subscribed; dropping %d outputs", client, len(outputs)
                 )
                 continue
-            queue.put_nowait(detokenizer_pb2.DetokenizedBatch(step_id=step_id, outputs=outputs))
+            batch = detokenizer_pb2.DetokenizedBatch(step_id=step_id, outputs=outputs)
+            try:
+                subscription.queue.put_nowait(batch)
+            except asyncio.QueueFull:
+                logger.error(
+                    "gateway %r is %d steps behind; cutting it off", client, _MAX_GATEWAY_BACKLOG
+                )
+                subscription.cut_off = True
+                self.unsubscribe(client, subscription)
 
     def _fail_live_requests(self, reason: str) -> None:
         per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]] = {}
@@ -203,10 +255,14 @@ class DetokenizerEngine:
                         per_client, stop_finishes = self.process_step(step)
                         self._route(step.step_id, per_client)
                         _STEP_SECONDS.observe(time.perf_counter() - start)
-                        if stop_finishes:
-                            task = asyncio.create_task(self._finish(stop_finishes))
-                            self._background.add(task)
-                            task.add_done_callback(self._background.discard)
+                        if stop_finishes and self._stub is not None:
+                            self._in_background(
+                                self._stub.FinishRequests(
+                                    scheduler_pb2.FinishRequestsRequest(request_ids=stop_finishes),
+                                    timeout=10,
+                                ),
+                                f"finish {stop_finishes} on the scheduler",
+                            )
             except grpc.aio.AioRpcError as e:
                 failures += 1
                 # Quiet while the scheduler is still starting; loud once it was up.
@@ -223,16 +279,6 @@ class DetokenizerEngine:
             if not stop.is_set():
                 await asyncio.sleep(0.5)
 
-    async def _finish(self, request_ids: list[str]) -> None:
-        if self._stub is None:
-            return
-        try:
-            await self._stub.FinishRequests(
-                scheduler_pb2.FinishRequestsRequest(request_ids=request_ids), timeout=10
-            )
-        except grpc.aio.AioRpcError as e:
-            logger.warning("could not finish %s on the scheduler: %s", request_ids, e.details())
-
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     def __init__(self, engine: DetokenizerEngine) -> None:
@@ -241,13 +287,18 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     async def StreamDetokenized(
         self, request, context
     ) -> AsyncIterator[detokenizer_pb2.DetokenizedBatch]:
-        queue = self.engine.subscribe(request.client_id)
+        subscription = self.engine.subscribe(request.client_id)
         # Headers now, so the gateway's wait_for_connection() returns at once.
         await context.send_initial_metadata(())
         logger.info("gateway %r subscribed", request.client_id)
         try:
             while True:
-                yield await queue.get()
+                batch = await subscription.queue.get()
+                if subscription.cut_off:
+                    raise OverloadedError(
+                        f"fell {_MAX_GATEWAY_BACKLOG} steps behind; subscribe again"
+                    )
+                yield batch
         finally:
-            self.engine.unsubscribe(request.client_id, queue)
+            self.engine.unsubscribe(request.client_id, subscription)
             logger.info("gateway %r unsubscribed", request.client_id)

@@ -21,8 +21,11 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission import AdmissionGate, AdmissionMiddleware
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
+from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
 from gateway.protocol import (
@@ -195,8 +198,15 @@ def build_app(
     served_model_name: str,
     metrics_registry: CollectorRegistry | None = None,
     api_key: str | None = None,
+    limits: GatewayLimits | None = None,
+    admission: AdmissionGate | None = None,
 ) -> FastAPI:
-    """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token."""
+    """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
+
+    ``admission`` bounds the generation calls in flight (shared with the public
+    gRPC API); without it, the engine's own 429 is the only bound.
+    """
+    limits = limits or GatewayLimits()
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
     schema: dict[str, Any] = {}
@@ -211,14 +221,18 @@ def build_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     errors = _documented_errors(api_key is not None and api_key != "")
-    # Added last = outermost: a refused key never reaches the routes.
+    # Each add wraps the ones before, so they run in reverse: a refused key
+    # never reaches the gate, and a call the gate refuses has no body read.
     app.add_middleware(_InternalErrorMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if admission is not None:
+        app.add_middleware(AdmissionMiddleware, gate=admission)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(engine, tokenizer, served_model_name, metrics)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics)
+    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits)
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits)
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 
@@ -272,13 +286,7 @@ def build_app(
     async def version() -> VersionResponse:
         return VersionResponse(version=_package_version())
 
-    @app.post(
-        "/tokenize",
-        response_model_exclude_none=True,
-        responses={**errors, 404: _MODEL_NOT_FOUND},
-    )
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        check_model(request.model, served_model_name)
+    def tokenize_in_thread(request: TokenizeRequest) -> TokenizeResponse:
         if isinstance(request, TokenizeCompletionRequest):
             text = request.prompt
         else:
@@ -295,10 +303,19 @@ def build_app(
             ),
         )
 
+    @app.post(
+        "/tokenize",
+        response_model_exclude_none=True,
+        responses={**errors, 404: _MODEL_NOT_FOUND},
+    )
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        check_model(request.model, served_model_name)
+        return await tokenizer.offload(tokenize_in_thread, request)
+
     @app.post("/detokenize", responses={**errors, 404: _MODEL_NOT_FOUND})
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_name)
         check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await tokenizer.offload(tokenizer.decode, request.tokens))
 
     return app

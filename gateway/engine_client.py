@@ -100,6 +100,9 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # Requests the engine holds at once, running plus waiting (None: unknown);
+    # the default bound of a gateway's calls in flight (gateway/admission.py).
+    capacity: int | None = None
 
 
 @runtime_checkable

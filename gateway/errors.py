@@ -31,10 +31,18 @@ def error_body(error: KvmeshError) -> dict[str, Any]:
     }
 
 
+# Seconds an overloaded server asks a client to wait before retrying (429's Retry-After).
+RETRY_AFTER_S = 1
+
+
 def error_response(
     error: KvmeshError, status_code: int | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """The HTTP answer for ``error``: its kind's status unless the framework chose one."""
+    """The HTTP answer for ``error``: its kind's status unless the framework chose one.
+
+    Every OVERLOADED answer (429) says when to retry, as RFC 9110 suggests."""
+    if error.kind is ErrorKind.OVERLOADED:
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(
         error_body(error), status_code=status_code or error.kind.http_status, headers=headers
     )

@@ -38,8 +38,10 @@ class MultiGeneration:
         self._engine = engine
         self._requests = requests
         self._on_delta = on_delta
+        # One item in hand per request: a slow reader leaves its deltas in the
+        # engine client's bounded per-request queues, which fail it when full.
         self._queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | object]] = (
-            asyncio.Queue()
+            asyncio.Queue(maxsize=max(1, len(requests)))
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._admitted = [asyncio.Event() for _ in requests]

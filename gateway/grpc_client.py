@@ -3,8 +3,18 @@
 One StreamDetokenized subscription (keyed by this gateway's client_id)
 carries the deltas of every request this gateway submitted; a dispatcher task
 routes them to per-request queues. A broken stream fails the in-flight
-requests with an error delta (HTTP clients see it as a 503 / error finish)
-and reconnects.
+requests with an error delta (HTTP clients see it as a 503 / error finish),
+aborts them in the scheduler, and reconnects.
+
+Bounds:
+
+- At most ``_MAX_ADMISSIONS_IN_FLIGHT`` AddRequest calls are outstanding;
+  more wait here. The scheduler admits on the loop that runs its steps, and
+  thousands of concurrent calls starved that loop (issue 14: of 6,000 at once,
+  1,047 ran past the 30 s deadline and got 503). A constrained request waits
+  for its grammar compile inside AddRequest, so it takes no slot.
+- A request whose reader falls ``_MAX_UNREAD_DELTAS`` deltas behind (a client
+  that stopped reading its stream) is failed with an error and aborted.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import grpc
 
@@ -35,6 +45,9 @@ from services.grpc_server import insecure_channel
 from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
+
+_MAX_ADMISSIONS_IN_FLIGHT = 32
+_MAX_UNREAD_DELTAS = 1024
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -66,6 +79,7 @@ class GrpcEngineClient:
         self._closing = False
         # Fire-and-forget aborts, referenced until done.
         self._background: set[asyncio.Future[None]] = set()
+        self._admissions = asyncio.Semaphore(_MAX_ADMISSIONS_IN_FLIGHT)
 
     async def start(self, timeout: float = 600.0) -> None:
         """Fetch model info from the scheduler and subscribe to the detokenizer."""
@@ -85,6 +99,7 @@ class GrpcEngineClient:
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
+            capacity=info.max_num_seqs + info.max_waiting_requests,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(
@@ -148,22 +163,48 @@ class GrpcEngineClient:
             rank=lp.rank,
         )
 
-    def _fail_all(self, reason: str) -> None:
-        for rid, queue in list(self._queues.items()):
-            queue.put_nowait(
-                GenerationDelta(
-                    request_id=rid,
-                    text="",
-                    token_ids=[],
-                    finish_reason="error",
-                    stop_reason=None,
-                    num_prompt_tokens=0,
-                    num_cached_tokens=0,
-                    num_output_tokens=0,
-                    logprobs=None,
-                    error=reason,
-                )
+    def _fail(self, rid: str, reason: str) -> None:
+        """End ``rid`` for its reader with an error (ahead of anything unread)."""
+        queue = self._queues.pop(rid, None)
+        if queue is None:
+            return
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(
+            GenerationDelta(
+                request_id=rid,
+                text="",
+                token_ids=[],
+                finish_reason="error",
+                stop_reason=None,
+                num_prompt_tokens=0,
+                num_cached_tokens=0,
+                num_output_tokens=0,
+                logprobs=None,
+                error=reason,
             )
+        )
+
+    def _fail_all(self, reason: str) -> None:
+        ids = list(self._queues)
+        for rid in ids:
+            self._fail(rid, reason)
+        if ids:
+            # Their outputs could no longer reach this gateway: stop computing them.
+            self._in_background(self._abort_many(ids))
+
+    def _deliver(self, out: detokenizer_pb2.DetokenizedOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is None:
+            return  # finished, aborted or failed here already
+        try:
+            queue.put_nowait(self._to_delta(out))
+        except asyncio.QueueFull:
+            logger.warning(
+                "request %s: reader %d deltas behind; failing it", out.request_id, queue.qsize()
+            )
+            self._fail(out.request_id, f"the client fell {_MAX_UNREAD_DELTAS} steps behind")
+            self._in_background(self._abort_many([out.request_id]))
 
     async def _dispatch_forever(self) -> None:
         while not self._closing:
@@ -180,9 +221,7 @@ class GrpcEngineClient:
                     )
                     async for batch in stream:
                         for out in batch.outputs:
-                            queue = self._queues.get(out.request_id)
-                            if queue is not None:
-                                queue.put_nowait(self._to_delta(out))
+                            self._deliver(out)
             except grpc.aio.AioRpcError as e:
                 log = logger.warning if self._subscribed.is_set() else logger.debug
                 log("detokenizer stream broke: %s %s", e.code().name, e.details())
@@ -199,7 +238,8 @@ class GrpcEngineClient:
         rid = request.request_id
         if rid in self._queues:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        # One slot more than the bound: room for the error that ends an overflow.
+        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue(maxsize=_MAX_UNREAD_DELTAS + 1)
         self._queues[rid] = queue
         finished = False
         try:
@@ -216,7 +256,7 @@ class GrpcEngineClient:
             if request.parallel_group is not None:
                 msg.parallel_group = request.parallel_group
             try:
-                await self._scheduler.AddRequest(msg, timeout=30)
+                await self._admit(msg)
             except grpc.aio.AioRpcError as e:
                 finished = True  # never admitted: nothing to abort
                 raise error_from_rpc(e) from e
@@ -231,17 +271,30 @@ class GrpcEngineClient:
             self._queues.pop(rid, None)
             if not finished:
                 # The consumer went away (client disconnect, cancellation).
-                task = asyncio.ensure_future(self.abort(rid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self.abort(rid))
+
+    async def _admit(self, msg: scheduler_pb2.AddRequestRequest) -> None:
+        if msg.sampling_params.HasField("structured_output"):
+            await self._scheduler.AddRequest(msg, timeout=30)
+            return
+        async with self._admissions:
+            await self._scheduler.AddRequest(msg, timeout=30)
+
+    def _in_background(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
+        await self._abort_many([request_id])
+
+    async def _abort_many(self, request_ids: list[str]) -> None:
         try:
             await self._scheduler.AbortRequests(
-                scheduler_pb2.AbortRequestsRequest(request_ids=[request_id]), timeout=10
+                scheduler_pb2.AbortRequestsRequest(request_ids=request_ids), timeout=10
             )
         except grpc.aio.AioRpcError as e:
-            logger.warning("request %s: abort failed: %s", request_id, e.details())
+            logger.warning("requests %s: abort failed: %s", request_ids, e.details())
 
     async def check_ready(self) -> None:
         if not self._subscribed.is_set():

@@ -19,9 +19,11 @@ from typing import Any
 import grpc
 import pydantic
 
+from gateway.admission import AdmissionGate
 from gateway.engine_client import EngineClient, GenerationDelta
 from gateway.errors import invalid_request_from_validation
 from gateway.generation_stream import MultiGeneration
+from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import CompletionRequest
 from gateway.serving_common import build_engine_requests, start_generation
@@ -92,10 +94,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model_name: str,
         metrics: GatewayMetrics | None = None,
         api_key: str | None = None,
+        limits: GatewayLimits | None = None,
+        admission: AdmissionGate | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.limits = limits or GatewayLimits()
+        # The same gate as the HTTP API's: one bound for the gateway's calls.
+        self.admission = admission
         # Same rule as the HTTP API: with a key, every call must carry
         # "authorization: Bearer <key>" metadata (health/reflection stay open).
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None
@@ -113,6 +120,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._check_auth(context)
+        if self.admission is not None and not self.admission.try_enter():
+            raise self.admission.refusal()
+        try:
+            async for response in self._generate(request):
+                yield response
+        finally:
+            if self.admission is not None:
+                self.admission.leave()
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if request.WhichOneof("prompt") is None:
             raise InvalidRequestError("prompt is required", param="prompt")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
@@ -120,7 +139,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             completion = completion_request_from_proto(request)
             check_unsupported(completion)
-            prompts = completion_prompts(completion, self.tokenizer)
+            prompts = await self.tokenizer.offload(
+                completion_prompts, completion, self.tokenizer, self.limits.max_prompts_per_request
+            )
             engine_requests = build_engine_requests(
                 request_id, prompts, completion, self.engine.model_info, self.tokenizer
             )
@@ -182,9 +203,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
         self._check_auth(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        return generation_pb2.TokenizeResponse(
-            token_ids=self.tokenizer.encode(request.text, add_special_tokens=add_special)
-        )
+        token_ids = await self.tokenizer.offload(self.tokenizer.encode, request.text, add_special)
+        return generation_pb2.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(self, request, context):
         self._check_auth(context)

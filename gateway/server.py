@@ -9,9 +9,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from gateway.admission import AdmissionGate
 from gateway.app import build_app
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
+from gateway.limits import GatewayLimits
 from gateway.tokenizer import Tokenizer
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
@@ -50,17 +52,39 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     start_task.result()
 
     served_name = config.served_model_name or engine.model_info.served_model_name
+    limits = GatewayLimits.from_config(config)
+    limit = config.max_inflight_requests or engine.model_info.capacity
+    if not limit:
+        raise RuntimeError("the scheduler reports no capacity; set --max-inflight-requests")
+    admission = AdmissionGate(limit)
+    logger.info("serving at most %d generation calls at once", admission.limit)
     grpc_service = GrpcService(
-        "gateway", [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
+        "gateway",
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        max_receive_message_bytes=config.max_request_body_bytes,
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, served_name, api_key=config.api_key or None),
+        GenerationServicer(
+            engine,
+            tokenizer,
+            served_name,
+            api_key=config.api_key or None,
+            limits=limits,
+            admission=admission,
+        ),
         grpc_service.server,
     )
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(engine, tokenizer, served_name, api_key=config.api_key or None)
+    app = build_app(
+        engine,
+        tokenizer,
+        served_name,
+        api_key=config.api_key or None,
+        limits=limits,
+        admission=admission,
+    )
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,

@@ -59,7 +59,9 @@ class ChatServing(Serving):
         check_model(request.model, self._model_name)
         check_unsupported(request)
         plan = plan_tools(request)
-        prompt = chat_prompt(request, self._tokenizer, plan.tools if plan.renders_tools else None)
+        prompt = await self._tokenizer.offload(
+            chat_prompt, request, self._tokenizer, plan.tools if plan.renders_tools else None
+        )
         max_model_len = self._engine.model_info.max_model_len
         (prompt,) = truncate_prompts([prompt], request, self._tokenizer, max_model_len)
         request_id = new_request_id("chatcmpl")

@@ -17,6 +17,7 @@ from gateway.engine_client import (
     TokenLogprob,
 )
 from gateway.generation_stream import MultiGeneration
+from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -41,11 +42,13 @@ class Serving:
         tokenizer: Tokenizer,
         served_model_name: str,
         metrics: GatewayMetrics,
+        limits: GatewayLimits,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model_name = served_model_name
         self._metrics = metrics
+        self._limits = limits
 
 
 def new_request_id(prefix: str) -> str:

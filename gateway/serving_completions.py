@@ -13,6 +13,7 @@ from starlette.responses import Response
 from gateway.engine_client import TokenLogprob
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
+from gateway.limits import GatewayLimits
 from gateway.logprobs_format import (
     completion_logprobs,
     concat_logprobs,
@@ -37,6 +38,7 @@ from gateway.serving_common import (
     start_generation,
     usage_info,
 )
+from gateway.tokenizer import Tokenizer
 from gateway.validation import (
     Prompt,
     check_model,
@@ -59,16 +61,21 @@ class _StreamCursor:
     num_cached_tokens: int = 0
 
 
+def _tokenized_prompts(
+    request: CompletionRequest, tokenizer: Tokenizer, limits: GatewayLimits, max_model_len: int
+) -> list[Prompt]:
+    """The request's prompts tokenized, checked and truncated (on the tokenizer's thread)."""
+    prompts = completion_prompts(request, tokenizer, limits.max_prompts_per_request)
+    return truncate_prompts(prompts, request, tokenizer, max_model_len)
+
+
 class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         check_model(request.model, self._model_name)
         check_unsupported(request)
         model_info = self._engine.model_info
-        prompts = truncate_prompts(
-            completion_prompts(request, self._tokenizer),
-            request,
-            self._tokenizer,
-            model_info.max_model_len,
+        prompts = await self._tokenizer.offload(
+            _tokenized_prompts, request, self._tokenizer, self._limits, model_info.max_model_len
         )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(

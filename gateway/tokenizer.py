@@ -9,16 +9,20 @@ transformers' per-call Python overhead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from transformers import AutoTokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ChatTemplateError(ValueError):
@@ -33,6 +37,11 @@ class Tokenizer:
         self._fast = hf_tokenizer.backend_tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = len(hf_tokenizer)
+        # Tokenizing and rendering chat templates is CPU work (a long prompt:
+        # milliseconds; a template: pure-Python Jinja) that would stall every
+        # stream of the gateway's event loop; one thread does it, in order,
+        # so the tokenizer is never used by two threads at once.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> Tokenizer:
@@ -47,6 +56,10 @@ class Tokenizer:
             "yes" if hf_tokenizer.chat_template else "no",
         )
         return cls(hf_tokenizer, eos_ids)
+
+    async def offload(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the tokenizer's thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
 
     @property
     def bos_token_id(self) -> int | None:

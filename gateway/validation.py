@@ -54,8 +54,10 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
             )
 
 
-def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
-    """The request's prompts (one, or a batch), tokenized and checked."""
+def completion_prompts(
+    request: CompletionRequest, tokenizer: Tokenizer, max_prompts: int
+) -> list[Prompt]:
+    """The request's prompts (one, or a batch), counted, then tokenized and checked."""
     raw = request.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
@@ -63,6 +65,12 @@ def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list
         items = [list(raw)]  # type: ignore[arg-type]
     else:
         items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if len(items) > max_prompts:
+        raise InvalidRequestError(
+            f"at most {max_prompts} prompts per request, got {len(items)}", param="prompt"
+        )
     prompts = []
     for item in items:
         if isinstance(item, str):

@@ -32,10 +32,12 @@ class AddRequestResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortRequestsRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "client_id")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequestsResponse(_message.Message):
     __slots__ = ("aborted_ids",)
@@ -118,7 +120,7 @@ class GetSchedulerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class SchedulerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -135,7 +138,8 @@ class SchedulerInfo(_message.Message):
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    max_waiting_requests: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ...) -> None: ...
 
 class StreamKVEventsRequest(_message.Message):
     __slots__ = ("from_sequence", "instance_id", "subscriber")

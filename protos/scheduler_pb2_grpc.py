@@ -90,8 +90,9 @@ class SchedulerServicer:
 
     def AbortRequests(self, request, context):
         """Abort requests in any state; their KV blocks are freed before the next
-        step. No output is published for an aborted request: the caller already
-        knows it ended.
+        step. A request that already published outputs gets one last output with
+        finish_reason ABORT and no tokens, so the detokenizer releases its state;
+        one that never did publishes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,7 +111,8 @@ class SchedulerServicer:
         """Step outputs, one StepOutputs per engine step that produced anything.
         The detokenizer holds this stream open for the scheduler's lifetime.
         Every subscriber receives every batch; one that falls 10,000 batches
-        behind is dropped.
+        behind is dropped. When the last subscriber leaves, every live request is
+        aborted: nobody could receive its outputs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

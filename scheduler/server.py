@@ -19,6 +19,7 @@ from scheduler.worker_client import WorkerClient
 from services.config import SchedulerServiceConfig
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
+from services.step_deadline import StepDeadline, StepDeadlinePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         SchedulerMetrics(info.model_name),
         max_waiting_requests=config.max_waiting_requests,
         kv_lookup=kv_lookup,
+        step_deadline=StepDeadline(StepDeadlinePolicy.from_options(config)),
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
@@ -72,6 +74,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         block_size=info.block_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting_requests=config.max_waiting_requests,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -28,8 +28,9 @@ from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError
-from services.step import SchedulerOutput
+from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import logprobs_to_proto, sampling_params_from_proto
+from services.step_deadline import StepDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class SchedulerEngine:
         metrics: SchedulerMetrics,
         max_waiting_requests: int,
         kv_lookup: StorePrefixLookup | None = None,
+        step_deadline: StepDeadline | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -73,6 +75,8 @@ class SchedulerEngine:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
+        # Live request -> the client_id of the gateway that submitted it.
+        self._client_of: dict[str, str] = {}
         self._pending_aborts: set[str] = set()
         self._pending_stops: set[str] = set()
         self._wakeup = asyncio.Event()
@@ -81,6 +85,8 @@ class SchedulerEngine:
         # Steps sent to the worker whose results are not back: (step, send time).
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_num_scheduled_tokens = 0
+        # A worker that misses it is treated as lost (hung, not dead).
+        self.step_deadline = step_deadline or StepDeadline()
         self.healthy = True
 
     # ---- control (called from RPC handlers) -------------------------------
@@ -121,6 +127,7 @@ class SchedulerEngine:
             client_id=msg.client_id,
             arrival_time=time.time(),
         )
+        self._client_of[msg.request_id] = msg.client_id
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
 
@@ -149,6 +156,10 @@ class SchedulerEngine:
         self._wakeup.set()
         return live
 
+    def requests_of_client(self, client_id: str) -> list[str]:
+        """Live requests submitted by the gateway ``client_id``."""
+        return [rid for rid, client in self._client_of.items() if client == client_id]
+
     def finish_on_stop_string(self, request_ids: list[str]) -> None:
         self._pending_stops.update(request_ids)
         self._wakeup.set()
@@ -161,23 +172,54 @@ class SchedulerEngine:
 
     def unsubscribe(self, key: int) -> None:
         self._subscribers.pop(key, None)
+        if not self._subscribers:
+            live = self.abort(self.core.live_request_ids())
+            if live:
+                logger.warning("no output subscriber left: aborting %d live requests", len(live))
 
     # ---- the step loop -----------------------------------------------------
 
     def _apply_pending_control(self) -> None:
         if self._pending_aborts:
-            ids = list(self._pending_aborts)
+            ids = [rid for rid in self._pending_aborts if self.core.get_request(rid) is not None]
             self._pending_aborts.clear()
+            # Requests whose header went out hold detokenizer state: one last
+            # output releases it. The others were never seen downstream.
+            ended = [
+                self._final_output(rid, FinishReason.ABORT)
+                for rid in ids
+                if rid not in self._headers
+            ]
             self.core.abort_requests(ids)
-            for rid in ids:
-                self._headers.pop(rid, None)
+            self._forget(ids)
+            self._publish(self._step_id, ended)
         if self._pending_stops:
             ids = [rid for rid in self._pending_stops if self.core.get_request(rid) is not None]
             self._pending_stops.clear()
             if ids:
                 self.core.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
-            for rid in ids:
-                self._headers.pop(rid, None)
+            self._forget(ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop the service's own state of requests that ended without an output."""
+        for rid in request_ids:
+            self._headers.pop(rid, None)
+            self._client_of.pop(rid, None)
+
+    def _final_output(
+        self, request_id: str, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
+        """The last output of a live request that ends outside a step (abort, lost worker)."""
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason=reason,
+            stop_reason=None,
+            new_logprobs=None,
+            num_prompt_tokens=self.core.get_request(request_id).num_prompt_tokens,
+            num_cached_tokens=0,
+            error=error,
+        )
 
     def _to_proto(self, out: RequestOutput) -> scheduler_pb2.RequestOutput:
         msg = scheduler_pb2.RequestOutput(
@@ -201,6 +243,8 @@ class SchedulerEngine:
         header = self._headers.pop(out.request_id, None)
         if header is not None:
             msg.header.CopyFrom(header)
+        if out.finish_reason is not None:
+            self._client_of.pop(out.request_id, None)
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
@@ -219,19 +263,7 @@ class SchedulerEngine:
     def _fail_all(self, reason: str) -> None:
         """Finish every live request with an error (the worker lost their KV)."""
         ids = self.core.live_request_ids()
-        failed = [
-            RequestOutput(
-                request_id=rid,
-                new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                stop_reason=None,
-                new_logprobs=None,
-                num_prompt_tokens=self.core.get_request(rid).num_prompt_tokens,
-                num_cached_tokens=0,
-                error=reason,
-            )
-            for rid in ids
-        ]
+        failed = [self._final_output(rid, FinishReason.ERROR, reason) for rid in ids]
         self.core.abort_requests(ids)
         # Loads in flight died with the worker: their blocks are free again.
         self.core.release_remote_loads()
@@ -255,6 +287,7 @@ class SchedulerEngine:
                     self.config.num_kv_blocks,
                 )
             self.healthy = True
+            self.step_deadline.reset()  # a restarted worker starts cold
             logger.info("worker reconnected")
             return
 
@@ -274,7 +307,9 @@ class SchedulerEngine:
         if not self._in_flight or (len(self._in_flight) < 2 and scheduled):
             return  # first step of a burst: schedule the next one before waiting
         scheduler_output, start = self._in_flight[0]
-        runner_output = await self.worker.receive(scheduler_output.step_id)
+        runner_output = await self._within_deadline(
+            scheduler_output, self.worker.receive(scheduler_output.step_id)
+        )
         self._in_flight.popleft()
         # Aborts and stop-string finishes that arrived meanwhile go first, so a
         # request finished by a stop string publishes no tokens past it.
@@ -284,6 +319,28 @@ class SchedulerEngine:
         self.metrics.step_seconds.labels(self.metrics.model_name).observe(
             time.perf_counter() - start
         )
+
+    async def _within_deadline(
+        self, scheduler_output: SchedulerOutput, result: Awaitable[ModelRunnerOutput]
+    ) -> ModelRunnerOutput:
+        """The worker's answer to a step, or UnavailableError once it is overdue."""
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        deadline = self.step_deadline.for_step(num_tokens)
+        started = time.perf_counter()
+        try:
+            runner_output = await asyncio.wait_for(result, deadline)
+        except TimeoutError:
+            logger.error(
+                "worker did not answer step %d (%d tokens) in %.1fs; treating it as lost",
+                scheduler_output.step_id,
+                num_tokens,
+                deadline,
+            )
+            raise UnavailableError(
+                f"worker did not answer in {deadline:.1f}s (hung); treated as lost"
+            ) from None
+        self.step_deadline.record(time.perf_counter() - started, num_tokens)
+        return runner_output
 
     def _has_work(self) -> bool:
         return self.core.has_unfinished_requests() or self.core.has_connector_work()
@@ -309,7 +366,9 @@ class SchedulerEngine:
         if not self._worth_sending(scheduler_output):
             return
         start = time.perf_counter()
-        runner_output = await self.worker.execute(scheduler_output)
+        runner_output = await self._within_deadline(
+            scheduler_output, self.worker.execute(scheduler_output)
+        )
         outputs = self.core.update_from_output(scheduler_output, runner_output)
         self._publish(self._step_id, outputs)
         self.metrics.step_seconds.labels(self.metrics.model_name).observe(
@@ -377,9 +436,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AddRequestResponse()
 
     async def AbortRequests(self, request, context):
-        return scheduler_pb2.AbortRequestsResponse(
-            aborted_ids=self.engine.abort(list(request.request_ids))
-        )
+        ids = list(request.request_ids)
+        if request.client_id:
+            ids += self.engine.requests_of_client(request.client_id)
+        return scheduler_pb2.AbortRequestsResponse(aborted_ids=self.engine.abort(ids))
 
     async def FinishRequests(self, request, context):
         self.engine.finish_on_stop_string(list(request.request_ids))

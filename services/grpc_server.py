@@ -31,6 +31,12 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Liveness, kept apart from readiness ('' and each named service): SERVING from
+# the moment the server starts (a worker loading its weights is alive), NOT_SERVING
+# only while the service knows it is stuck (a worker step past its deadline).
+# Orchestrators restart on it: deploy/k8s/worker.yaml probes it, and so does
+# ``kvmesh up``'s launcher.
+LIVENESS_SERVICE = "kvmesh.Liveness"
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -106,14 +112,30 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _health_status(up: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
 class GrpcService:
     """A grpc.aio server with health and reflection, for one kvmesh service."""
 
-    def __init__(self, name: str, service_full_names: Iterable[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        service_full_names: Iterable[str],
+        max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        """``max_receive_message_bytes``: the largest message a caller may send; a
+        public port takes far less than the internal ones' step and KV messages."""
         self.name = name
-        self.server = grpc.aio.server(
-            interceptors=[ErrorBoundaryInterceptor()], options=SERVER_OPTIONS
-        )
+        receive_limit = "grpc.max_receive_message_length"
+        options = [
+            *(option for option in SERVER_OPTIONS if option[0] != receive_limit),
+            (receive_limit, max_receive_message_bytes),
+        ]
+        self.server = grpc.aio.server(interceptors=[ErrorBoundaryInterceptor()], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_full_names)
@@ -128,18 +150,24 @@ class GrpcService:
             raise OSError(f"{self.name}: could not bind {host}:{port}")
         await self.server.start()
         await self.set_serving(False)
+        await self.set_alive(True)
         logger.info("%s listening on %s:%d", self.name, host, self.port)
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
         """Flip readiness for the whole server ('') and each named service."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
         for service in ["", *self._service_names]:
-            await self.health.set(service, status)
+            await self.health.set(service, _health_status(serving))
+
+    async def set_alive(self, alive: bool) -> None:
+        """Flip liveness (``LIVENESS_SERVICE``); NOT_SERVING asks for a restart."""
+        await self.health.set(LIVENESS_SERVICE, _health_status(alive))
+
+    async def set_alive_and_ready(self, up: bool) -> None:
+        """Both at once: a service stuck in its work is neither (a worker's hung step:
+        a scheduler must not attach to it again until it is back)."""
+        await self.set_alive(up)
+        await self.set_serving(up)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

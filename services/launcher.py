@@ -3,9 +3,11 @@
 Every service runs as ``python -m services.cli serve <name>``, configured
 through ``KVMESH_*`` variables built from this command's flags (each flag
 also reads its own variable). The launcher waits until every service is
-ready, restarts a service that dies (its dependents see it unavailable
-meanwhile, as in production), and on SIGINT/SIGTERM stops them all, the
-gateway first so that no new work arrives while the rest drain.
+ready, restarts a service that dies or hangs (fails its liveness probe,
+``services/supervision.py``; its dependents see it unavailable meanwhile, as
+in production) at most ``--max-restarts`` times per ``--restart-window-s``,
+and on SIGINT/SIGTERM stops them all, the gateway first so that no new work
+arrives while the rest drain.
 
 Thread placement is deliberate, for small machines (2 cores) first:
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import signal
 import subprocess
@@ -54,6 +57,8 @@ from services.config import (
     config_to_env,
     environment_without_options,
 )
+from services.grpc_server import LIVENESS_SERVICE
+from services.supervision import LivenessWatch, RestartBudget
 
 logger = logging.getLogger("kvmesh.launcher")
 
@@ -68,6 +73,8 @@ _SINGLE_THREAD_ENV = {
 # The line on stdout that says the stack is up (LocalStack waits for it).
 READY_MARKER = "KVMESH_READY"
 LOCAL_HOST = "127.0.0.1"
+# A liveness probe that takes longer than this counts as a miss.
+_LIVENESS_TIMEOUT_S = 5.0
 
 
 # Services that others dial: on one machine their ``<name>_addr`` follows
@@ -109,8 +116,9 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
 class _Child:
     name: str
     env: dict[str, str]
+    restarts: RestartBudget
+    liveness: LivenessWatch
     process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
 
     def start(self) -> None:
         self.process = subprocess.Popen(
@@ -119,6 +127,7 @@ class _Child:
             start_new_session=True,  # our signals go to the launcher, which relays them
             preexec_fn=_die_with_parent,
         )
+        self.liveness.restarted()
         logger.info("started %s (pid %d)", self.name, self.process.pid)
 
     def alive(self) -> bool:
@@ -136,20 +145,20 @@ def _die_with_parent() -> None:
         pass  # not Linux: a hard-killed launcher may leave children behind
 
 
-def _grpc_serving(address: str) -> bool:
+def _grpc_serving(address: str, service: str = "", timeout: float = 1.0) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _http_ready(url: str) -> bool:
+def _http_ready(url: str, timeout: float = 5.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -169,6 +178,19 @@ class Stack:
             "detokenizer": lambda: _grpc_serving(f"{host}:{cfg['detokenizer'].detokenizer_port}"),
             "gateway": lambda: _http_ready(f"http://{host}:{cfg['gateway'].http_port}/ready"),
         }
+        # Liveness, not readiness: a service waiting for another is alive.
+        self.liveness_checks = {
+            name: functools.partial(
+                _grpc_serving,
+                f"{host}:{getattr(cfg[name], f'{name}_port')}",
+                LIVENESS_SERVICE,
+                _LIVENESS_TIMEOUT_S,
+            )
+            for name in DIALED_SERVICES
+        }
+        self.liveness_checks["gateway"] = functools.partial(
+            _http_ready, f"http://{host}:{cfg['gateway'].http_port}/health", _LIVENESS_TIMEOUT_S
+        )
         for name in START_ORDER:
             env = environment_without_options()
             for service_config in self.configs.values():
@@ -176,7 +198,12 @@ class Stack:
             if name != "worker":
                 env.update(_SINGLE_THREAD_ENV)
             env.setdefault("PYTHONUNBUFFERED", "1")
-            self.children[name] = _Child(name, env)
+            self.children[name] = _Child(
+                name,
+                env,
+                RestartBudget(launcher.max_restarts, launcher.restart_window_s),
+                LivenessWatch(launcher.liveness_period_s),
+            )
 
     def start(self) -> None:
         for name in START_ORDER:
@@ -205,18 +232,43 @@ class Stack:
     def supervise(self, stopping: list[bool]) -> int:
         while not stopping:
             for child in self.children.values():
-                if not child.alive():
-                    code = child.process.returncode if child.process else None
-                    if child.restarts >= self.launcher.max_restarts:
-                        logger.error("%s died (code %s) too often; stopping", child.name, code)
-                        return 1
-                    child.restarts += 1
+                if child.alive():
+                    self._kill_if_hung(child)
+                    continue
+                code = child.process.returncode if child.process else None
+                if not child.restarts.try_restart():
                     logger.error(
-                        "%s died (code %s); restarting (%d)", child.name, code, child.restarts
+                        "%s died (code %s) %d times within %.0fs; stopping",
+                        child.name,
+                        code,
+                        child.restarts.recent,
+                        child.restarts.window_s,
                     )
-                    child.start()
+                    return 1
+                logger.error(
+                    "%s died (code %s); restarting (%d within %.0fs)",
+                    child.name,
+                    code,
+                    child.restarts.recent,
+                    child.restarts.window_s,
+                )
+                child.start()
             time.sleep(0.5)
         return 0
+
+    def _kill_if_hung(self, child: _Child) -> None:
+        """Probe ``child``'s liveness when due; SIGKILL it once it is judged hung."""
+        if not child.liveness.due():
+            return
+        if child.liveness.record(self.liveness_checks[child.name]()):
+            logger.error(
+                "%s (pid %d) failed %d liveness probes in a row; killing it to restart it",
+                child.name,
+                child.process.pid,
+                child.liveness.failures,
+            )
+            child.process.kill()
+            child.process.wait()
 
     def stop(self, timeout: float = 15.0) -> None:
         for name in reversed(START_ORDER):

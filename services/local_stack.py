@@ -87,13 +87,17 @@ class LocalStack:
     def grpc_addr(self) -> str:
         return f"127.0.0.1:{self.ports['grpc_port']}"
 
-    def service_pid(self, service: str) -> int:
-        """Process id of one running service (a child of the launcher), e.g. to kill it."""
-        pids = [
+    def service_pids(self, service: str) -> list[int]:
+        """Process ids serving ``service`` now (launcher children; none while it restarts)."""
+        return [
             pid
             for pid, cmdline in _children_of(self.process.pid).items()
             if f"serve {service}" in cmdline
         ]
+
+    def service_pid(self, service: str) -> int:
+        """Process id of one running service (a child of the launcher), e.g. to kill it."""
+        pids = self.service_pids(service)
         if len(pids) != 1:
             raise LookupError(f"{len(pids)} processes serve {service!r}")
         return pids[0]

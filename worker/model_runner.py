@@ -201,11 +201,12 @@ class ModelRunner:
         prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
         prepared = time.perf_counter()
         try:
-            sampled, logprobs, output.prompt_logprobs = self._forward_and_sample(
+            sampled, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
                 inputs, prompt_spans
             )
         except Exception as exc:
-            # One failure here belongs to the whole step: fail its requests,
+            # A failure in the forward pass belongs to the whole step (the
+            # sampler isolates its own per row): fail the step's requests,
             # keep the worker alive for the next one.
             logger.exception("step %s failed", scheduler_output.step_id)
             for req_id in req_ids:
@@ -221,6 +222,9 @@ class ModelRunner:
         output.sampled_token_ids = [[] for _ in req_ids]
         output.logprobs = [None] * len(req_ids)
         for position, index in enumerate(np.flatnonzero(inputs.sample_mask)):
+            if position in failed_rows:
+                self._fail_request(req_ids[index], failed_rows[position], output)
+                continue
             output.sampled_token_ids[index] = [token_list[position]]
             output.logprobs[index] = logprobs[position]
         output.errors.update(self.structured_output.pop_errors())
@@ -228,10 +232,16 @@ class ModelRunner:
         self.timings.num_steps += 1
         return output
 
+    def _fail_request(self, req_id: str, message: str, output: ModelRunnerOutput) -> None:
+        output.errors[req_id] = message
+        self.input_batch.remove_request(req_id)
+        self.structured_output.remove_request(req_id)
+
     def _forward_and_sample(
         self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
-    ) -> tuple[torch.Tensor, list, list[PromptLogprobs]]:
-        """(sampled token per sampling row, their logprobs, prompt logprobs)."""
+    ) -> tuple[torch.Tensor, list, list[PromptLogprobs], dict[int, str]]:
+        """(sampled token per sampling row, their logprobs, prompt logprobs, failed
+        sampling rows by position)."""
         forward_started = time.perf_counter()
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
@@ -243,7 +253,7 @@ class ModelRunner:
         )
         if inputs.logits_indices.shape[0] == 0:
             self.timings.forward += time.perf_counter() - forward_started
-            return torch.empty(0, dtype=torch.int64), [], prompt_logprobs
+            return torch.empty(0, dtype=torch.int64), [], prompt_logprobs, {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sample_started = time.perf_counter()
         self.timings.forward += sample_started - forward_started
@@ -271,4 +281,4 @@ class ModelRunner:
         if step_grammar is not None:
             step_grammar.accept(result.token_ids.tolist())
         self.timings.sample += time.perf_counter() - sample_started
-        return result.token_ids, result.logprobs, prompt_logprobs
+        return result.token_ids, result.logprobs, prompt_logprobs, result.failed_rows

@@ -5,6 +5,10 @@ allowed/banned token masks -> min_tokens
 and logit_bias -> repetition/presence/frequency penalties -> (greedy argmax
 here) -> temperature -> min_p -> top_k/top_p -> sample.
 
+A failure while sampling the batch costs only the rows that fail: the batch
+is sampled again row by row, and a row that fails alone is reported in
+``SamplerOutput.failed_rows`` while every other row gets its token.
+
 Random rows sample with the exponential race (argmax of p / E, E ~ Exp(1)),
 which draws exactly ``vocab_size`` numbers per row per step. A seeded request
 draws them from its own generator, so its tokens do not depend on which other
@@ -14,7 +18,7 @@ requests share the batch.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
@@ -27,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [n] int64
+    token_ids: torch.Tensor  # [n] int64; 0 at failed rows
     logprobs: list[Logprobs | None]
+    # Rows whose sampling failed: row -> message. Their token is meaningless.
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 def apply_token_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -178,6 +184,32 @@ class Sampler:
     """Stateless; one call samples every row of a step."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        try:
+            return self.sample(logits, metadata)
+        except Exception:
+            logger.exception("sampling %d rows failed; sampling each row alone", metadata.num_rows)
+        return self._sample_rows_alone(logits, metadata)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # Random numbers are drawn last (exponential_race), so a batch that
+        # failed earlier left every seeded generator where it was: a seeded
+        # row alone draws what it would have drawn in the batch.
+        token_ids = torch.zeros(metadata.num_rows, dtype=torch.int64, device=logits.device)
+        logprobs: list[Logprobs | None] = [None] * metadata.num_rows
+        failed: dict[int, str] = {}
+        for row in range(metadata.num_rows):
+            try:
+                alone = self.sample(logits[row : row + 1], metadata.row(row))
+            except Exception as exc:
+                logger.warning("sampling row %d failed: %r", row, exc)
+                failed[row] = f"sampling failed: {exc}"
+                continue
+            token_ids[row] = alone.token_ids[0]
+            logprobs[row] = alone.logprobs[0]
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, failed_rows=failed)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample every row at once; any failure raises."""
         raw_logprobs = (
             torch.log_softmax(logits.float(), dim=-1)
             if metadata.max_num_logprobs is not None

@@ -7,6 +7,7 @@ greedy sampling) skips the work entirely.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -90,6 +91,34 @@ class SamplingMetadata:
         requested = [k for k in self.num_logprobs if k is not None]
         return max(requested) if requested else None
 
+    def row(self, index: int) -> SamplingMetadata:
+        """The metadata of row ``index`` alone, as a batch of one (the sampler's
+        fallback when a batch fails: each row is retried by itself)."""
+        one = slice(index, index + 1)
+        sliced: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "grammar_bitmask":
+                sliced[f.name] = value[one]
+        for name in ("logit_bias", "min_tokens_block"):
+            sparse = getattr(self, name)
+            if sparse is not None:
+                keep = sparse[0] == index
+                rows, *rest = (part[keep] for part in sparse)
+                sliced[name] = (torch.zeros_like(rows), *rest) if keep.any() else None
+        constrained = index in self.grammar_rows
+        is_greedy = bool(self.is_greedy[index])
+        return dataclasses.replace(
+            self,
+            **sliced,
+            all_greedy=is_greedy,
+            all_random=not is_greedy,
+            grammar_bitmask=self.grammar_bitmask[one] if constrained else None,
+            grammar_rows=[0] if constrained else [],
+            generators={0: self.generators[index]} if index in self.generators else {},
+            num_logprobs=self.num_logprobs[one],
+        )
+
 
 def banned_by_bad_words(
     bad_words: Sequence[Sequence[int]], output_token_ids: np.ndarray
@@ -131,8 +160,9 @@ def build_sampling_metadata(
         num_logprobs=[p.logprobs for p in params],
     )
     if not all_greedy:
-        # Above the vocabulary (any int32 is valid) keeps every token, like 0.
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # A top_k past the vocabulary (any int32 is valid) keeps every token, as
+        # vLLM clamps it: torch's topk would refuse k > vocab_size.
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         if any(k < vocab_size for k in top_k):
             metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
         if any(p.top_p < 1.0 for p in params):

@@ -9,6 +9,7 @@ the GIL inside its kernels).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -32,11 +33,13 @@ from services.step_codec import (
     scheduler_output_from_proto,
     structured_output_from_proto,
 )
+from services.step_deadline import StepDeadline, StepDeadlinePolicy
 from worker.config import CacheConfig, ModelConfig
 from worker.kv_connector import KVBlockStore, KVConnectorWorker
 from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
+from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ _KV_BLOCKS = Gauge("kvmesh:worker_num_kv_blocks", "KV cache blocks allocated")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self) -> None:
+    def __init__(self, watchdog: StepWatchdog | None = None) -> None:
         # Set by attach() once the weights are loaded; until then every call
         # answers UNAVAILABLE.
         self.runner: ModelRunner | None = None
@@ -64,6 +67,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Grammar compiles run beside the steps, never in the step thread.
         self._compile_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._stream_open = False
+        # Times steps; liveness fails while one is past its deadline.
+        self.watchdog = watchdog
 
     def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
         self.runner, self.info = runner, info
@@ -92,7 +97,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
-                yield await loop.run_in_executor(self.executor, self._run_step, request)
+                timed = (
+                    self.watchdog.step(sum(request.num_scheduled_tokens))
+                    if self.watchdog is not None
+                    else contextlib.nullcontext()
+                )
+                with timed:
+                    result = await loop.run_in_executor(self.executor, self._run_step, request)
+                yield result
         finally:
             self._stream_open = False
             # A new scheduler starts from an empty batch.
@@ -193,7 +205,10 @@ def attach_kv_connector(
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
-    servicer = WorkerServicer()
+    watchdog = StepWatchdog(
+        StepDeadline(StepDeadlinePolicy.from_options(config)), service.set_alive_and_ready
+    )
+    servicer = WorkerServicer(watchdog)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)
     # Listen (NOT_SERVING) before loading so that health checks answer while
     # the weights load; flip to SERVING once the model is ready.
@@ -222,7 +237,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     gc.collect()
     gc.freeze()
     await service.set_serving(True)
+    watch_task = asyncio.create_task(watchdog.run(), name="step-watchdog")
     await stop.wait()
+    watch_task.cancel()
     await service.stop()
     if connector is not None and store is not None:
         # Let snapshots already taken reach the store before the process exits.

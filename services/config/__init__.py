@@ -53,6 +53,7 @@ from services.config.service_configs import (
     KVStoreConfig,
     LauncherConfig,
     SchedulerServiceConfig,
+    StepDeadlineOptions,
     WorkerConfig,
 )
 
@@ -89,6 +90,7 @@ __all__ = [
     "RoutingPolicyName",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",
+    "StepDeadlineOptions",
     "WorkerConfig",
     "add_config_arguments",
     "as_env_text",

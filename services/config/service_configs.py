@@ -80,7 +80,33 @@ class KVConnectorOptions(CommonConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(KVConnectorOptions):
+class StepDeadlineOptions(CommonConfig):
+    """When a step counts as hung (services/step_deadline.py): the scheduler then
+    fails its worker over, and the worker marks itself not alive."""
+
+    step_deadline_min_s: float = opt(
+        10.0, "seconds any engine step may take before its worker counts as hung", minimum=0.1
+    )
+    step_deadline_p99_factor: float = opt(
+        20.0,
+        "a step may take this many times the p99 of recent steps (at least the min)",
+        minimum=1,
+    )
+    step_deadline_cold_s: float = opt(
+        300.0,
+        "deadline of the first steps of a (re)started worker and of any step past the "
+        "measured ones (also the most any step may take)",
+        minimum=0.1,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.step_deadline_cold_s < self.step_deadline_min_s:
+            raise ValueError("step_deadline_cold_s must be >= step_deadline_min_s")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(KVConnectorOptions, StepDeadlineOptions):
     """The model worker service."""
 
     model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")
@@ -120,7 +146,7 @@ class WorkerConfig(KVConnectorOptions):
 
 
 @dataclass(frozen=True)
-class SchedulerServiceConfig(KVConnectorOptions):
+class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions):
     """The scheduler service."""
 
     scheduler_port: int = port(50052, "gRPC port of the scheduler")
@@ -175,6 +201,20 @@ class GatewayConfig(CommonConfig):
         "load (least loaded), round-robin",
         choices=ROUTING_POLICIES,
     )
+    max_inflight_requests: int = opt(
+        0,
+        "generation calls (HTTP and gRPC) this gateway serves at once; past it, 429 before "
+        "the body is read (0: what the engine holds, max_num_seqs + max_waiting_requests)",
+        minimum=0,
+    )
+    max_request_body_bytes: int = opt(
+        8 << 20,
+        "largest HTTP request body (413 past it) and public gRPC message accepted",
+        minimum=1024,
+    )
+    max_prompts_per_request: int = opt(
+        128, "most prompts in one /v1/completions or Generate call", minimum=1
+    )
 
 
 @dataclass(frozen=True)
@@ -185,7 +225,18 @@ class LauncherConfig(Options):
         900.0, "seconds to wait for the whole stack to be ready", minimum=1
     )
     max_restarts: int = opt(
-        5, "restarts allowed per service before the launcher gives up", minimum=0
+        5,
+        "restarts allowed per service within --restart-window-s before the launcher gives up",
+        minimum=0,
+    )
+    restart_window_s: float = opt(
+        60.0, "seconds over which --max-restarts counts a service's restarts", minimum=1
+    )
+    liveness_period_s: float = opt(
+        5.0,
+        "seconds between liveness probes of each service; 3 misses in a row (after its first "
+        "answer) get it killed and restarted (0: off)",
+        minimum=0,
     )
 
 

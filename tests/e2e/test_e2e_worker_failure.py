@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,10 @@ pytestmark = pytest.mark.e2e
 
 def _worker_pid(stack: LocalStack) -> int:
     return stack.service_pid("worker")
+
+
+def _worker_pids(stack: LocalStack) -> list[int]:
+    return stack.service_pids("worker")
 
 
 def _wait_for(predicate, timeout: float) -> bool:
@@ -72,4 +77,59 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
     finally:
+        assert stop_stack(stack) == 0
+
+
+def test_stopped_worker_costs_its_request_the_step_deadline_then_is_restarted() -> None:
+    """SIGSTOP: the worker is alive but hung. Its request fails at the step deadline
+    (was 61 s), and the launcher's liveness probe gets the worker restarted.
+
+    The deadline here is max(3 s, 2 x p99 of the measured steps) so that it stays
+    short on a loaded 2-core machine, where a decode step can take a second.
+    """
+    stack = start_stack(
+        [
+            *("--num-kv-blocks", "256", "--max-model-len", "1024"),
+            *("--step-deadline-min-s", "3", "--step-deadline-p99-factor", "2"),
+            *("--liveness-period-s", "2"),
+        ]
+    )
+    old_worker = _worker_pid(stack)
+    try:
+        url = stack.http_url
+        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
+        events = []
+        stopped_at = 0.0
+        with (
+            httpx.Client(base_url=url, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 12:  # past the cold start: the deadline is measured
+                    os.kill(old_worker, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        failed_after = time.monotonic() - stopped_at
+        # The deadline failed it over (the launcher's kill comes later, after 3 probes).
+        assert "hung" in events[-1]["error"]["message"], events[-1]
+        assert failed_after < 15, f"the request waited {failed_after:.1f}s for a hung worker"
+        assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 503, 10)
+
+        # Liveness fails (a stopped process answers no probe): killed, restarted, ready.
+        assert _wait_for(lambda: _worker_pids(stack) not in ([], [old_worker]), 60)
+        assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 200, 120)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "The sky is", "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        assert any("liveness probes in a row" in line for line in stack.log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old_worker, signal.SIGCONT)
         assert stop_stack(stack) == 0

@@ -42,6 +42,8 @@ async def test_refused_admission_keeps_its_status(
     error = response.json()["error"]
     assert error["type"] == error_type
     assert error["message"] == "scheduler queue is full"
+    # A 429 says when to come back.
+    assert response.headers.get("retry-after") == ("1" if status == 429 else None)
 
 
 async def test_refusal_of_one_sibling_aborts_the_others(

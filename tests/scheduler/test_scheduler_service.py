@@ -10,9 +10,10 @@ from prometheus_client import CollectorRegistry
 from protos import common_pb2, scheduler_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
-from scheduler.service import SchedulerEngine
+from scheduler.service import SchedulerEngine, SchedulerServicer
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError
 from services.step import ModelRunnerOutput
+from services.step_deadline import StepDeadline, StepDeadlinePolicy
 from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
 
 
@@ -33,7 +34,18 @@ class DyingWorkerClient(InMemoryWorkerClient):
         await asyncio.sleep(3600)
 
 
-def _engine(worker, max_waiting: int = 100) -> SchedulerEngine:
+class HangingWorkerClient(DyingWorkerClient):
+    """Answers ``healthy_steps`` steps, then never answers again (stopped, deadlocked)."""
+
+    async def receive(self, step_id: int) -> ModelRunnerOutput:
+        if self.healthy_steps <= 0:
+            await asyncio.sleep(3600)
+        return await super().receive(step_id)
+
+
+def _engine(
+    worker, max_waiting: int = 100, step_deadline: StepDeadline | None = None
+) -> SchedulerEngine:
     config = SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64)
     return SchedulerEngine(
         config,
@@ -41,6 +53,7 @@ def _engine(worker, max_waiting: int = 100) -> SchedulerEngine:
         [2],
         SchedulerMetrics("test", registry=CollectorRegistry()),
         max_waiting_requests=max_waiting,
+        step_deadline=step_deadline,
     )
 
 
@@ -147,5 +160,67 @@ async def test_worker_loss_fails_live_requests_with_an_error() -> None:
     assert not engine.healthy
     with pytest.raises(UnavailableError):
         _add(engine, "c")
+    assert engine.core.live_request_ids() == []
+    engine.core.check_integrity()
+
+
+async def test_a_hung_worker_is_failed_over_at_its_step_deadline() -> None:
+    policy = StepDeadlinePolicy(min_s=0.2, cold_s=0.5, warm_steps=2)
+    engine = _engine(HangingWorkerClient(healthy_steps=4), step_deadline=StepDeadline(policy))
+    _, queue = engine.subscribe()
+    _add(engine, "a", max_tokens=40)
+    started = asyncio.get_running_loop().time()
+    outputs = await _run_until(engine, queue, lambda outs: any(o.finish_reason for o in outs))
+    waited = asyncio.get_running_loop().time() - started
+    final = outputs[-1]
+    assert final.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert "hung" in final.error
+    # Two cold steps, two measured: the 0.2 s floor applies, not the 0.5 s cold deadline.
+    assert 0.2 <= waited < 0.5
+    assert not engine.healthy
+    assert engine.core.live_request_ids() == []
+
+
+async def test_an_abort_releases_downstream_state_only_of_requests_seen_downstream() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    _, queue = engine.subscribe()
+    _add(engine, "started", max_tokens=40)
+    outputs = await _run_until(engine, queue, lambda outs: len(outs) >= 2)
+    assert outputs[0].HasField("header")
+    _add(engine, "unseen", max_tokens=40)
+    assert sorted(engine.abort(["started", "unseen", "unknown"])) == ["started", "unseen"]
+    engine._apply_pending_control()
+    (batch,) = [queue.get_nowait() for _ in range(queue.qsize())][-1:]
+    (final,) = batch.outputs  # nothing for "unseen": the detokenizer never heard of it
+    assert final.request_id == "started"
+    assert final.finish_reason == common_pb2.FINISH_REASON_ABORT and not final.new_token_ids
+    assert engine.core.live_request_ids() == [] and engine._client_of == {}
+
+
+async def test_a_gone_gateways_requests_are_aborted_by_its_client_id() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    engine.subscribe()
+    servicer = SchedulerServicer(engine, scheduler_pb2.SchedulerInfo())
+    for rid, client in [("a1", "gw-a"), ("a2", "gw-a"), ("b1", "gw-b")]:
+        _add(engine, rid, client=client)
+    reply = await servicer.AbortRequests(
+        scheduler_pb2.AbortRequestsRequest(client_id="gw-a"), context=None
+    )
+    assert sorted(reply.aborted_ids) == ["a1", "a2"]
+    engine._apply_pending_control()
+    assert engine.core.live_request_ids() == ["b1"]
+    assert engine.requests_of_client("gw-a") == []
+
+
+async def test_requests_are_aborted_when_the_last_output_subscriber_leaves() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    first, _ = engine.subscribe()
+    second, _ = engine.subscribe()
+    _add(engine, "a")
+    engine.unsubscribe(first)
+    engine._apply_pending_control()
+    assert engine.core.live_request_ids() == ["a"]  # another detokenizer still routes it
+    engine.unsubscribe(second)
+    engine._apply_pending_control()
     assert engine.core.live_request_ids() == []
     engine.core.check_integrity()

@@ -125,3 +125,47 @@ def test_seeded_request_same_tokens_alone_batched_and_after_preemption(
     request.num_computed_tokens, request.sent = 0, False
     driver._to_drop.add("seeded")
     assert driver.run()["seeded"].output_token_ids == alone
+
+
+def test_top_k_past_the_vocabulary_runs_like_top_k_off(runner: ModelRunner) -> None:
+    """The step of a huge top_k used to fail for every request in it."""
+    huge = SamplingParams(temperature=1.0, top_k=100_000, seed=7)
+    off = SamplingParams(temperature=1.0, top_k=0, seed=7)
+    expected = _run_alone(runner, off)
+    assert _run_alone(runner, huge) == expected
+    driver = LocalDriver(runner)
+    driver.add_request("greedy", PROMPT, GREEDY, 8)
+    driver.add_request("huge", PROMPT, huge, 8)
+    driver.add_request("other", [7, 8, 9], SamplingParams(temperature=0.9, top_k=3), 8)
+    finished = driver.run()
+    assert all(request.error is None for request in finished.values())
+    assert finished["huge"].output_token_ids == expected
+    assert finished["greedy"].output_token_ids == _run_alone(runner, GREEDY)
+
+
+def test_a_sampling_failure_fails_only_its_request(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    poison = 0.123
+    expected = {
+        "greedy": _run_alone(runner, GREEDY),
+        "seeded": _run_alone(runner, SamplingParams(temperature=1.0, seed=3)),
+    }
+    sample = runner.sampler.sample
+
+    def failing_sample(logits, metadata):
+        if bool((metadata.temperature == poison).any()):
+            raise RuntimeError("selected index k out of range")
+        return sample(logits, metadata)
+
+    monkeypatch.setattr(runner.sampler, "sample", failing_sample)
+    driver = LocalDriver(runner)
+    driver.add_request("greedy", PROMPT, GREEDY, 8)
+    driver.add_request("bad", PROMPT, SamplingParams(temperature=poison), 8)
+    driver.add_request("seeded", PROMPT, SamplingParams(temperature=1.0, seed=3), 8)
+    finished = driver.run()
+    assert finished["bad"].error is not None and "out of range" in finished["bad"].error
+    assert "bad" not in runner.input_batch
+    for name, tokens in expected.items():
+        assert finished[name].error is None
+        assert finished[name].output_token_ids == tokens

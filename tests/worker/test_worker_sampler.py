@@ -222,3 +222,67 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
     processed = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
     assert not torch.isinf(processed[0]).any()
     assert int((~torch.isinf(processed[1])).sum()) == 5
+
+
+def test_top_k_past_the_vocabulary_is_clamped_alone_and_in_a_batch() -> None:
+    """vLLM's rule: top_k > vocab keeps every token, exactly like top_k off (0 or -1)."""
+    logits, prompts, outputs = _random_batch(7, 4)
+
+    def sample(top_ks: list[int]) -> list[int]:
+        params = [
+            SamplingParams(temperature=1.0, top_k=k, seed=row) for row, k in enumerate(top_ks)
+        ]
+        generators = {row: torch.Generator().manual_seed(row) for row in range(len(top_ks))}
+        metadata = _metadata(params, prompts[: len(top_ks)], outputs[: len(top_ks)], generators)
+        return Sampler()(logits[: len(top_ks)], metadata).token_ids.tolist()
+
+    assert sample([100_000]) == sample([0]) == sample([-1])
+    assert sample([100_000, 5, 100_000, VOCAB + 1]) == sample([0, 5, -1, 0])
+
+
+class _PoisonedSampler(Sampler):
+    """Fails any batch holding a row with the poisoned temperature, as a sampler bug would."""
+
+    POISON = 0.123
+
+    def sample(self, logits, metadata):
+        if bool((metadata.temperature == self.POISON).any()):
+            raise RuntimeError("selected index k out of range")
+        return super().sample(logits, metadata)
+
+
+def test_a_row_that_fails_sampling_fails_alone() -> None:
+    logits, prompts, outputs = _random_batch(8, len(MIXED_PARAMS))
+    seeds = {row: 500 + row for row in range(len(MIXED_PARAMS))}
+
+    def run(params: list[SamplingParams]):
+        generators = {row: torch.Generator().manual_seed(seed) for row, seed in seeds.items()}
+        return _PoisonedSampler()(logits, _metadata(params, prompts, outputs, generators))
+
+    undisturbed = run(MIXED_PARAMS)
+    assert undisturbed.failed_rows == {}
+    poisoned = list(MIXED_PARAMS)
+    poisoned[3] = SamplingParams(temperature=_PoisonedSampler.POISON)
+    result = run(poisoned)
+    assert set(result.failed_rows) == {3}
+    assert "out of range" in result.failed_rows[3]
+    good = [row for row in range(len(MIXED_PARAMS)) if row != 3]
+    assert result.token_ids[good].tolist() == undisturbed.token_ids[good].tolist()
+
+
+def test_one_row_of_the_metadata_samples_like_the_batch() -> None:
+    logits, prompts, outputs = _random_batch(9, len(MIXED_PARAMS))
+    outputs[8], outputs[9] = [9, 2], [2]
+    params = [
+        SamplingParams(**{**p.__dict__, "logprobs": row % 3 or None})
+        for row, p in enumerate(MIXED_PARAMS)
+    ]
+    metadata = _metadata(params, prompts, outputs)
+    batched = random_sampling_logits(apply_logits_processors(logits, metadata), metadata)
+    for row in range(len(params)):
+        alone = metadata.row(row)
+        assert alone.num_rows == 1 and alone.num_logprobs == [params[row].logprobs]
+        processed = random_sampling_logits(
+            apply_logits_processors(logits[row : row + 1], alone), alone
+        )
+        assert torch.equal(processed[0], batched[row]), f"row {row}"
