@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\"\xbc\x02\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12;\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12?\n\x11\x64\x65tokenize_params\x18\x04 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tclient_id\x18\x07 \x01(\t\x12\x1b\n\x0eparallel_group\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_group\"\x14\n\x12\x41\x64\x64RequestResponse\"+\n\x14\x41\x62ortRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\x15\x41\x62ortRequestsResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\",\n\x15\x46inishRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x18\n\x16\x46inishRequestsResponse\"*\n\x14StreamOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x93\x01\n\rRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12?\n\x11\x64\x65tokenize_params\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\"\xde\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .kvmesh.internal.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x08logprobs\x18\x05 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x36\n\x06header\x18\x08 \x01(\x0b\x32!.kvmesh.internal.v1.RequestHeaderH\x01\x88\x01\x01\x12\r\n\x05\x65rror\x18\t \x01(\tB\x10\n\x0e_stop_token_idB\t\n\x07_header\"R\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.kvmesh.internal.v1.RequestOutput\"\x13\n\x11\x43heckReadyRequest\"$\n\x12\x43heckReadyResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x19\n\x17GetSchedulerInfoRequest\"\xc6\x01\n\rSchedulerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x32\xcd\x04\n\tScheduler\x12[\n\nAddRequest\x12%.kvmesh.internal.v1.AddRequestRequest\x1a&.kvmesh.internal.v1.AddRequestResponse\x12\x64\n\rAbortRequests\x12(.kvmesh.internal.v1.AbortRequestsRequest\x1a).kvmesh.internal.v1.AbortRequestsResponse\x12g\n\x0e\x46inishRequests\x12).kvmesh.internal.v1.FinishRequestsRequest\x1a*.kvmesh.internal.v1.FinishRequestsResponse\x12\\\n\rStreamOutputs\x12(.kvmesh.internal.v1.StreamOutputsRequest\x1a\x1f.kvmesh.internal.v1.StepOutputs0\x01\x12[\n\nCheckReady\x12%.kvmesh.internal.v1.CheckReadyRequest\x1a&.kvmesh.internal.v1.CheckReadyResponse\x12Y\n\x07GetInfo\x12+.kvmesh.internal.v1.GetSchedulerInfoRequest\x1a!.kvmesh.internal.v1.SchedulerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\"\x8c\x03\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12;\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12?\n\x11\x64\x65tokenize_params\x18\x04 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tclient_id\x18\x07 \x01(\t\x12\x1b\n\x0eparallel_group\x18\x08 \x01(\tH\x01\x88\x01\x01\x12>\n\x0bkv_transfer\x18\t \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParamsH\x02\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_groupB\x0e\n\x0c_kv_transfer\"\x14\n\x12\x41\x64\x64RequestResponse\"+\n\x14\x41\x62ortRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\x15\x41\x62ortRequestsResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\",\n\x15\x46inishRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x18\n\x16\x46inishRequestsResponse\"*\n\x14StreamOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x93\x01\n\rRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12?\n\x11\x64\x65tokenize_params\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\"\xde\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .kvmesh.internal.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x08logprobs\x18\x05 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x36\n\x06header\x18\x08 \x01(\x0b\x32!.kvmesh.internal.v1.RequestHeaderH\x01\x88\x01\x01\x12\r\n\x05\x65rror\x18\t \x01(\tB\x10\n\x0e_stop_token_idB\t\n\x07_header\"R\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.kvmesh.internal.v1.RequestOutput\"\x13\n\x11\x43heckReadyRequest\"$\n\x12\x43heckReadyResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x19\n\x17GetSchedulerInfoRequest\"\xc6\x01\n\rSchedulerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x1b\n\x0eparallel_group\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_group\"@\n\x10KVTransferParams\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x19\n\x11num_stored_tokens\x18\x02 \x01(\x05\"L\n\x0fPrefillResponse\x12\x39\n\x0bkv_transfer\x18\x01 \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParams2\xa1\x05\n\tScheduler\x12[\n\nAddRequest\x12%.kvmesh.internal.v1.AddRequestRequest\x1a&.kvmesh.internal.v1.AddRequestResponse\x12\x64\n\rAbortRequests\x12(.kvmesh.internal.v1.AbortRequestsRequest\x1a).kvmesh.internal.v1.AbortRequestsResponse\x12g\n\x0e\x46inishRequests\x12).kvmesh.internal.v1.FinishRequestsRequest\x1a*.kvmesh.internal.v1.FinishRequestsResponse\x12\\\n\rStreamOutputs\x12(.kvmesh.internal.v1.StreamOutputsRequest\x1a\x1f.kvmesh.internal.v1.StepOutputs0\x01\x12[\n\nCheckReady\x12%.kvmesh.internal.v1.CheckReadyRequest\x1a&.kvmesh.internal.v1.CheckReadyResponse\x12Y\n\x07GetInfo\x12+.kvmesh.internal.v1.GetSchedulerInfoRequest\x1a!.kvmesh.internal.v1.SchedulerInfo\x12R\n\x07Prefill\x12\".kvmesh.internal.v1.PrefillRequest\x1a#.kvmesh.internal.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.scheduler_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADDREQUESTREQUEST']._serialized_start=68
-  _globals['_ADDREQUESTREQUEST']._serialized_end=384
-  _globals['_ADDREQUESTRESPONSE']._serialized_start=386
-  _globals['_ADDREQUESTRESPONSE']._serialized_end=406
-  _globals['_ABORTREQUESTSREQUEST']._serialized_start=408
-  _globals['_ABORTREQUESTSREQUEST']._serialized_end=451
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=453
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=497
-  _globals['_FINISHREQUESTSREQUEST']._serialized_start=499
-  _globals['_FINISHREQUESTSREQUEST']._serialized_end=543
-  _globals['_FINISHREQUESTSRESPONSE']._serialized_start=545
-  _globals['_FINISHREQUESTSRESPONSE']._serialized_end=569
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=571
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=613
-  _globals['_REQUESTHEADER']._serialized_start=616
-  _globals['_REQUESTHEADER']._serialized_end=763
-  _globals['_REQUESTOUTPUT']._serialized_start=766
-  _globals['_REQUESTOUTPUT']._serialized_end=1116
-  _globals['_STEPOUTPUTS']._serialized_start=1118
-  _globals['_STEPOUTPUTS']._serialized_end=1200
-  _globals['_CHECKREADYREQUEST']._serialized_start=1202
-  _globals['_CHECKREADYREQUEST']._serialized_end=1221
-  _globals['_CHECKREADYRESPONSE']._serialized_start=1223
-  _globals['_CHECKREADYRESPONSE']._serialized_end=1259
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=1261
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=1286
-  _globals['_SCHEDULERINFO']._serialized_start=1289
-  _globals['_SCHEDULERINFO']._serialized_end=1487
-  _globals['_SCHEDULER']._serialized_start=1490
-  _globals['_SCHEDULER']._serialized_end=2079
+  _globals['_ADDREQUESTREQUEST']._serialized_end=464
+  _globals['_ADDREQUESTRESPONSE']._serialized_start=466
+  _globals['_ADDREQUESTRESPONSE']._serialized_end=486
+  _globals['_ABORTREQUESTSREQUEST']._serialized_start=488
+  _globals['_ABORTREQUESTSREQUEST']._serialized_end=531
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=533
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=577
+  _globals['_FINISHREQUESTSREQUEST']._serialized_start=579
+  _globals['_FINISHREQUESTSREQUEST']._serialized_end=623
+  _globals['_FINISHREQUESTSRESPONSE']._serialized_start=625
+  _globals['_FINISHREQUESTSRESPONSE']._serialized_end=649
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=651
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=693
+  _globals['_REQUESTHEADER']._serialized_start=696
+  _globals['_REQUESTHEADER']._serialized_end=843
+  _globals['_REQUESTOUTPUT']._serialized_start=846
+  _globals['_REQUESTOUTPUT']._serialized_end=1196
+  _globals['_STEPOUTPUTS']._serialized_start=1198
+  _globals['_STEPOUTPUTS']._serialized_end=1280
+  _globals['_CHECKREADYREQUEST']._serialized_start=1282
+  _globals['_CHECKREADYREQUEST']._serialized_end=1301
+  _globals['_CHECKREADYRESPONSE']._serialized_start=1303
+  _globals['_CHECKREADYRESPONSE']._serialized_end=1339
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=1341
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=1366
+  _globals['_SCHEDULERINFO']._serialized_start=1369
+  _globals['_SCHEDULERINFO']._serialized_end=1567
+  _globals['_PREFILLREQUEST']._serialized_start=1570
+  _globals['_PREFILLREQUEST']._serialized_end=1738
+  _globals['_KVTRANSFERPARAMS']._serialized_start=1740
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1804
+  _globals['_PREFILLRESPONSE']._serialized_start=1806
+  _globals['_PREFILLRESPONSE']._serialized_end=1882
+  _globals['_SCHEDULER']._serialized_start=1885
+  _globals['_SCHEDULER']._serialized_end=2558
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,7 @@ from kvstore.layout import KVLayout
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.block_hash import get_block_hasher
 from scheduler.config import SchedulerConfig
+from scheduler.kv_leases import StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
@@ -54,6 +55,11 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr) if config.kv_offload else None
     kv_lookup = _store_lookup(kvstore, info, core_config) if kvstore is not None else None
+    kv_leases = (
+        StoreLeases(kv_lookup.client, kv_lookup.layouts, config.kv_transfer_lease_ttl_s)
+        if kv_lookup is not None
+        else None
+    )
     engine = SchedulerEngine(
         core_config,
         worker,
@@ -61,6 +67,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         SchedulerMetrics(info.model_name),
         max_waiting_requests=config.max_waiting_requests,
         kv_lookup=kv_lookup,
+        kv_leases=kv_leases,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
@@ -89,6 +96,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     await service.stop(grace=2.0)
     await loop_task
     await worker.close()
+    if kv_leases is not None:
+        await kv_leases.drain()
     if kvstore is not None:
         await kvstore.close()
 

@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
+from scheduler.kv_leases import HeldLeases, StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output import FinishReason, RequestOutput
+from scheduler.prefill import PrefillRunner
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
@@ -59,6 +61,7 @@ class SchedulerEngine:
         metrics: SchedulerMetrics,
         max_waiting_requests: int,
         kv_lookup: StorePrefixLookup | None = None,
+        kv_leases: StoreLeases | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -78,11 +81,16 @@ class SchedulerEngine:
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self._last_num_scheduled_tokens = 0
         self.healthy = True
+        # Prefill/decode disaggregation: prefills run here for another replica,
+        # and leases of transferred KV held until their request ran.
+        self.prefills = PrefillRunner(self, kv_leases)
+        self.transfer_leases = HeldLeases(kv_leases)
 
     # ---- control (called from RPC handlers) -------------------------------
 
-    def add_request(self, msg: scheduler_pb2.AddRequestRequest) -> None:
-        if not self._subscribers:
+    def add_request(self, msg: scheduler_pb2.AddRequestRequest, publish: bool = True) -> Request:
+        """Queue a request; ``publish=False``: its outputs go to ``prefills`` only."""
+        if publish and not self._subscribers:
             raise UnavailableError("no detokenizer is subscribed to outputs")
         if not self.healthy:
             raise UnavailableError("worker unavailable")
@@ -111,14 +119,16 @@ class SchedulerEngine:
             # The core's one refusal: a request that could never run (longer
             # than max_model_len or than the whole KV pool), the caller's fault.
             raise InvalidRequestError(str(exc)) from exc
-        self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
-            prompt_token_ids=msg.prompt_token_ids,
-            detokenize_params=msg.detokenize_params,
-            client_id=msg.client_id,
-            arrival_time=time.time(),
-        )
+        if publish:
+            self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
+                prompt_token_ids=msg.prompt_token_ids,
+                detokenize_params=msg.detokenize_params,
+                client_id=msg.client_id,
+                arrival_time=time.time(),
+            )
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
+        return request
 
     async def lookup_stored_prefix(self, msg: scheduler_pb2.AddRequestRequest) -> None:
         """Tell the KV connector how much of this prompt the kvstore holds.
@@ -192,6 +202,7 @@ class SchedulerEngine:
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
+        outputs = self.prefills.take_outputs(outputs)
         if not outputs:
             return
         batch = scheduler_pb2.StepOutputs(
@@ -338,6 +349,7 @@ class SchedulerEngine:
                     self._fail_all(f"worker unavailable: {e}")
                     continue
                 self.metrics.record(self.core.make_stats())
+                self.transfer_leases.release_settled(self.core)
                 if self._only_polling():
                     # Nothing to compute while loads run in the worker's background:
                     # poll gently instead of spinning a core the worker needs.
@@ -354,15 +366,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
 
     async def AddRequest(self, request, context):
-        await self.engine.lookup_stored_prefix(request)
-        if request.sampling_params.HasField("structured_output"):
-            # Awaited here, not in the step loop: this request waits for its
-            # grammar while the loop keeps stepping the others.
-            await self.engine.worker.prepare_structured_output(
-                request.request_id, request.sampling_params.structured_output
-            )
-        self.engine.add_request(request)
+        with self.engine.transfer_leases.held_for(request):
+            await self.engine.lookup_stored_prefix(request)
+            if request.sampling_params.HasField("structured_output"):
+                # Awaited here, not in the step loop: this request waits for its
+                # grammar while the loop keeps stepping the others.
+                await self.engine.worker.prepare_structured_output(
+                    request.request_id, request.sampling_params.structured_output
+                )
+            self.engine.add_request(request)
         return scheduler_pb2.AddRequestResponse()
+
+    async def Prefill(self, request, context):
+        return await self.engine.prefills.prefill(request)
 
     async def AbortRequests(self, request, context):
         return scheduler_pb2.AbortRequestsResponse(

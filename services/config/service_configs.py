@@ -137,6 +137,12 @@ class SchedulerServiceConfig(KVConnectorOptions):
     async_scheduling: bool = opt(
         True, "schedule step n+1 while the worker runs step n (--no-async-scheduling: off)"
     )
+    kv_transfer_lease_ttl_s: float = opt(
+        30.0,
+        "disaggregation: seconds a prefilled prompt's blocks stay leased in the kvstore for the "
+        "decode replica (which ends the lease sooner, once its request ran)",
+        minimum=0.001,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,16 @@ class GatewayConfig(CommonConfig):
     scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
     detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
     api_key: str = opt("", "if set, require 'Authorization: Bearer <key>' on /v1 routes")
+    prefill_scheduler_addr: str = opt(
+        "",
+        "host:port of a prefill replica's scheduler: each prompt is prefilled there first and "
+        "its KV handed to the scheduler above through the kvstore (empty: off)",
+    )
+    prefill_timeout_s: float = opt(
+        60.0,
+        "seconds a prefill may take before the decode replica computes the prompt itself",
+        minimum=0.001,
+    )
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,18 @@ class LauncherConfig(Options):
     )
     max_restarts: int = opt(
         5, "restarts allowed per service before the launcher gives up", minimum=0
+    )
+    disaggregated: bool = opt(
+        False,
+        "prefill/decode disaggregation: a second worker and scheduler (the prefill replica) "
+        "compute each prompt, whose KV reaches the decode replica through the kvstore "
+        "(implies --kv-offload)",
+    )
+    prefill_worker_port: int = port(50056, "gRPC port of the prefill replica's worker")
+    prefill_worker_metrics_port: int = port(9105, "Prometheus port of the prefill replica's worker")
+    prefill_scheduler_port: int = port(50057, "gRPC port of the prefill replica's scheduler")
+    prefill_scheduler_metrics_port: int = port(
+        9106, "Prometheus port of the prefill replica's scheduler"
     )
 
 
