@@ -133,11 +133,10 @@ class PrefillRunner:
     def take_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Keep the outputs of prefills (called after every step, before publishing);
         returns the others. Also completes prefills whose saves settled."""
-        if not self._prefills:
-            return outputs
-        kept = [out for out in outputs if not self._take(out)]
         connector = self.engine.core.connector
-        assert connector is not None
+        if connector is None:
+            return outputs
+        kept = [out for out in outputs if not self._take(out)] if self._prefills else outputs
         for request_id in connector.pop_settled_save_waits():
             prefill = self._prefills.get(request_id)
             if prefill is not None and not prefill.done.done():

@@ -327,6 +327,8 @@ class SchedulerEngine:
         stop_task = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
+                # Each turn of the loop, the worker down included.
+                self.transfer_leases.release_settled(self.core)
                 if not self.healthy:
                     # Shutdown must not wait for a worker that may never return.
                     reconnect = asyncio.ensure_future(self._reconnect(stop))
@@ -347,9 +349,9 @@ class SchedulerEngine:
                     self.healthy = False
                     self._in_flight.clear()
                     self._fail_all(f"worker unavailable: {e}")
+                    self.metrics.record(self.core.make_stats())  # not stale while it is down
                     continue
                 self.metrics.record(self.core.make_stats())
-                self.transfer_leases.release_settled(self.core)
                 if self._only_polling():
                     # Nothing to compute while loads run in the worker's background:
                     # poll gently instead of spinning a core the worker needs.

@@ -31,6 +31,11 @@ PORT_NAMES = (
     "detokenizer_metrics_port",
     "kvstore_port",
     "kvstore_metrics_port",
+    # The prefill replica's, used with --disaggregated.
+    "prefill_worker_port",
+    "prefill_worker_metrics_port",
+    "prefill_scheduler_port",
+    "prefill_scheduler_metrics_port",
 )
 
 
@@ -88,11 +93,17 @@ class LocalStack:
         return f"127.0.0.1:{self.ports['grpc_port']}"
 
     def service_pid(self, service: str) -> int:
-        """Process id of one running service (a child of the launcher), e.g. to kill it."""
+        """Process id of one running service (a child of the launcher), e.g. to kill it.
+
+        ``prefill_worker`` and ``prefill_scheduler`` name the prefill replica of
+        ``--disaggregated``, launched as its twin with its port as a flag.
+        """
+        twin = service.removeprefix("prefill_")
+        prefill_flag = f"--{twin}-port {self.ports.get(f'prefill_{twin}_port')} "
         pids = [
             pid
             for pid, cmdline in _children_of(self.process.pid).items()
-            if f"serve {service}" in cmdline
+            if f"serve {twin}" in cmdline and (prefill_flag in cmdline) == (service != twin)
         ]
         if len(pids) != 1:
             raise LookupError(f"{len(pids)} processes serve {service!r}")
