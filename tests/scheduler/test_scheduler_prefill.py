@@ -41,7 +41,8 @@ TTL_S = 10.0
 class SavingWorkerClient(InMemoryWorkerClient):
     """Also plays the connector's saves: the blocks a step names are put into the
     store and reported ``delay`` steps later (while ``hold`` is unset), or
-    reported failed if their hash is in ``fail``. ``broken``: the stream fails."""
+    reported failed if their hash is in ``fail``. ``broken``: the stream fails.
+    Clearing ``stepping`` freezes steps in the worker."""
 
     def __init__(self, store: KVStoreClient, delay: int = 2) -> None:
         super().__init__()
@@ -50,10 +51,13 @@ class SavingWorkerClient(InMemoryWorkerClient):
         self.hold = False
         self.broken = False
         self.fail: set[bytes] = set()
+        self.stepping = asyncio.Event()
+        self.stepping.set()
         self._num_steps = 0
         self._saving: list[tuple[int, list[bytes]]] = []
 
     async def receive(self, step_id: int) -> ModelRunnerOutput:
+        await self.stepping.wait()
         if self.broken:
             raise UnavailableError("worker stream failed: UNAVAILABLE")
         meta = self.queue[0].kv_connector_metadata
@@ -191,13 +195,16 @@ async def test_a_caller_gone_during_the_prefill_aborts_it(replica) -> None:
     engine.config = engine.core.config = dataclasses.replace(
         engine.config, max_num_batched_tokens=8
     )  # a 60-token prompt takes 8 steps
+    replica.worker.stepping.clear()
     call = asyncio.create_task(engine.prefills.prefill(_prefill_msg("p", 60)))
-    await _until(lambda: engine.core.num_running == 1)
+    await _until(lambda: engine.core.num_running == 1)  # its first chunk is in the worker
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    replica.worker.stepping.set()
     await _until(lambda: not engine.core.has_unfinished_requests())
     await _until(lambda: not engine.core.has_connector_work())
+    assert replica.worker.num_computed["p"] < 60  # aborted, not run to its end
     _assert_nothing_held(engine)
     assert await _num_leases(replica) == 0
 
@@ -212,9 +219,11 @@ async def test_a_caller_gone_while_the_saves_run_leaves_no_wait_and_no_lease(rep
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    replica.worker.hold = False
+    # The saves are still running, but nobody waits for them: the loop may idle.
+    await _until(lambda: not engine.core.has_connector_work())
     _assert_nothing_held(engine)
     assert await _num_leases(replica) == 0
+    replica.worker.hold = False
 
 
 async def test_a_lost_worker_ends_a_prefill_waiting_for_its_saves(replica) -> None:
