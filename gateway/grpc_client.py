@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 
 import grpc
 
+from gateway.disaggregation import PrefillClient
 from gateway.engine_client import (
     GenerationDelta,
     GenerationRequest,
@@ -65,6 +66,7 @@ class GrpcEngineClient:
         detokenizer_addr: str,
         token_text: Callable[[int], str],
         client_id: str | None = None,
+        prefill: PrefillClient | None = None,
     ) -> None:
         self.scheduler_addr = scheduler_addr
         self.detokenizer_addr = detokenizer_addr
@@ -72,6 +74,8 @@ class GrpcEngineClient:
         self._token_text = token_text
         self._scheduler_channel = insecure_channel(scheduler_addr)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        # Disaggregation: prompts are prefilled there first (gateway/disaggregation.py).
+        self._prefill = prefill
         self._queues: dict[str, asyncio.Queue[GenerationDelta]] = {}
         self._subscribed = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -111,6 +115,8 @@ class GrpcEngineClient:
         if self._dispatcher is not None:
             self._dispatcher.cancel()
         await self._scheduler_channel.close()
+        if self._prefill is not None:
+            await self._prefill.close()
 
     @property
     def model_info(self) -> ModelInfo:
@@ -255,6 +261,10 @@ class GrpcEngineClient:
                 msg.cache_salt = request.cache_salt
             if request.parallel_group is not None:
                 msg.parallel_group = request.parallel_group
+            if self._prefill is not None:
+                transfer = await self._prefill.prefill(msg)
+                if transfer is not None:
+                    msg.kv_transfer.CopyFrom(transfer)
             try:
                 await self._admit(msg)
             except grpc.aio.AioRpcError as e:

@@ -11,6 +11,7 @@ import uvicorn
 
 from gateway.admission import AdmissionGate
 from gateway.app import build_app
+from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
@@ -34,13 +35,22 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
-    engine = GrpcEngineClient(
-        config.scheduler_addr, config.detokenizer_addr, token_text=tokenizer.token_to_text
+    prefill = (
+        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
+        if config.prefill_scheduler_addr
+        else None
     )
-    logger.info(
-        "connecting to scheduler %s and detokenizer %s",
+    engine = GrpcEngineClient(
         config.scheduler_addr,
         config.detokenizer_addr,
+        token_text=tokenizer.token_to_text,
+        prefill=prefill,
+    )
+    logger.info(
+        "connecting to scheduler %s and detokenizer %s%s",
+        config.scheduler_addr,
+        config.detokenizer_addr,
+        f"; prefills on {config.prefill_scheduler_addr}" if prefill else "",
     )
     stop_task = asyncio.create_task(stop.wait())
     start_task = asyncio.create_task(engine.start())

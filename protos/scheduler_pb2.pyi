@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequestRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "detokenize_params", "priority", "cache_salt", "client_id", "parallel_group")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "detokenize_params", "priority", "cache_salt", "client_id", "parallel_group", "kv_transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class AddRequestRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class AddRequestRequest(_message.Message):
     cache_salt: str
     client_id: str
     parallel_group: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_id: _Optional[str] = ..., parallel_group: _Optional[str] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_id: _Optional[str] = ..., parallel_group: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class AddRequestResponse(_message.Message):
     __slots__ = ()
@@ -208,3 +210,31 @@ class ReplicaLoad(_message.Message):
     num_active_blocks: int
     num_kv_blocks: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_active_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "priority", "parallel_group")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    priority: int
+    parallel_group: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., parallel_group: _Optional[str] = ...) -> None: ...
+
+class KVTransferParams(_message.Message):
+    __slots__ = ("lease_ids", "num_stored_tokens")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_stored_tokens: int
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., num_stored_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("kv_transfer",)
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    kv_transfer: KVTransferParams
+    def __init__(self, kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...

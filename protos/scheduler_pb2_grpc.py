@@ -67,6 +67,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.GetSchedulerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.SchedulerInfo.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/kvmesh.internal.v1.Scheduler/Prefill',
+                request_serializer=protos_dot_scheduler__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -133,6 +138,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill/decode disaggregation, prefill side: compute a prompt's KV (a
+        one-token request whose output is published to nobody), wait until the
+        worker confirmed every full prompt block saved in the kvstore, lease those
+        blocks there and answer with the lease: the KV transfer parameters the
+        gateway hands to the decode replica's AddRequest. Needs --kv-offload
+        (UNAVAILABLE without it, and while the worker is down); RESOURCE_EXHAUSTED
+        when the waiting queue is full; INVALID_ARGUMENT as AddRequest. A caller
+        that cancels the call aborts the prefill. Any failure here only means the
+        decode replica computes the prompt itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +185,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protos_dot_scheduler__pb2.GetSchedulerInfoRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.SchedulerInfo.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=protos_dot_scheduler__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -332,6 +357,33 @@ class Scheduler:
             '/kvmesh.internal.v1.Scheduler/GetInfo',
             protos_dot_scheduler__pb2.GetSchedulerInfoRequest.SerializeToString,
             protos_dot_scheduler__pb2.SchedulerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.internal.v1.Scheduler/Prefill',
+            protos_dot_scheduler__pb2.PrefillRequest.SerializeToString,
+            protos_dot_scheduler__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,14 +97,14 @@ class KVLoadResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., num_loaded_blocks: _Optional[int] = ...) -> None: ...
 
 class KVConnectorOutput(_message.Message):
-    __slots__ = ("finished_loads", "saved_block_hashes", "num_failed_saves")
+    __slots__ = ("finished_loads", "saved_block_hashes", "failed_save_hashes")
     FINISHED_LOADS_FIELD_NUMBER: _ClassVar[int]
     SAVED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    NUM_FAILED_SAVES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SAVE_HASHES_FIELD_NUMBER: _ClassVar[int]
     finished_loads: _containers.RepeatedCompositeFieldContainer[KVLoadResult]
     saved_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    num_failed_saves: int
-    def __init__(self, finished_loads: _Optional[_Iterable[_Union[KVLoadResult, _Mapping]]] = ..., saved_block_hashes: _Optional[_Iterable[bytes]] = ..., num_failed_saves: _Optional[int] = ...) -> None: ...
+    failed_save_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, finished_loads: _Optional[_Iterable[_Union[KVLoadResult, _Mapping]]] = ..., saved_block_hashes: _Optional[_Iterable[bytes]] = ..., failed_save_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("req_id", "start_position", "logprobs")

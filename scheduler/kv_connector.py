@@ -23,6 +23,12 @@ Contract with the scheduler (pure Python, no I/O, one thread):
 - ``build_connector_meta()`` hands everything planned since the previous call
   to the next step and forgets it.
 - ``update_connector_output(output)`` digests what the worker reports.
+- ``wait_for_saves(key, hashes)`` / ``pop_settled_save_waits()``: a caller
+  that must know when some blocks are in the store (a prefill for another
+  replica, ``scheduler/prefill.py``) waits until every one of them that is
+  being saved was reported saved or failed. While such a wait is open the
+  service keeps stepping (``has_pending_work``), since reports only travel
+  with step results.
 
 What the connector knows to be stored is a hint, not a promise: lookups
 (``record_stored``, fed by the scheduler service from the store's
@@ -86,6 +92,11 @@ class KVConnectorScheduler:
         self._planned_saves: list[KVTransfer] = []
         # req_id -> its load in flight (sent, not reported).
         self._loading: dict[str, PendingLoad] = {}
+        # Hashes planned for saving and not reported saved or failed yet.
+        self._saving: set[bytes] = set()
+        # Open waits for saves: key -> the hashes it still waits for.
+        self._save_waits: dict[str, set[bytes]] = {}
+        self._settled_waits: list[str] = []
         self.stats = KVConnectorStats(block_size)
 
     # ---- what the store holds ----------------------------------------------
@@ -195,11 +206,16 @@ class KVConnectorScheduler:
         self._loading.pop(request_id, None)
 
     def reset(self) -> list[str]:
-        """Forget loads in flight (the worker that ran them is gone); returns their ids."""
+        """Forget loads and saves in flight (the worker that ran them is gone);
+        returns the ids of the loads. Every open wait for saves is settled: what
+        reached the store is there, the rest never will be."""
         ids = list(self._loading)
         self._loading.clear()
         self._planned_loads.clear()
         self._planned_saves.clear()
+        self._saving.clear()
+        self._settled_waits.extend(self._save_waits)
+        self._save_waits.clear()
         return ids
 
     # ---- saves -------------------------------------------------------------
@@ -221,16 +237,50 @@ class KVConnectorScheduler:
             save_hashes.append(block_hash)
         if save_ids:
             self._planned_saves.append(KVTransfer(request.request_id, save_ids, save_hashes))
+            self._saving.update(save_hashes)
             self.stats.blocks_saved_planned += len(save_ids)
             # Optimistic: a save that fails shows up as a short load later.
             self.record_stored(save_hashes)
 
     # ---- per step ----------------------------------------------------------
 
+    def wait_for_saves(self, key: str, block_hashes: Iterable[bytes]) -> bool:
+        """Open a wait, named ``key``, for the saves of ``block_hashes`` in flight.
+
+        True when none is in flight (nothing to wait for: the wait is not
+        opened). Otherwise ``pop_settled_save_waits`` returns ``key`` once each
+        of them was reported saved or failed. Hashes not being saved count as
+        settled: either known stored (a lookup, an earlier save) or never
+        planned, and only the store can tell which (a lease answers that).
+        """
+        pending = self._saving.intersection(block_hashes)
+        if not pending:
+            return True
+        self._save_waits[key] = pending
+        return False
+
+    def cancel_save_wait(self, key: str) -> None:
+        """Drop an open wait (its caller went away)."""
+        self._save_waits.pop(key, None)
+
+    def pop_settled_save_waits(self) -> list[str]:
+        """Keys of the waits settled since the previous call."""
+        settled, self._settled_waits = self._settled_waits, []
+        return settled
+
+    def _settle_saves(self, block_hashes: list[bytes]) -> None:
+        self._saving.difference_update(block_hashes)
+        for key, pending in list(self._save_waits.items()):
+            pending.difference_update(block_hashes)
+            if not pending:
+                del self._save_waits[key]
+                self._settled_waits.append(key)
+
     def has_pending_work(self) -> bool:
         """Whether a step must be sent even with no tokens scheduled: something is
-        planned, or a load is in flight and its completion must be collected."""
-        return bool(self._planned_loads or self._planned_saves or self._loading)
+        planned, a load is in flight and its completion must be collected, or
+        someone waits for saves, whose reports come back with step results."""
+        return bool(self._planned_loads or self._planned_saves or self._loading or self._save_waits)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._planned_loads, saves=self._planned_saves)
@@ -240,10 +290,17 @@ class KVConnectorScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Saves the worker confirmed or failed (loads go through ``finish_load``)."""
-        if output.saved_block_hashes:
-            self.stats.blocks_saved_confirmed += len(output.saved_block_hashes)
-            self.record_stored(output.saved_block_hashes)
-        self.stats.failed_saves += output.num_failed_saves
+        saved, failed = output.saved_block_hashes, output.failed_save_hashes
+        if saved:
+            self.stats.blocks_saved_confirmed += len(saved)
+            self.record_stored(saved)
+        if failed:
+            self.stats.failed_saves += len(failed)
+            # Recorded optimistically when planned; forgotten, a block cached
+            # again is saved again.
+            self.forget(failed)
+        if self._saving and (saved or failed):
+            self._settle_saves(saved + failed)
 
     def make_stats(self) -> KVConnectorStats:
         stats, self.stats = self.stats, KVConnectorStats(self.block_size)

@@ -12,6 +12,7 @@ from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.block_hash import get_block_hasher
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events_service import KVEventsServicer, attach_publisher
+from scheduler.kv_leases import StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
@@ -56,6 +57,11 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr) if config.kv_offload else None
     kv_lookup = _store_lookup(kvstore, info, core_config) if kvstore is not None else None
+    kv_leases = (
+        StoreLeases(kv_lookup.client, kv_lookup.layouts, config.kv_transfer_lease_ttl_s)
+        if kv_lookup is not None
+        else None
+    )
     engine = SchedulerEngine(
         core_config,
         worker,
@@ -64,6 +70,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         max_waiting_requests=config.max_waiting_requests,
         kv_lookup=kv_lookup,
         step_deadline=StepDeadline(StepDeadlinePolicy.from_options(config)),
+        kv_leases=kv_leases,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
@@ -97,6 +104,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     await service.stop(grace=2.0)
     await loop_task
     await worker.close()
+    if kv_leases is not None:
+        await kv_leases.drain()
     if kvstore is not None:
         await kvstore.close()
 

@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator, Awaitable
 
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
+from scheduler.kv_leases import HeldLeases, StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output import FinishReason, RequestOutput
+from scheduler.prefill import PrefillRunner
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
@@ -65,6 +67,7 @@ class SchedulerEngine:
         max_waiting_requests: int,
         kv_lookup: StorePrefixLookup | None = None,
         step_deadline: StepDeadline | None = None,
+        kv_leases: StoreLeases | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -88,11 +91,16 @@ class SchedulerEngine:
         # A worker that misses it is treated as lost (hung, not dead).
         self.step_deadline = step_deadline or StepDeadline()
         self.healthy = True
+        # Prefill/decode disaggregation: prefills run here for another replica,
+        # and leases of transferred KV held until their request ran.
+        self.prefills = PrefillRunner(self, kv_leases)
+        self.transfer_leases = HeldLeases(kv_leases)
 
     # ---- control (called from RPC handlers) -------------------------------
 
-    def add_request(self, msg: scheduler_pb2.AddRequestRequest) -> None:
-        if not self._subscribers:
+    def add_request(self, msg: scheduler_pb2.AddRequestRequest, publish: bool = True) -> Request:
+        """Queue a request; ``publish=False``: its outputs go to ``prefills`` only."""
+        if publish and not self._subscribers:
             raise UnavailableError("no detokenizer is subscribed to outputs")
         if not self.healthy:
             raise UnavailableError("worker unavailable")
@@ -121,15 +129,17 @@ class SchedulerEngine:
             # The core's one refusal: a request that could never run (longer
             # than max_model_len or than the whole KV pool), the caller's fault.
             raise InvalidRequestError(str(exc)) from exc
-        self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
-            prompt_token_ids=msg.prompt_token_ids,
-            detokenize_params=msg.detokenize_params,
-            client_id=msg.client_id,
-            arrival_time=time.time(),
-        )
-        self._client_of[msg.request_id] = msg.client_id
+        if publish:
+            self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
+                prompt_token_ids=msg.prompt_token_ids,
+                detokenize_params=msg.detokenize_params,
+                client_id=msg.client_id,
+                arrival_time=time.time(),
+            )
+            self._client_of[msg.request_id] = msg.client_id
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
+        return request
 
     async def lookup_stored_prefix(self, msg: scheduler_pb2.AddRequestRequest) -> None:
         """Tell the KV connector how much of this prompt the kvstore holds.
@@ -248,6 +258,7 @@ class SchedulerEngine:
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
+        outputs = self.prefills.take_outputs(outputs)
         if not outputs:
             return
         batch = scheduler_pb2.StepOutputs(
@@ -387,6 +398,8 @@ class SchedulerEngine:
         stop_task = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
+                # Each turn of the loop, the worker down included.
+                self.transfer_leases.release_settled(self.core)
                 if not self.healthy:
                     # Shutdown must not wait for a worker that may never return.
                     reconnect = asyncio.ensure_future(self._reconnect(stop))
@@ -407,6 +420,7 @@ class SchedulerEngine:
                     self.healthy = False
                     self._in_flight.clear()
                     self._fail_all(f"worker unavailable: {e}")
+                    self.metrics.record(self.core.make_stats())  # not stale while it is down
                     continue
                 self.metrics.record(self.core.make_stats())
                 if self._only_polling():
@@ -425,15 +439,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
 
     async def AddRequest(self, request, context):
-        await self.engine.lookup_stored_prefix(request)
-        if request.sampling_params.HasField("structured_output"):
-            # Awaited here, not in the step loop: this request waits for its
-            # grammar while the loop keeps stepping the others.
-            await self.engine.worker.prepare_structured_output(
-                request.request_id, request.sampling_params.structured_output
-            )
-        self.engine.add_request(request)
+        with self.engine.transfer_leases.held_for(request):
+            await self.engine.lookup_stored_prefix(request)
+            if request.sampling_params.HasField("structured_output"):
+                # Awaited here, not in the step loop: this request waits for its
+                # grammar while the loop keeps stepping the others.
+                await self.engine.worker.prepare_structured_output(
+                    request.request_id, request.sampling_params.structured_output
+                )
+            self.engine.add_request(request)
         return scheduler_pb2.AddRequestResponse()
+
+    async def Prefill(self, request, context):
+        return await self.engine.prefills.prefill(request)
 
     async def AbortRequests(self, request, context):
         ids = list(request.request_ids)

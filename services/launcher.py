@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -53,6 +53,7 @@ from services.config import (
     CommonConfig,
     LauncherConfig,
     add_config_arguments,
+    as_env_text,
     config_from_namespace,
     config_to_env,
     environment_without_options,
@@ -64,6 +65,10 @@ logger = logging.getLogger("kvmesh.launcher")
 
 # Start order; shutdown goes in reverse.
 START_ORDER = ("kvstore", "worker", "scheduler", "detokenizer", "gateway")
+# ``--disaggregated`` adds a prefill replica: a second worker and scheduler
+# (``serve worker`` / ``serve scheduler`` with the launcher's prefill ports),
+# each started right after its decode twin.
+PREFILL_REPLICA = {"prefill_worker": "worker", "prefill_scheduler": "scheduler"}
 # Set (never read) for every child but the worker; see the module docstring.
 _SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -78,13 +83,15 @@ _LIVENESS_TIMEOUT_S = 5.0
 
 
 # Services that others dial: on one machine their ``<name>_addr`` follows
-# their ``<name>_port``, so ``kvmesh up`` has no address flags.
+# their ``<name>_port`` (and the gateway's ``prefill_scheduler_addr`` the
+# launcher's ``prefill_scheduler_port``), so ``kvmesh up`` has no address flags.
 DIALED_SERVICES = ("worker", "scheduler", "detokenizer", "kvstore")
+FOLLOWING_ADDRESSES = {f"{name}_addr" for name in DIALED_SERVICES} | {"prefill_scheduler_addr"}
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's options, then each service's (each name once, where it is first used)."""
-    seen = {f"{name}_addr" for name in DIALED_SERVICES}
+    seen = set(FOLLOWING_ADDRESSES)
     add_config_arguments(parser.add_argument_group("launcher"), LauncherConfig)
     add_config_arguments(parser.add_argument_group("every service"), CommonConfig)
     seen.update(f.name for f in dataclasses.fields(CommonConfig))
@@ -95,34 +102,90 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
-    """Each service's config for one machine: addresses follow ports, one model for all."""
+    """Each process's config for one machine: addresses follow ports, one model for all.
+
+    Keyed by service name, plus ``prefill_worker`` and ``prefill_scheduler``
+    with ``--disaggregated``: their twins' configs on the prefill ports.
+    """
+    launcher = config_from_namespace(LauncherConfig, args)
     configs = {name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER}
-    local = {
+    local: dict[str, Any] = {
         f"{name}_addr": f"{LOCAL_HOST}:{getattr(configs[name], f'{name}_port')}"
         for name in DIALED_SERVICES
     }
+    # The gateway prefills on the prefill replica only under --disaggregated.
+    local["prefill_scheduler_addr"] = ""
+    if launcher.disaggregated:
+        local["prefill_scheduler_addr"] = f"{LOCAL_HOST}:{launcher.prefill_scheduler_port}"
+        local["kv_offload"] = True  # KV travels between the replicas through the store
+        if configs["worker"].num_threads == 0:
+            # Two workers on one machine: each owns half the cores (two OpenMP
+            # teams over the same cores stall each other at every barrier).
+            local["num_threads"] = max(1, (os.cpu_count() or 2) // 2)
     if not configs["worker"].model:
         # Prepare the default model once here, not racing in three services.
         from services.model_prep import prepare_default_model
 
         local["model"] = str(prepare_default_model())
-    return {
+    configs = {
         name: dataclasses.replace(config, **{k: v for k, v in local.items() if hasattr(config, k)})
         for name, config in configs.items()
     }
+    if launcher.disaggregated:
+        configs["prefill_worker"] = dataclasses.replace(
+            configs["worker"],
+            worker_port=launcher.prefill_worker_port,
+            worker_metrics_port=launcher.prefill_worker_metrics_port,
+        )
+        configs["prefill_scheduler"] = dataclasses.replace(
+            configs["scheduler"],
+            scheduler_port=launcher.prefill_scheduler_port,
+            scheduler_metrics_port=launcher.prefill_scheduler_metrics_port,
+            worker_addr=f"{LOCAL_HOST}:{launcher.prefill_worker_port}",
+        )
+    return configs
+
+
+def child_order(configs: dict[str, Any]) -> list[str]:
+    """The processes to start, in order: each prefill process after its decode twin."""
+    order = []
+    for name in START_ORDER:
+        order.append(name)
+        order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
+    return order
+
+
+def flags_differing(base: Any, config: Any) -> list[str]:
+    """The flags that turn ``base`` into ``config`` (same class), e.g. a prefill
+    replica's ports: they win over the environment all children share."""
+    flags = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == getattr(base, f.name):
+            continue
+        name = f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            flags += [f"--{name}", as_env_text(value)]
+    return flags
 
 
 @dataclass
 class _Child:
     name: str
     env: dict[str, str]
+    # The service it runs (its name, but for the prefill replica) and the flags
+    # that set it apart from its twin.
+    service: str
+    flags: list[str]
     restarts: RestartBudget
     liveness: LivenessWatch
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", self.name],
+            [sys.executable, "-m", "services.cli", "serve", self.service, *self.flags],
             env=self.env,
             start_new_session=True,  # our signals go to the launcher, which relays them
             preexec_fn=_die_with_parent,
@@ -168,50 +231,51 @@ class Stack:
     def __init__(self, launcher: LauncherConfig, configs: dict[str, Any]) -> None:
         self.launcher = launcher
         self.configs = configs
+        self.order = child_order(configs)
         self.children: dict[str, _Child] = {}
-        host = LOCAL_HOST
-        cfg = self.configs
-        self.ready_checks = {
-            "kvstore": lambda: _grpc_serving(f"{host}:{cfg['kvstore'].kvstore_port}"),
-            "worker": lambda: _grpc_serving(f"{host}:{cfg['worker'].worker_port}"),
-            "scheduler": lambda: _grpc_serving(f"{host}:{cfg['scheduler'].scheduler_port}"),
-            "detokenizer": lambda: _grpc_serving(f"{host}:{cfg['detokenizer'].detokenizer_port}"),
-            "gateway": lambda: _http_ready(f"http://{host}:{cfg['gateway'].http_port}/ready"),
-        }
-        # Liveness, not readiness: a service waiting for another is alive.
-        self.liveness_checks = {
-            name: functools.partial(
-                _grpc_serving,
-                f"{host}:{getattr(cfg[name], f'{name}_port')}",
-                LIVENESS_SERVICE,
-                _LIVENESS_TIMEOUT_S,
-            )
-            for name in DIALED_SERVICES
-        }
-        self.liveness_checks["gateway"] = functools.partial(
-            _http_ready, f"http://{host}:{cfg['gateway'].http_port}/health", _LIVENESS_TIMEOUT_S
-        )
-        for name in START_ORDER:
+        for name in self.order:
+            service = PREFILL_REPLICA.get(name, name)
             env = environment_without_options()
-            for service_config in self.configs.values():
-                env.update(config_to_env(service_config))
-            if name != "worker":
+            for service_name in START_ORDER:  # one shared environment; twins differ by flags
+                env.update(config_to_env(self.configs[service_name]))
+            if service != "worker":
                 env.update(_SINGLE_THREAD_ENV)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            flags = flags_differing(configs[service], configs[name])
             self.children[name] = _Child(
                 name,
                 env,
+                service,
+                flags,
                 RestartBudget(launcher.max_restarts, launcher.restart_window_s),
                 LivenessWatch(launcher.liveness_period_s),
             )
 
+    def _address(self, name: str) -> str:
+        """host:port of a gRPC service process (the prefill replica's on its own port)."""
+        service = PREFILL_REPLICA.get(name, name)
+        return f"{LOCAL_HOST}:{getattr(self.configs[name], f'{service}_port')}"
+
+    def _ready(self, name: str) -> bool:
+        if name == "gateway":
+            return _http_ready(f"http://{LOCAL_HOST}:{self.configs[name].http_port}/ready")
+        return _grpc_serving(self._address(name))
+
+    def _live(self, name: str) -> bool:
+        """Liveness, not readiness: a service waiting for another is alive."""
+        if name == "gateway":
+            return _http_ready(
+                f"http://{LOCAL_HOST}:{self.configs[name].http_port}/health", _LIVENESS_TIMEOUT_S
+            )
+        return _grpc_serving(self._address(name), LIVENESS_SERVICE, _LIVENESS_TIMEOUT_S)
+
     def start(self) -> None:
-        for name in START_ORDER:
+        for name in self.order:
             self.children[name].start()
 
     def wait_ready(self, stopping: list[bool]) -> bool:
         deadline = time.monotonic() + self.launcher.startup_timeout
-        pending = list(START_ORDER)
+        pending = list(self.order)
         while pending and not stopping:
             for name in list(pending):
                 child = self.children[name]
@@ -220,7 +284,7 @@ class Stack:
                         "%s exited during start-up (code %s)", name, child.process.returncode
                     )
                     return False
-                if self.ready_checks[name]():
+                if self._ready(name):
                     logger.info("%s is ready", name)
                     pending.remove(name)
             if time.monotonic() > deadline:
@@ -260,7 +324,7 @@ class Stack:
         """Probe ``child``'s liveness when due; SIGKILL it once it is judged hung."""
         if not child.liveness.due():
             return
-        if child.liveness.record(self.liveness_checks[child.name]()):
+        if child.liveness.record(self._live(child.name)):
             logger.error(
                 "%s (pid %d) failed %d liveness probes in a row; killing it to restart it",
                 child.name,
@@ -271,7 +335,7 @@ class Stack:
             child.process.wait()
 
     def stop(self, timeout: float = 15.0) -> None:
-        for name in reversed(START_ORDER):
+        for name in reversed(self.order):
             child = self.children[name]
             if child.alive():
                 child.process.send_signal(signal.SIGTERM)

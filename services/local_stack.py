@@ -31,6 +31,11 @@ PORT_NAMES = (
     "detokenizer_metrics_port",
     "kvstore_port",
     "kvstore_metrics_port",
+    # The prefill replica's, used with --disaggregated.
+    "prefill_worker_port",
+    "prefill_worker_metrics_port",
+    "prefill_scheduler_port",
+    "prefill_scheduler_metrics_port",
 )
 
 
@@ -88,11 +93,17 @@ class LocalStack:
         return f"127.0.0.1:{self.ports['grpc_port']}"
 
     def service_pids(self, service: str) -> list[int]:
-        """Process ids serving ``service`` now (launcher children; none while it restarts)."""
+        """Process ids serving ``service`` now (launcher children; none while it restarts).
+
+        ``prefill_worker`` and ``prefill_scheduler`` name the prefill replica of
+        ``--disaggregated``, launched as its twin with its port as a flag.
+        """
+        twin = service.removeprefix("prefill_")
+        prefill_flag = f"--{twin}-port {self.ports.get(f'prefill_{twin}_port')} "
         return [
             pid
             for pid, cmdline in _children_of(self.process.pid).items()
-            if f"serve {service}" in cmdline
+            if f"serve {twin}" in cmdline and (prefill_flag in cmdline) == (service != twin)
         ]
 
     def service_pid(self, service: str) -> int:

@@ -85,10 +85,14 @@ class KVConnectorOutput:
     finished_loads: dict[str, int] = field(default_factory=dict)
     # Hashes of blocks the store committed.
     saved_block_hashes: list[bytes] = field(default_factory=list)
-    num_failed_saves: int = 0
+    # Hashes of blocks whose save failed: with the saved ones, every hash a
+    # step's saves named is settled once, so a wait for saves can end.
+    failed_save_hashes: list[bytes] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.finished_loads and not self.saved_block_hashes and not self.num_failed_saves
+        return (
+            not self.finished_loads and not self.saved_block_hashes and not self.failed_save_hashes
+        )
 
 
 @dataclass

@@ -184,7 +184,7 @@ def kv_connector_output_to_proto(out: KVConnectorOutput) -> worker_pb2.KVConnect
             for r, n in out.finished_loads.items()
         ],
         saved_block_hashes=out.saved_block_hashes,
-        num_failed_saves=out.num_failed_saves,
+        failed_save_hashes=out.failed_save_hashes,
     )
 
 
@@ -192,7 +192,7 @@ def kv_connector_output_from_proto(msg: worker_pb2.KVConnectorOutput) -> KVConne
     return KVConnectorOutput(
         finished_loads={r.req_id: r.num_loaded_blocks for r in msg.finished_loads},
         saved_block_hashes=list(msg.saved_block_hashes),
-        num_failed_saves=msg.num_failed_saves,
+        failed_save_hashes=list(msg.failed_save_hashes),
     )
 
 

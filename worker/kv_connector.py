@@ -16,7 +16,7 @@ The event loop (which also runs gRPC) talks to the store and hands arrived
 loads back through a thread-safe queue. ``get_finished`` drains what finished
 into the step's ``KVConnectorOutput``. Store errors, timeouts and corrupt
 blocks never fail a step: a load stops at its first bad block, a failed save is
-counted, and each kind of failure is logged once (then only counted).
+reported by hash, and each kind of failure is logged once (then only counted).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class KVConnectorWorker:
         self._arrived: queue.SimpleQueue[_ArrivedLoad] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._saved_hashes: list[bytes] = []
-        self._num_failed_saves = 0
+        self._failed_hashes: list[bytes] = []
         self._inflight_save_bytes = 0
         # Loop only: running store calls (strong references, and what drain() awaits).
         self._tasks: set[asyncio.Task[None]] = set()
@@ -186,9 +186,9 @@ class KVConnectorWorker:
         finished_loads, self._finished_loads = self._finished_loads, {}
         with self._lock:
             saved, self._saved_hashes = self._saved_hashes, []
-            failed, self._num_failed_saves = self._num_failed_saves, 0
+            failed, self._failed_hashes = self._failed_hashes, []
         return KVConnectorOutput(
-            finished_loads=finished_loads, saved_block_hashes=saved, num_failed_saves=failed
+            finished_loads=finished_loads, saved_block_hashes=saved, failed_save_hashes=failed
         )
 
     def reset(self) -> None:
@@ -219,10 +219,10 @@ class KVConnectorWorker:
         block_ids: list[int] = []
         hashes: list[bytes] = []
         seen: set[bytes] = set()
-        num_invalid = 0
+        invalid: list[bytes] = []
         for transfer in transfers:
             if not self._is_valid(transfer):
-                num_invalid += len(transfer.block_ids)
+                invalid.extend(transfer.block_hashes)
                 continue
             for block_id, block_hash in zip(transfer.block_ids, transfer.block_hashes, strict=True):
                 if block_hash not in seen:
@@ -233,8 +233,9 @@ class KVConnectorWorker:
             room = self.max_inflight_save_bytes - self._inflight_save_bytes
             num_taken = min(len(hashes), max(room, 0) // self.block_bytes)
             self._inflight_save_bytes += num_taken * self.block_bytes
-            self._num_failed_saves += num_invalid + len(hashes) - num_taken
-        self._count_save_failures("invalid", num_invalid)
+            self._failed_hashes.extend(invalid)
+            self._failed_hashes.extend(hashes[num_taken:])
+        self._count_save_failures("invalid", len(invalid))
         if num_taken < len(hashes):
             self._count_save_failures("backpressure", len(hashes) - num_taken)
             self._log_failure(
@@ -353,11 +354,12 @@ class KVConnectorWorker:
         self, hashes: list[bytes], stored: list[bool], reason: str, detail: str
     ) -> None:
         saved = [block_hash for block_hash, ok in zip(hashes, stored, strict=True) if ok]
-        num_failed = len(hashes) - len(saved)
+        failed = [block_hash for block_hash, ok in zip(hashes, stored, strict=True) if not ok]
+        num_failed = len(failed)
         with self._lock:
             self._inflight_save_bytes -= len(hashes) * self.block_bytes
             self._saved_hashes.extend(saved)
-            self._num_failed_saves += num_failed
+            self._failed_hashes.extend(failed)
         _SAVED_BLOCKS.inc(len(saved))
         if num_failed:
             self._count_save_failures(reason, num_failed)

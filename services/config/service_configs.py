@@ -172,6 +172,12 @@ class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions):
     async_scheduling: bool = opt(
         True, "schedule step n+1 while the worker runs step n (--no-async-scheduling: off)"
     )
+    kv_transfer_lease_ttl_s: float = opt(
+        30.0,
+        "disaggregation: seconds a prefilled prompt's blocks stay leased in the kvstore for the "
+        "decode replica (which ends the lease sooner, once its request ran)",
+        minimum=0.001,
+    )
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,16 @@ class GatewayConfig(CommonConfig):
     max_prompts_per_request: int = opt(
         128, "most prompts in one /v1/completions or Generate call", minimum=1
     )
+    prefill_scheduler_addr: str = opt(
+        "",
+        "host:port of a prefill replica's scheduler: each prompt is prefilled there first and "
+        "its KV handed to the scheduler above through the kvstore (empty: off)",
+    )
+    prefill_timeout_s: float = opt(
+        60.0,
+        "seconds a prefill may take before the decode replica computes the prompt itself",
+        minimum=0.001,
+    )
 
 
 @dataclass(frozen=True)
@@ -237,6 +253,18 @@ class LauncherConfig(Options):
         "seconds between liveness probes of each service; 3 misses in a row (after its first "
         "answer) get it killed and restarted (0: off)",
         minimum=0,
+    )
+    disaggregated: bool = opt(
+        False,
+        "prefill/decode disaggregation: a second worker and scheduler (the prefill replica) "
+        "compute each prompt, whose KV reaches the decode replica through the kvstore "
+        "(implies --kv-offload)",
+    )
+    prefill_worker_port: int = port(50056, "gRPC port of the prefill replica's worker")
+    prefill_worker_metrics_port: int = port(9105, "Prometheus port of the prefill replica's worker")
+    prefill_scheduler_port: int = port(50057, "gRPC port of the prefill replica's scheduler")
+    prefill_scheduler_metrics_port: int = port(
+        9106, "Prometheus port of the prefill replica's scheduler"
     )
 
 

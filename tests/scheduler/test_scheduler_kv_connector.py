@@ -108,15 +108,20 @@ def test_saves_skip_known_blocks_and_each_hash_is_saved_once() -> None:
     # The same blocks cached again (another request, same prefix): nothing to save.
     connector.on_blocks_cached(_request(13, "twin"), [KVCacheBlock(i) for i in (1, 2, 3)], 0, 3)
     assert connector.build_connector_meta().is_empty()
+    first, last = meta.saves[0].block_hashes
     connector.update_connector_output(
-        KVConnectorOutput(saved_block_hashes=meta.saves[0].block_hashes, num_failed_saves=1)
+        KVConnectorOutput(saved_block_hashes=[first], failed_save_hashes=[last])
     )
     stats = connector.make_stats()
     assert (stats.blocks_saved_planned, stats.blocks_saved_confirmed, stats.failed_saves) == (
         2,
-        2,
+        1,
         1,
     )
+    # The failed block is no longer believed stored: cached again, it is saved again.
+    assert connector.num_stored_prefix_blocks(request.block_hashes) == 2
+    connector.on_blocks_cached(request, [KVCacheBlock(i) for i in (7, 8, 9)], 0, 3)
+    assert connector.build_connector_meta().saves[0].block_hashes == [last]
 
 
 def test_known_hashes_are_bounded_least_recent_first() -> None:
@@ -128,3 +133,66 @@ def test_known_hashes_are_bounded_least_recent_first() -> None:
     assert connector.num_stored_prefix_blocks([hashes[0]]) == 1
     assert connector.num_stored_prefix_blocks([hashes[1]]) == 0
     assert connector.num_stored_prefix_blocks(hashes[3:]) == 2
+
+
+def _saving(connector: KVConnectorScheduler, request: Request) -> list[bytes]:
+    """Plan the saves of every full block of ``request``; their hashes."""
+    num_blocks = len(request.block_hashes)
+    blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+    connector.on_blocks_cached(request, blocks, 0, num_blocks)
+    return [h for t in connector.build_connector_meta().saves for h in t.block_hashes]
+
+
+def test_a_wait_for_saves_settles_once_each_hash_is_saved_or_failed() -> None:
+    connector = KVConnectorScheduler(BLOCK)
+    request = _request(13)  # 3 full blocks
+    hashes = _saving(connector, request)
+    assert not connector.wait_for_saves("p", hashes[:2])
+    assert connector.has_pending_work()  # reports only come back with steps
+    connector.update_connector_output(KVConnectorOutput(saved_block_hashes=hashes[:1]))
+    assert connector.pop_settled_save_waits() == []
+    # A failure settles too: the wait is over, the lease will tell what is stored.
+    connector.update_connector_output(KVConnectorOutput(failed_save_hashes=hashes[1:2]))
+    assert connector.pop_settled_save_waits() == ["p"]
+    assert connector.pop_settled_save_waits() == []
+    assert not connector.has_pending_work()
+
+
+def test_nothing_in_flight_means_nothing_to_wait_for() -> None:
+    connector = KVConnectorScheduler(BLOCK)
+    request = _request(9)
+    connector.record_stored(request.block_hashes)  # known stored: no save planned
+    assert _saving(connector, request) == []
+    assert connector.wait_for_saves("p", request.block_hashes)
+    assert not connector.has_pending_work() and connector.pop_settled_save_waits() == []
+
+
+def test_saves_reported_before_the_wait_opens_are_not_waited_for() -> None:
+    connector = KVConnectorScheduler(BLOCK)
+    hashes = _saving(connector, _request(9))
+    connector.update_connector_output(KVConnectorOutput(saved_block_hashes=hashes))
+    assert connector.wait_for_saves("p", hashes)
+
+
+def test_waits_share_hashes_and_a_cancelled_wait_is_never_reported() -> None:
+    connector = KVConnectorScheduler(BLOCK)
+    hashes = _saving(connector, _request(9))
+    assert not connector.wait_for_saves("a", hashes)
+    assert not connector.wait_for_saves("b", hashes[:1])
+    assert not connector.wait_for_saves("gone", hashes)
+    connector.cancel_save_wait("gone")
+    connector.update_connector_output(KVConnectorOutput(saved_block_hashes=hashes[:1]))
+    assert connector.pop_settled_save_waits() == ["b"]
+    connector.update_connector_output(KVConnectorOutput(saved_block_hashes=hashes[1:]))
+    assert connector.pop_settled_save_waits() == ["a"]
+    assert not connector.has_pending_work()
+
+
+def test_a_lost_worker_settles_every_wait() -> None:
+    connector = KVConnectorScheduler(BLOCK)
+    hashes = _saving(connector, _request(9))
+    assert not connector.wait_for_saves("p", hashes)
+    connector.reset()
+    assert connector.pop_settled_save_waits() == ["p"]
+    # Its saves will never be reported: a new wait on them has nothing to wait for.
+    assert connector.wait_for_saves("q", hashes)

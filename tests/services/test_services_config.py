@@ -124,7 +124,8 @@ def test_help_lists_each_option_with_its_variable_default_and_limits(
     up = argv[0] == "up"
     classes = [LauncherConfig, *SERVICE_CONFIGS.values()] if up else [WorkerConfig]
     # Under `up` the addresses follow the ports: no flags that would be ignored.
-    ignored = {"worker_addr", "scheduler_addr", "detokenizer_addr", "kvstore_addr"} if up else set()
+    addresses = {"worker_addr", "scheduler_addr", "detokenizer_addr", "kvstore_addr"}
+    ignored = addresses | {"prefill_scheduler_addr"} if up else set()
     fields = {f.name: f for cls in classes for f in dataclasses.fields(cls)}
     expected = {"--" + name.replace("_", "-") for name in fields.keys() - ignored}
     assert entries.keys() - {"-h"} == expected

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.launcher import add_up_arguments, stack_configs
+from services.launcher import add_up_arguments, child_order, flags_differing, stack_configs
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -30,3 +30,49 @@ def test_up_has_no_address_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _args(["--worker-addr", "h:1"])
     assert "unrecognized arguments: --worker-addr" in capsys.readouterr().err
+
+
+def test_disaggregated_adds_a_prefill_replica_on_its_own_ports() -> None:
+    argv = ["--model", "/m", "--worker-port", "6001", "--scheduler-port", "6002"]
+    prefill = ["--prefill-worker-port", "6011", "--prefill-scheduler-port", "6012"]
+    configs = stack_configs(_args([*argv, *prefill, "--disaggregated"]))
+    assert child_order(configs) == [
+        "kvstore",
+        "worker",
+        "prefill_worker",
+        "scheduler",
+        "prefill_scheduler",
+        "detokenizer",
+        "gateway",
+    ]
+    assert configs["prefill_scheduler"].worker_addr == "127.0.0.1:6011"
+    assert configs["gateway"].prefill_scheduler_addr == "127.0.0.1:6012"
+    assert configs["gateway"].scheduler_addr == "127.0.0.1:6002"  # decode: the one streamed
+    assert configs["detokenizer"].scheduler_addr == "127.0.0.1:6002"
+    for name in ("worker", "prefill_worker", "scheduler", "prefill_scheduler"):
+        assert configs[name].kv_offload  # the KV travels through the store
+    # Each prefill process is its twin plus the flags that move it.
+    assert flags_differing(configs["worker"], configs["prefill_worker"]) == [
+        "--worker-port",
+        "6011",
+        "--worker-metrics-port",
+        "9105",
+    ]
+    assert "--worker-addr" in flags_differing(configs["scheduler"], configs["prefill_scheduler"])
+
+
+def test_without_disaggregated_there_is_no_prefill_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_PREFILL_SCHEDULER_ADDR", "elsewhere:1")
+    configs = stack_configs(_args(["--model", "/m"]))
+    assert child_order(configs) == ["kvstore", "worker", "scheduler", "detokenizer", "gateway"]
+    assert configs["gateway"].prefill_scheduler_addr == ""
+    assert not configs["scheduler"].kv_offload
+
+
+def test_the_two_workers_of_one_machine_split_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    configs = stack_configs(_args(["--model", "/m", "--disaggregated"]))
+    assert configs["worker"].num_threads == configs["prefill_worker"].num_threads == 4
+    chosen = stack_configs(_args(["--model", "/m", "--disaggregated", "--num-threads", "3"]))
+    assert chosen["worker"].num_threads == chosen["prefill_worker"].num_threads == 3
+    assert stack_configs(_args(["--model", "/m"]))["worker"].num_threads == 0  # all of them

@@ -137,7 +137,9 @@ def test_connector_output_round_trip_and_empty_is_not_sent() -> None:
     out = ModelRunnerOutput.make_empty(step_id=4)
     assert not model_runner_output_to_proto(out).HasField("kv_connector_output")
     out.kv_connector_output = KVConnectorOutput(
-        finished_loads={"a": 2, "b": 0}, saved_block_hashes=[b"\x07" * 32], num_failed_saves=3
+        finished_loads={"a": 2, "b": 0},
+        saved_block_hashes=[b"\x07" * 32],
+        failed_save_hashes=[b"\x08" * 32, b"\x09" * 32],
     )
     back = model_runner_output_from_proto(model_runner_output_to_proto(out))
     assert back.kv_connector_output == out.kv_connector_output

@@ -89,7 +89,7 @@ def settle(connector: KVConnectorWorker, output: KVConnectorOutput) -> KVConnect
     return KVConnectorOutput(
         finished_loads={**output.finished_loads, **later.finished_loads},
         saved_block_hashes=output.saved_block_hashes + later.saved_block_hashes,
-        num_failed_saves=output.num_failed_saves + later.num_failed_saves,
+        failed_save_hashes=output.failed_save_hashes + later.failed_save_hashes,
     )
 
 

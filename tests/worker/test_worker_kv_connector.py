@@ -163,7 +163,7 @@ def test_a_failed_save_is_counted_and_not_reported_as_saved(loop, store) -> None
     output = settle(
         saver, connector_step(saver, saves=[KVTransfer("r", [0, 1], block_hashes("r", 2))])
     )
-    assert output.saved_block_hashes == [] and output.num_failed_saves == 2
+    assert output.saved_block_hashes == [] and output.failed_save_hashes == block_hashes("r", 2)
     assert _metric("kvmesh:kv_connector_save_failures_total", "store_error") == failures + 2
     assert saver.inflight_save_bytes == 0
 
@@ -209,9 +209,10 @@ def test_saves_beyond_the_in_flight_byte_bound_are_dropped_and_counted(loop, sto
     dropped = _metric("kvmesh:kv_connector_save_failures_total", "backpressure")
 
     first = connector_step(saver, saves=[KVTransfer("r", [0, 1, 2], hashes[:3])])
-    assert first.num_failed_saves == 1
+    assert first.failed_save_hashes == hashes[2:3]  # named, so a wait for it can end
     assert saver.inflight_save_bytes == 2 * block_bytes
-    assert connector_step(saver, saves=[KVTransfer("r", [3], hashes[3:4])]).num_failed_saves == 1
+    dropped_second = connector_step(saver, saves=[KVTransfer("r", [3], hashes[3:4])])
+    assert dropped_second.failed_save_hashes == hashes[3:4]
     assert _metric("kvmesh:kv_connector_save_failures_total", "backpressure") == dropped + 2
 
     loop.call_soon_threadsafe(gate.set)
@@ -233,7 +234,7 @@ def test_transfers_naming_blocks_outside_the_cache_fail_alone(loop, store) -> No
         ],
     )
     assert output.finished_loads == {"bad-load": 0}
-    assert output.num_failed_saves == 2
+    assert output.failed_save_hashes == block_hashes("b", 1)  # the hash the bad transfer named
     assert settle(connector, output).saved_block_hashes == block_hashes("g", 1)
 
 
