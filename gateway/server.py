@@ -73,28 +73,21 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_receive_message_bytes=config.max_request_body_bytes,
     )
+    # What both public surfaces (gRPC and HTTP) serve, and their shared bounds.
+    surface = (engine, tokenizer, served_name)
+    surface_options = {
+        "api_key": config.api_key or None,
+        "limits": limits,
+        "admission": admission,
+    }
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(
-            engine,
-            tokenizer,
-            served_name,
-            api_key=config.api_key or None,
-            limits=limits,
-            admission=admission,
-        ),
+        GenerationServicer(*surface, **surface_options),
         grpc_service.server,
     )
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(
-        engine,
-        tokenizer,
-        served_name,
-        api_key=config.api_key or None,
-        limits=limits,
-        admission=admission,
-    )
+    app = build_app(*surface, **surface_options)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,

@@ -28,10 +28,8 @@ import pytest
 from kvstore.client import KVStoreClient
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.local_stack import LocalStack
-from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
-from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
-from tests.e2e.test_e2e_kv_offload import LONG_PROMPTS, _generate_all, _metric
+from tests.e2e.test_e2e_kv_offload import LONG_PROMPTS, _generate_all, _metric, greedy_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +63,7 @@ def disagg_stack() -> LocalStack:
 
 @pytest.fixture(scope="module")
 def cases() -> list[tuple[list[int], list[int]]]:
-    tok = hf_oracle.tokenizer()
-    prompts = [tok(p)["input_ids"] for p in PROMPTS] + LONG_PROMPTS
-    return [(ids, hf_oracle.greedy(ids, MAX_TOKENS)) for ids in prompts]
+    return greedy_cases()
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -41,6 +41,11 @@ def offload_stack() -> LocalStack:
 
 @pytest.fixture(scope="module")
 def cases() -> list[tuple[list[int], list[int]]]:
+    return greedy_cases()
+
+
+def greedy_cases() -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, transformers' greedy tokens) for the e2e prompts and LONG_PROMPTS."""
     tok = hf_oracle.tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS] + LONG_PROMPTS
     return [(ids, hf_oracle.greedy(ids, MAX_TOKENS)) for ids in prompts]
