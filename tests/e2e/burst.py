@@ -1,9 +1,8 @@
 """A burst of concurrent tiny completions over raw loopback sockets, with each answer's latency.
 
-Every connection is opened first, then every request is written, all in one
-go or spread evenly over ``spread_s`` seconds (a steep ramp rather than one
-instant), so that "sent" means the request's last byte left the client, and
-the latency of an answer is from then to its status line. Raw sockets, not an HTTP client
+Every connection is opened first, then every request is written in one go, so
+that "sent" means the request's last byte left the client, and the latency of
+an answer is from then to its status line. Raw sockets, not an HTTP client
 library: 2,000 of them on the same 2 cores as the stack must not be the
 bottleneck being measured.
 """
@@ -41,12 +40,9 @@ async def _exchange(
     writer: asyncio.StreamWriter,
     request: bytes,
     go: asyncio.Event | None = None,
-    delay_s: float = 0.0,
 ) -> Answer:
     if go is not None:
         await go.wait()
-    if delay_s:
-        await asyncio.sleep(delay_s)
     writer.write(request)
     await writer.drain()
     sent = time.perf_counter()
@@ -61,18 +57,12 @@ async def _exchange(
     return Answer(int(status_line.split()[1]), latency, headers.get("retry-after"), body)
 
 
-async def burst(
-    port: int, body: dict, num_requests: int, timeout_s: float, spread_s: float = 0.0
-) -> list[Answer]:
-    """Open ``num_requests`` connections, send on each (at once, or evenly over
-    ``spread_s`` seconds), collect every answer."""
+async def burst(port: int, body: dict, num_requests: int, timeout_s: float) -> list[Answer]:
+    """Open ``num_requests`` connections, send on each at once, collect every answer."""
     connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(num_requests)]
     go = asyncio.Event()
     request = _request_bytes(port, body)
-    exchanges = [
-        asyncio.ensure_future(_exchange(r, w, request, go, spread_s * i / num_requests))
-        for i, (r, w) in enumerate(connections)
-    ]
+    exchanges = [asyncio.ensure_future(_exchange(r, w, request, go)) for r, w in connections]
     go.set()
     return await asyncio.wait_for(asyncio.gather(*exchanges), timeout_s)
 
