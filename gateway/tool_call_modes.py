@@ -13,6 +13,7 @@ from gateway.protocol import DeltaFunctionCall, DeltaToolCall
 from gateway.tool_call_scanner import MalformedCallError
 from gateway.tool_call_stream import (
     CallStreamer,
+    ScanningCallStream,
     StreamEvent,
     ToolCallArguments,
     ToolCallStart,
@@ -54,26 +55,14 @@ class _NamedCallStream:
         return [] if self._text else [self._start]
 
 
-class _RequiredCallsStream:
+class _RequiredCallsStream(ScanningCallStream):
     """tool_choice "required": the output is a JSON array of call objects (grammar-forced)."""
 
     def __init__(self) -> None:
-        self._pending = ""
-        self._state = "start"  # start, element, call, after_element, done
-        self._call: CallStreamer | None = None
-        self._num_calls = 0
-        self.ok = True
+        super().__init__("start")  # start, element, call, after_element, done
 
-    def feed(self, text: str) -> list[StreamEvent]:
-        self._pending += text
-        events: list[StreamEvent] = []
-        try:
-            while self._advance(events):
-                pass
-        except MalformedCallError:
-            self.ok = False
-            self._state = "done"
-        return events
+    def _malformed(self, events: list[StreamEvent]) -> None:
+        self._state = "done"
 
     def _advance(self, events: list[StreamEvent]) -> bool:
         if self._state == "call":

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.tool_call_scanner import CallScanner
+from gateway.tool_call_scanner import CallScanner, MalformedCallError
 
 
 def new_tool_call_id() -> str:
@@ -102,3 +102,37 @@ def collect(events: list[StreamEvent]) -> ParsedOutput:
             arguments[event.index] += event.text
     calls = [ToolCall(start.id, start.name, arguments[start.index]) for start in starts]
     return ParsedOutput(content=content or None, tool_calls=calls)
+
+
+class ScanningCallStream:
+    """Base of the streaming call parsers: buffer text, advance a state machine.
+
+    A subclass sets its first state, implements ``_advance`` (consume what the
+    current state can; True when the state changed and it should run again)
+    and ``_malformed`` (what to emit once the text stops being a well-formed
+    call: ``ok`` turns False and the stream stays in that state).
+    """
+
+    def __init__(self, first_state: str) -> None:
+        self._pending = ""  # received, not yet consumed
+        self._state = first_state
+        self._call: CallStreamer | None = None
+        self._num_calls = 0
+        self.ok = True
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        self._pending += text
+        events: list[StreamEvent] = []
+        try:
+            while self._advance(events):
+                pass
+        except MalformedCallError:
+            self.ok = False
+            self._malformed(events)
+        return events
+
+    def _advance(self, events: list[StreamEvent]) -> bool:
+        raise NotImplementedError
+
+    def _malformed(self, events: list[StreamEvent]) -> None:
+        raise NotImplementedError

@@ -20,6 +20,7 @@ from gateway.tool_call_scanner import MalformedCallError
 from gateway.tool_call_stream import (
     CallStreamer,
     ParsedOutput,
+    ScanningCallStream,
     StreamEvent,
     collect,
     new_tool_call_id,
@@ -37,29 +38,18 @@ def _held_prefix_length(text: str, marker: str) -> int:
     return 0
 
 
-class HermesToolStream:
+class HermesToolStream(ScanningCallStream):
     """Content until the first ``<tool_call>``, then calls; ``ok``: still well formed."""
 
     def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
+        super().__init__("content")  # content, call, after_call, between, malformed
         self._make_id = make_id
-        self._pending = ""  # received, not yet consumed
-        self._state = "content"  # content, call, after_call, between, malformed
-        self._call: CallStreamer | None = None
-        self._num_calls = 0
-        self.ok = True
 
-    def feed(self, text: str) -> list[StreamEvent]:
-        self._pending += text
-        events: list[StreamEvent] = []
-        try:
-            while self._advance(events):
-                pass
-        except MalformedCallError:
-            self.ok = False
-            self._state = "malformed"
-            events.append(self._pending)
-            self._pending = ""
-        return events
+    def _malformed(self, events: list[StreamEvent]) -> None:
+        # From here on the text is content: a stream cannot take back what it sent.
+        self._state = "malformed"
+        events.append(self._pending)
+        self._pending = ""
 
     def _advance(self, events: list[StreamEvent]) -> bool:
         """Consume what the current state can; True if the state changed (go again)."""
