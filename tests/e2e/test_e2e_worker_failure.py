@@ -25,6 +25,29 @@ def _worker_pids(stack: LocalStack) -> list[int]:
     return stack.service_pids("worker")
 
 
+def _stream_and_signal(
+    url: str, pid: int, sig: signal.Signals, after_events: int
+) -> tuple[list[dict], float]:
+    """Stream a long completion and send ``sig`` to ``pid`` after ``after_events``
+    events; returns every event and when the signal was sent."""
+    body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    events: list[dict] = []
+    signalled_at = 0.0
+    with (
+        httpx.Client(base_url=url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == after_events:
+                os.kill(pid, sig)
+                signalled_at = time.monotonic()
+    return events, signalled_at
+
+
 def _wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -38,20 +61,8 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
     stack = start_stack(["--num-kv-blocks", "256", "--max-model-len", "1024"])
     try:
         url = stack.http_url
-        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
         old_worker = _worker_pid(stack)
-        events = []
-        with (
-            httpx.Client(base_url=url, timeout=120) as client,
-            client.stream("POST", "/v1/completions", json=body) as r,
-        ):
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                if len(events) == 3:
-                    os.kill(old_worker, signal.SIGKILL)
+        events, _ = _stream_and_signal(url, old_worker, signal.SIGKILL, after_events=3)
         # The stream ended (no hang) with an error, not with a normal finish.
         assert len(events) >= 3
         assert "error" in events[-1], events[-1]
@@ -97,21 +108,8 @@ def test_stopped_worker_costs_its_request_the_step_deadline_then_is_restarted() 
     old_worker = _worker_pid(stack)
     try:
         url = stack.http_url
-        body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
-        events = []
-        stopped_at = 0.0
-        with (
-            httpx.Client(base_url=url, timeout=120) as client,
-            client.stream("POST", "/v1/completions", json=body) as r,
-        ):
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                if len(events) == 12:  # past the cold start: the deadline is measured
-                    os.kill(old_worker, signal.SIGSTOP)
-                    stopped_at = time.monotonic()
+        # After 12 events: past the cold start, so the deadline is measured.
+        events, stopped_at = _stream_and_signal(url, old_worker, signal.SIGSTOP, after_events=12)
         failed_after = time.monotonic() - stopped_at
         # The deadline failed it over (the launcher's kill comes later, after 3 probes).
         assert "hung" in events[-1]["error"]["message"], events[-1]

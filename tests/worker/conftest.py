@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from services.model_prep import default_model_path
+from worker.config import CacheConfig, ModelConfig
+from worker.model_runner import ModelRunner
 
 # Text of different lengths (the tokenized prompts range from a few tokens to ~60).
 PROMPT_TEXTS = [
@@ -69,6 +71,18 @@ def truncate_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[i
 @pytest.fixture(scope="session")
 def hf_greedy():
     return hf_greedy_tokens
+
+
+@pytest.fixture(scope="module")
+def runner(model_path: Path) -> ModelRunner:
+    """The default model in a small cache (a module may define its own ``runner``)."""
+    return ModelRunner(
+        ModelConfig.from_pretrained(model_path, max_model_len=256),
+        CacheConfig(block_size=16, num_kv_blocks=128),
+        # One intra-op thread: on a 2-core CI box shared with other jobs, two
+        # OpenMP threads spin-wait on each other and run several times slower.
+        num_threads=1,
+    )
 
 
 def make_tiny_checkpoint(

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 
@@ -17,17 +14,6 @@ MAX_NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture(scope="module")
-def runner(model_path: Path) -> ModelRunner:
-    return ModelRunner(
-        ModelConfig.from_pretrained(model_path, max_model_len=256),
-        CacheConfig(block_size=16, num_kv_blocks=128),
-        # One intra-op thread: on a 2-core CI box shared with other jobs, two
-        # OpenMP threads spin-wait on each other and run several times slower.
-        num_threads=1,
-    )
 
 
 @pytest.fixture(scope="module")

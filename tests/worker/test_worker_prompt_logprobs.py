@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from services.sampling_params import SamplingParams
 from services.step import Logprobs
-from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.prompt_logprobs import PromptLogprobsSpan, compute_prompt_logprobs
@@ -19,15 +16,6 @@ pytestmark = pytest.mark.model
 
 NUM_TOP = 3
 PARAMS = SamplingParams(temperature=0.0, prompt_logprobs=NUM_TOP)
-
-
-@pytest.fixture(scope="module")
-def runner(model_path: Path) -> ModelRunner:
-    return ModelRunner(
-        ModelConfig.from_pretrained(model_path, max_model_len=256),
-        CacheConfig(block_size=16, num_kv_blocks=128),
-        num_threads=1,
-    )
 
 
 def _hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
