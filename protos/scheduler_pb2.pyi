@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequestRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "detokenize_params", "priority", "cache_salt", "client_id", "parallel_group", "kv_transfer")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "detokenize_params", "priority", "cache_salt", "client_id", "parallel_group", "kv_transfer", "lora_request")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class AddRequestRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_GROUP_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class AddRequestRequest(_message.Message):
     client_id: str
     parallel_group: str
     kv_transfer: KVTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_id: _Optional[str] = ..., parallel_group: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    lora_request: _common_pb2.LoRARequest
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_id: _Optional[str] = ..., parallel_group: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
 
 class AddRequestResponse(_message.Message):
     __slots__ = ()

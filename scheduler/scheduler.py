@@ -615,13 +615,15 @@ class Scheduler:
                     now = self.clock()
                 request.first_token_time = now
             logprobs = logprobs_by_id.get(request_id) if logprobs_by_id else None
+            if logprobs and len(logprobs) > len(token_ids):
+                logprobs = logprobs[: len(token_ids)]
             # Positional: keywords make this call ~2x slower, and every request takes it.
             output = RequestOutput(
                 request_id,
                 token_ids,  # new_token_ids
                 request.status.finish_reason if stopped else None,
                 request.stop_reason,
-                [logprobs] if logprobs is not None else None,  # new_logprobs
+                logprobs or None,  # new_logprobs
                 request.num_prompt_tokens,
                 request.num_cached_tokens,
             )

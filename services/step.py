@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hits).
     num_computed_tokens: int
+    # The adapter the request runs with; None for the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -109,6 +112,10 @@ class SchedulerOutput:
     # running this step; their blocks may be reused by this very step.
     finished_req_ids: set[str]
     kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+    # Speculative decoding: req_id -> draft tokens to verify this step (only
+    # requests with drafts). num_scheduled_tokens counts them: the request's
+    # input ends with its last known token followed by the drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> SchedulerOutput:
@@ -152,14 +159,17 @@ class ModelRunnerOutput:
     """The worker's answer to one step.
 
     Only requests that reached the end of their known tokens sample; a request
-    still in the middle of a chunked prefill gets an empty list.
+    still in the middle of a chunked prefill gets an empty list. A request that
+    verified draft tokens gets its accepted drafts plus one sampled token.
     """
 
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # Parallel to req_ids; None where logprobs were not requested.
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Empty when no request of the step asked for logprobs; otherwise parallel
+    # to req_ids, entry i parallel to sampled_token_ids[i] (empty where the
+    # request asked for none).
+    logprobs: list[list[Logprobs]] = field(default_factory=list)
     # Requests that failed inside the worker (bad params, kernel error):
     # req_id -> message. The scheduler finishes them with an error; the rest of
     # the batch is unaffected.

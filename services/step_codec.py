@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from protos import common_pb2, worker_pb2
 from services.errors import InvalidRequestError
+from services.lora_request import LoRARequest
 from services.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
     DetokenizeParams,
@@ -196,8 +197,19 @@ def kv_connector_output_from_proto(msg: worker_pb2.KVConnectorOutput) -> KVConne
     )
 
 
-# "No logprobs for this request" inside a parallel repeated field.
-_NO_LOGPROBS = common_pb2.TokenLogprobs(token_id=-1)
+def lora_request_to_proto(lora: LoRARequest | None) -> common_pb2.LoRARequest | None:
+    if lora is None:
+        return None
+    return common_pb2.LoRARequest(
+        lora_name=lora.lora_name, lora_id=lora.lora_id, lora_path=lora.lora_path
+    )
+
+
+def lora_request_from_proto(msg: common_pb2.LoRARequest) -> LoRARequest | None:
+    """None for an unset message (the base model)."""
+    if not msg.lora_id:
+        return None
+    return LoRARequest(lora_name=msg.lora_name, lora_id=msg.lora_id, lora_path=msg.lora_path)
 
 
 def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
@@ -212,6 +224,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 sampling_params=sampling_params_to_proto(r.sampling_params),
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=lora_request_to_proto(r.lora_request),
             )
             for r in out.scheduled_new_reqs
         ],
@@ -227,6 +240,11 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
             None
             if out.kv_connector_metadata.is_empty()
             else kv_connector_metadata_to_proto(out.kv_connector_metadata)
+        ),
+        spec_token_ids=(
+            [worker_pb2.BlockIds(ids=spec.get(req_id, ())) for req_id in out.num_scheduled_tokens]
+            if (spec := out.scheduled_spec_decode_tokens)
+            else []
         ),
     )
 
@@ -244,6 +262,7 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
                 sampling_params=sampling_params_from_proto(r.sampling_params),
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=lora_request_from_proto(r.lora_request),
             )
             for r in msg.new_requests
         ],
@@ -256,20 +275,31 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         total_num_scheduled_tokens=sum(num_scheduled.values()),
         finished_req_ids=set(msg.finished_req_ids),
         kv_connector_metadata=kv_connector_metadata_from_proto(msg.kv_connector_metadata),
+        scheduled_spec_decode_tokens=(
+            {
+                req_id: list(spec.ids)
+                for req_id, spec in zip(msg.scheduled_req_ids, msg.spec_token_ids, strict=True)
+                if spec.ids
+            }
+            if msg.spec_token_ids
+            else {}
+        ),
     )
 
 
 def model_runner_output_to_proto(
     out: ModelRunnerOutput, execute_seconds: float = 0.0
 ) -> worker_pb2.StepResult:
-    has_logprobs = any(lp is not None for lp in out.logprobs)
     return worker_pb2.StepResult(
         step_id=out.step_id,
         req_ids=out.req_ids,
         sampled_token_ids=[worker_pb2.BlockIds(ids=t) for t in out.sampled_token_ids],
         logprobs=(
-            [_NO_LOGPROBS if lp is None else logprobs_to_proto(lp) for lp in out.logprobs]
-            if has_logprobs
+            [
+                worker_pb2.TokenLogprobsList(entries=[logprobs_to_proto(lp) for lp in run])
+                for run in out.logprobs
+            ]
+            if any(out.logprobs)
             else []
         ),
         errors=out.errors,
@@ -284,14 +314,11 @@ def model_runner_output_to_proto(
 
 
 def model_runner_output_from_proto(msg: worker_pb2.StepResult) -> ModelRunnerOutput:
-    logprobs: list[Logprobs | None] = [
-        None if lp.token_id < 0 else logprobs_from_proto(lp) for lp in msg.logprobs
-    ]
     return ModelRunnerOutput(
         step_id=msg.step_id,
         req_ids=list(msg.req_ids),
         sampled_token_ids=[list(t.ids) for t in msg.sampled_token_ids],
-        logprobs=logprobs,
+        logprobs=[[logprobs_from_proto(lp) for lp in run.entries] for run in msg.logprobs],
         errors=dict(msg.errors),
         kv_connector_output=kv_connector_output_from_proto(msg.kv_connector_output),
         prompt_logprobs=[prompt_logprobs_from_proto(run) for run in msg.prompt_logprobs],

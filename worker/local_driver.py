@@ -36,7 +36,7 @@ class DriverRequest:
     # Blocks this driver allocated (shared prefix blocks are not freed by it).
     owned_block_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
     # Prompt position -> that prompt token's logprobs (prompt_logprobs set).
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
     sent: bool = False
@@ -142,8 +142,7 @@ class LocalDriver:
             request = self.requests[req_id]
             request.num_computed_tokens += step.num_scheduled_tokens[req_id]
             request.output_token_ids.extend(tokens)
-            if tokens:
-                request.logprobs.append(logprobs)
+            request.logprobs.extend(logprobs)
         for run in output.prompt_logprobs:
             entries = enumerate(run.entries, start=run.start_position)
             self.requests[run.req_id].prompt_logprobs.update(entries)

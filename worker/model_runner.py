@@ -220,13 +220,14 @@ class ModelRunner:
         token_list = token_array.tolist()
         output.req_ids = req_ids
         output.sampled_token_ids = [[] for _ in req_ids]
-        output.logprobs = [None] * len(req_ids)
+        output.logprobs = [[] for _ in req_ids]
         for position, index in enumerate(np.flatnonzero(inputs.sample_mask)):
             if position in failed_rows:
                 self._fail_request(req_ids[index], failed_rows[position], output)
                 continue
             output.sampled_token_ids[index] = [token_list[position]]
-            output.logprobs[index] = logprobs[position]
+            if (sampled_logprobs := logprobs[position]) is not None:
+                output.logprobs[index] = [sampled_logprobs]
         output.errors.update(self.structured_output.pop_errors())
         self.timings.prepare += prepared - started
         self.timings.num_steps += 1

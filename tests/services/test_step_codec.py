@@ -6,6 +6,7 @@ import pytest
 
 from protos import common_pb2
 from services.errors import InvalidRequestError
+from services.lora_request import LoRARequest
 from services.sampling_params import DetokenizeParams, SamplingParams, StructuredOutputSpec
 from services.step import (
     CachedRequestData,
@@ -121,6 +122,30 @@ def test_scheduler_output_round_trip() -> None:
     assert scheduler_output_from_proto(scheduler_output_to_proto(out)) == out
 
 
+def test_drafts_and_lora_round_trip() -> None:
+    """Drafts travel parallel to scheduled_req_ids (empty rows for requests
+    without any); a LoRA request survives the trip and None stays the base model."""
+    lora = LoRARequest("sql", "ab" * 32, "/adapters/sql")
+    out = SchedulerOutput(
+        step_id=5,
+        scheduled_new_reqs=[
+            NewRequestData("a", [1, 2, 3], [], _params(), [4], 0, lora_request=lora),
+            NewRequestData("b", [7, 8], [], SamplingParams(), [1], 0),
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["c"], new_block_ids=[[]], num_computed_tokens=[12]
+        ),
+        num_scheduled_tokens={"a": 3, "b": 2, "c": 4},
+        total_num_scheduled_tokens=9,
+        finished_req_ids=set(),
+        scheduled_spec_decode_tokens={"c": [11, 12, 13]},
+    )
+    msg = scheduler_output_to_proto(out)
+    assert [list(d.ids) for d in msg.spec_token_ids] == [[], [], [11, 12, 13]]
+    assert scheduler_output_from_proto(msg) == out
+    assert not scheduler_output_to_proto(SchedulerOutput.make_empty(1)).spec_token_ids
+
+
 def test_connector_metadata_round_trip_and_empty_is_not_sent() -> None:
     out = SchedulerOutput.make_empty(step_id=3)
     assert not scheduler_output_to_proto(out).HasField("kv_connector_metadata")
@@ -150,15 +175,14 @@ def test_model_runner_output_round_trip_with_mixed_logprobs() -> None:
         step_id=7,
         req_ids=["a", "b", "c"],
         sampled_token_ids=[[5], [], [9]],
-        logprobs=[Logprobs(5, -0.5, 1, [5, 6], [-0.5, -1.5]), None, None],
+        logprobs=[[Logprobs(5, -0.5, 1, [5, 6], [-0.5, -1.5])], [], []],
         errors={"c": "boom"},
     )
     back = model_runner_output_from_proto(model_runner_output_to_proto(out))
     assert back.req_ids == out.req_ids
     assert back.sampled_token_ids == out.sampled_token_ids
     assert back.errors == out.errors
-    assert back.logprobs[1] is None and back.logprobs[2] is None
-    assert back.logprobs[0].token_id == 5 and back.logprobs[0].top_token_ids == [5, 6]
+    assert back.logprobs == out.logprobs
 
 
 def test_prompt_logprobs_round_trip() -> None:
