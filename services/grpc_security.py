@@ -214,8 +214,8 @@ class PublicTLS:
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.certfile:
             return None
-        # gRPC either requires a client certificate or asks for none: "optional"
-        # (1) admits the same callers as "none" there, so it asks for none.
+        # gRPC's Python API knows only "required" or not: "optional" (1) admits
+        # the same callers as "none", so neither requires a client certificate.
         return grpc.ssl_server_credentials(
             [(_read(self.keyfile), _read(self.certfile))],
             root_certificates=_read(self.ca_certs) if self.ca_certs else None,

@@ -256,7 +256,7 @@ class GatewayConfig(CommonConfig):
     ssl_cert_reqs: int = opt(
         0,
         "client certificates on the public ports, as Python's ssl.CERT_*: 0 none, 1 optional "
-        "(HTTP only; the gRPC port asks for none), 2 required",
+        "(HTTP; the gRPC port then requires none), 2 required",
         minimum=0,
         maximum=2,
     )
