@@ -102,35 +102,27 @@ class TokenCheckInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _AttachToken:
-    """Adds the token to a call's metadata (one subclass per call shape: grpc.aio
-    files each interceptor under the first shape it is an instance of)."""
+    """Adds the token to a call's metadata."""
 
     def __init__(self, token: str) -> None:
         self._entry = (TOKEN_METADATA_KEY, token)
 
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    async def _intercept(self, continuation: Any, details: Any, request: Any) -> Any:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
-        return details._replace(metadata=metadata)
+        return await continuation(details._replace(metadata=metadata), request)
 
 
-class _UnaryUnaryToken(_AttachToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _UnaryStreamToken(_AttachToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
-
-
-class _StreamUnaryToken(_AttachToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
-
-
-class _StreamStreamToken(_AttachToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._with_token(details), requests)
+# One subclass per call shape: grpc.aio files an interceptor under the first
+# shape it is an instance of, so one object cannot serve all four.
+_TOKEN_INTERCEPTORS = [
+    type(f"TokenFor{shape.__name__}", (_AttachToken, shape), {method: _AttachToken._intercept})
+    for shape, method in (
+        (grpc.aio.UnaryUnaryClientInterceptor, "intercept_unary_unary"),
+        (grpc.aio.UnaryStreamClientInterceptor, "intercept_unary_stream"),
+        (grpc.aio.StreamUnaryClientInterceptor, "intercept_stream_unary"),
+        (grpc.aio.StreamStreamClientInterceptor, "intercept_stream_stream"),
+    )
+]
 
 
 @dataclass(frozen=True)
@@ -187,8 +179,7 @@ class InternalSecurity:
     def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
         if not self.token:
             return []
-        shapes = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
-        return [shape(self.token) for shape in shapes]
+        return [interceptor(self.token) for interceptor in _TOKEN_INTERCEPTORS]
 
 
 # Plaintext, no token: internal ports of a stack started with neither (and the
