@@ -38,6 +38,7 @@ from kvstore.block import crc32
 from kvstore.client import KVStoreClient
 from kvstore.layout import KVLayout
 from kvstore.tiered import TieredStore
+from services.grpc_security import InternalSecurity
 from services.grpc_server import wait_until_serving
 from services.local_stack import free_ports
 
@@ -99,7 +100,7 @@ async def bench_grpc(total_mib: int) -> None:
         cwd=REPO_ROOT,
     )  # fmt: skip
     try:
-        await wait_until_serving(address, timeout=60)
+        await wait_until_serving(address, 60, InternalSecurity())
         crc = _crc_gbps(total_mib << 20)
         print(
             f"1. loopback gRPC, one stream, {total_mib} MiB per size; CRC-32 alone: {crc:.2f} GB/s"

@@ -11,6 +11,7 @@ from detokenizer.service import DetokenizerEngine, DetokenizerServicer
 from detokenizer.tokenizer_loader import load_tokenizer
 from protos import detokenizer_pb2, detokenizer_pb2_grpc
 from services.config import DetokenizerConfig
+from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
@@ -19,11 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
-    start_metrics_server(config.bind_host, config.detokenizer_metrics_port)
+    start_metrics_server(config, config.detokenizer_metrics_port)
+    security = InternalSecurity.from_config(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model))
-    engine = DetokenizerEngine(DetokenizerTable(tokenizer), config.scheduler_addr)
+    engine = DetokenizerEngine(DetokenizerTable(tokenizer), config.scheduler_addr, security)
     service = GrpcService(
-        "detokenizer", [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name]
+        "detokenizer",
+        [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name],
+        access=security,
     )
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(
         DetokenizerServicer(engine), service.server

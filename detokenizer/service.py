@@ -34,7 +34,8 @@ from protos import (
     scheduler_pb2_grpc,
 )
 from services.errors import OverloadedError
-from services.grpc_server import insecure_channel
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel
 from services.step_codec import detokenize_params_from_proto
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,15 @@ class GatewaySubscription:
 
 
 class DetokenizerEngine:
-    def __init__(self, table: DetokenizerTable, scheduler_addr: str) -> None:
+    def __init__(
+        self,
+        table: DetokenizerTable,
+        scheduler_addr: str,
+        security: InternalSecurity = NO_INTERNAL_AUTH,
+    ) -> None:
         self.table = table
         self.scheduler_addr = scheduler_addr
+        self._security = security
         self._client_of: dict[str, str] = {}
         self._num_output_tokens: dict[str, int] = {}
         self._stopped: OrderedDict[str, None] = OrderedDict()
@@ -240,7 +247,7 @@ class DetokenizerEngine:
         was_connected = False
         while not stop.is_set():
             try:
-                async with insecure_channel(self.scheduler_addr) as channel:
+                async with internal_channel(self.scheduler_addr, self._security) as channel:
                     self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
                     stream = self._stub.StreamOutputs(
                         scheduler_pb2.StreamOutputsRequest(subscriber="detokenizer")

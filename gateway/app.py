@@ -200,11 +200,13 @@ def build_app(
     api_key: str | None = None,
     limits: GatewayLimits | None = None,
     admission: AdmissionGate | None = None,
+    serve_metrics: bool = True,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
     ``admission`` bounds the generation calls in flight (shared with the public
     gRPC API); without it, the engine's own 429 is the only bound.
+    ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
     """
     limits = limits or GatewayLimits()
     app = FastAPI(title="kvmesh gateway", version=_package_version())
@@ -274,13 +276,15 @@ def build_app(
             return error_response(UnavailableError("engine not ready: readiness check timed out"))
         return JSONResponse(ReadyResponse().model_dump())
 
-    @app.get(
-        "/metrics",
-        response_class=PlainTextResponse,
-        responses={200: {"description": "Prometheus text exposition format"}},
-    )
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    if serve_metrics:
+
+        @app.get(
+            "/metrics",
+            response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition format"}},
+        )
+        async def prometheus_metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> VersionResponse:

@@ -23,7 +23,8 @@ from prometheus_client import Counter
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.errors import error_from_rpc
-from services.grpc_server import insecure_channel
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ _PREFILLS = Counter(
 class PrefillClient:
     """Asks one prefill replica's scheduler for the KV of each prompt."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, security: InternalSecurity = NO_INTERNAL_AUTH
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = internal_channel(address, security)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         # Warn once per outage, not once per request.
         self._failing = False

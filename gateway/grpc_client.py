@@ -42,7 +42,8 @@ from protos import (
     scheduler_pb2_grpc,
 )
 from services.errors import InvalidRequestError, UnavailableError, error_from_rpc
-from services.grpc_server import insecure_channel
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel
 from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class GrpcEngineClient:
         token_text: Callable[[int], str],
         client_id: str | None = None,
         prefill: PrefillClient | None = None,
+        security: InternalSecurity = NO_INTERNAL_AUTH,
     ) -> None:
         self.scheduler_addr = scheduler_addr
+        self._security = security
         self.detokenizer_addr = detokenizer_addr
         self.client_id = client_id or f"gateway-{uuid.uuid4().hex[:12]}"
         self._token_text = token_text
-        self._scheduler_channel = insecure_channel(scheduler_addr)
+        self._scheduler_channel = internal_channel(scheduler_addr, security)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         # Disaggregation: prompts are prefilled there first (gateway/disaggregation.py).
         self._prefill = prefill
@@ -215,7 +218,7 @@ class GrpcEngineClient:
     async def _dispatch_forever(self) -> None:
         while not self._closing:
             try:
-                async with insecure_channel(self.detokenizer_addr) as channel:
+                async with internal_channel(self.detokenizer_addr, self._security) as channel:
                     stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
                     stream = stub.StreamDetokenized(
                         detokenizer_pb2.StreamDetokenizedRequest(client_id=self.client_id)

@@ -18,7 +18,9 @@ from gateway.limits import GatewayLimits
 from gateway.tokenizer import Tokenizer
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
+from services.grpc_security import InternalSecurity, PublicTLS
 from services.grpc_server import GrpcService
+from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -35,8 +37,9 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
+    security = InternalSecurity.from_config(config)
     prefill = (
-        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
+        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s, security)
         if config.prefill_scheduler_addr
         else None
     )
@@ -45,6 +48,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.detokenizer_addr,
         token_text=tokenizer.token_to_text,
         prefill=prefill,
+        security=security,
     )
     logger.info(
         "connecting to scheduler %s and detokenizer %s%s",
@@ -68,10 +72,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         raise RuntimeError("the scheduler reports no capacity; set --max-inflight-requests")
     admission = AdmissionGate(limit)
     logger.info("serving at most %d generation calls at once", admission.limit)
+    public_tls = PublicTLS.from_config(config)
     grpc_service = GrpcService(
         "gateway",
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_receive_message_bytes=config.max_request_body_bytes,
+        access=public_tls,
     )
     # What both public surfaces (gRPC and HTTP) serve, and their shared bounds.
     surface = (engine, tokenizer, served_name)
@@ -87,7 +93,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(*surface, **surface_options)
+    # /metrics on the public HTTP port unless it has a port of its own (or none).
+    metrics_on_http = config.expose_metrics and not config.gateway_metrics_port
+    if config.gateway_metrics_port:
+        start_metrics_server(config, config.gateway_metrics_port)
+    app = build_app(*surface, **surface_options, serve_metrics=metrics_on_http)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,
@@ -96,10 +106,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             log_level=config.log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=5,
+            **public_tls.uvicorn_options(),
         )
     )
     http_task = asyncio.create_task(http.serve(), name="http")
-    logger.info("OpenAI API on http://%s:%d/v1", config.bind_host, config.http_port)
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info("OpenAI API on %s://%s:%d/v1", scheme, config.bind_host, config.http_port)
     await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     http.should_exit = True
     await http_task

@@ -35,7 +35,8 @@ import grpc
 from kvstore.block import CHUNK_BYTES, PutOutcome, crc32
 from kvstore.layout import KVLayout
 from protos import kvstore_pb2, kvstore_pb2_grpc
-from services.grpc_server import insecure_channel
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,12 @@ class KVStoreClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         chunk_bytes: int = CHUNK_BYTES,
+        security: InternalSecurity = NO_INTERNAL_AUTH,
     ) -> None:
         self.address = address
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_bytes
-        self._channel = insecure_channel(address)
+        self._channel = internal_channel(address, security)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def __aenter__(self) -> KVStoreClient:

@@ -20,6 +20,7 @@ from kvstore.tiered import StoreStats, TieredStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from services.config import KVStoreConfig
 from services.errors import InvalidRequestError
+from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 
@@ -164,8 +165,12 @@ async def serve(config: KVStoreConfig, stop: asyncio.Event) -> None:
     store = build_store(config)
     collector = metrics.StoreCollector(store.stats())
     REGISTRY.register(collector)
-    start_metrics_server(config.bind_host, config.kvstore_metrics_port)
-    service = GrpcService("kvstore", [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
+    start_metrics_server(config, config.kvstore_metrics_port)
+    service = GrpcService(
+        "kvstore",
+        [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name],
+        access=InternalSecurity.from_config(config),
+    )
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(
         KVStoreServicer(store, max_lease_ttl_s=config.kvstore_max_lease_ttl_s), service.server
     )

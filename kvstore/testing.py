@@ -18,6 +18,7 @@ from kvstore.memory_tier import MemoryTier
 from kvstore.server import KVStoreServicer
 from kvstore.tiered import TieredStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
+from services.grpc_security import NO_INTERNAL_AUTH, PortAccess
 from services.grpc_server import GrpcService
 
 
@@ -52,9 +53,13 @@ def put_block(store: MemoryTier | TieredStore, key: bytes, data: bytes) -> PutOu
 
 
 @contextlib.asynccontextmanager
-async def serve_store(store: TieredStore, *, max_lease_ttl_s: float = 60.0) -> AsyncIterator[str]:
+async def serve_store(
+    store: TieredStore, *, max_lease_ttl_s: float = 60.0, access: PortAccess = NO_INTERNAL_AUTH
+) -> AsyncIterator[str]:
     """Serve ``store`` over gRPC on a free loopback port; yields its address."""
-    service = GrpcService("kvstore", [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
+    service = GrpcService(
+        "kvstore", [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name], access=access
+    )
     servicer = KVStoreServicer(store, max_lease_ttl_s=max_lease_ttl_s)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
     port = await service.start("127.0.0.1", 0)

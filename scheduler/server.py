@@ -18,6 +18,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
 from scheduler.worker_client import WorkerClient
 from services.config import SchedulerServiceConfig
+from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.step_deadline import StepDeadline, StepDeadlinePolicy
@@ -29,8 +30,9 @@ WORKER_CONNECT_TIMEOUT_S = 600.0
 
 
 async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
-    start_metrics_server(config.bind_host, config.scheduler_metrics_port)
-    worker = WorkerClient(config.worker_addr)
+    start_metrics_server(config, config.scheduler_metrics_port)
+    security = InternalSecurity.from_config(config)
+    worker = WorkerClient(config.worker_addr, security)
     logger.info("waiting for the worker at %s", config.worker_addr)
     info = await worker.connect(timeout=WORKER_CONNECT_TIMEOUT_S)
     max_model_len = min(info.max_model_len, info.num_kv_blocks * info.block_size)
@@ -55,7 +57,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         enable_kv_connector=config.kv_offload,
     )
     logger.info("scheduler config: %s", core_config)
-    kvstore = KVStoreClient(config.kvstore_addr) if config.kv_offload else None
+    kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None
     kv_lookup = _store_lookup(kvstore, info, core_config) if kvstore is not None else None
     kv_leases = (
         StoreLeases(kv_lookup.client, kv_lookup.layouts, config.kv_transfer_lease_ttl_s)
@@ -85,7 +87,9 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(
-        "scheduler", [services["Scheduler"].full_name, services["KVEvents"].full_name]
+        "scheduler",
+        [services["Scheduler"].full_name, services["KVEvents"].full_name],
+        access=security,
     )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(
         SchedulerServicer(engine, scheduler_info), service.server

@@ -13,7 +13,8 @@ import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.errors import UnavailableError, error_from_rpc
-from services.grpc_server import insecure_channel, wait_until_serving
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel, wait_until_serving
 from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import model_runner_output_from_proto, scheduler_output_to_proto
 
@@ -21,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: InternalSecurity = NO_INTERNAL_AUTH) -> None:
         self.address = address
+        self._security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -30,8 +32,8 @@ class WorkerClient:
     async def connect(self, timeout: float) -> worker_pb2.WorkerInfo:
         """Wait for the worker to be SERVING, open the step stream, return its info."""
         await self.close()
-        await wait_until_serving(self.address, timeout)
-        self._channel = insecure_channel(self.address)
+        await wait_until_serving(self.address, timeout, self._security)
+        self._channel = internal_channel(self.address, self._security)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         info = await self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
         self._call = self._stub.Execute()

@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_config_arguments(services.add_parser(name, help=(cls.__doc__ or "").strip()), cls)
 
     commands.add_parser("prepare-model", help="convert the default model once (idempotent)")
+    commands.add_parser(
+        "k8s-secret", help="print the Kubernetes Secrets of a stack with fresh credentials"
+    )
 
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -64,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(prepare_default_model())
         return 0
+    if args.command == "k8s-secret":
+        from services.k8s_secret import main as k8s_secret_main
+
+        return k8s_secret_main()
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,9 +1,12 @@
-"""gRPC server and channel helpers shared by every service.
+"""gRPC servers and channels of every service: the one place a port or a channel is opened.
 
-Every server gets: an error-boundary interceptor (exceptions become status
-codes, never a crashed handler), standard health checking
-(``grpc.health.v1``), and reflection, so ``grpcurl`` and load balancers work
-against any service.
+Every server gets: its port's access checks (``services/grpc_security.py``:
+the internal token and mutual TLS, or the gateway's public TLS), an
+error-boundary interceptor (exceptions become status codes, never a crashed
+handler), standard health checking (``grpc.health.v1``), and reflection, so
+``grpcurl`` and load balancers work against any service. Every channel
+presents the stack's credentials. A test keeps ports and channels from being
+opened anywhere else, so no call can bypass them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import reported_error
+from services.grpc_handlers import same_shape_handler
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity, PortAccess
 
 logger = logging.getLogger(__name__)
 
@@ -88,28 +93,7 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), **kwargs
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), **kwargs
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), **kwargs
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method), **kwargs
-            )
-        return handler
+        return same_shape_handler(handler, handler_call_details.method, _wrap_unary, _wrap_stream)
 
 
 def _health_status(up: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
@@ -126,16 +110,22 @@ class GrpcService:
         name: str,
         service_full_names: Iterable[str],
         max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+        access: PortAccess = NO_INTERNAL_AUTH,
     ) -> None:
         """``max_receive_message_bytes``: the largest message a caller may send; a
-        public port takes far less than the internal ones' step and KV messages."""
+        public port takes far less than the internal ones' step and KV messages.
+        ``access``: what callers must present (the default: nothing, plaintext)."""
         self.name = name
+        self._credentials = access.server_credentials()
         receive_limit = "grpc.max_receive_message_length"
         options = [
             *(option for option in SERVER_OPTIONS if option[0] != receive_limit),
             (receive_limit, max_receive_message_bytes),
         ]
-        self.server = grpc.aio.server(interceptors=[ErrorBoundaryInterceptor()], options=options)
+        self.server = grpc.aio.server(
+            interceptors=[*access.server_interceptors(), ErrorBoundaryInterceptor()],
+            options=options,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_full_names)
@@ -145,7 +135,11 @@ class GrpcService:
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if self._credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self._credentials)
         if self.port == 0:
             raise OSError(f"{self.name}: could not bind {host}:{port}")
         await self.server.start()
@@ -174,18 +168,38 @@ class GrpcService:
         await self.server.stop(grace)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def internal_channel(address: str, security: InternalSecurity) -> grpc.aio.Channel:
+    """A channel to another kvmesh service, presenting ``security``'s token and certificate."""
+    options = [*CHANNEL_OPTIONS, *security.channel_options()]
+    interceptors = security.client_interceptors()
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
-async def wait_until_serving(address: str, timeout: float, service: str = "") -> None:
+def probe_channel(
+    address: str, security: InternalSecurity, options: list[tuple[str, Any]] | None = None
+) -> grpc.Channel:
+    """A blocking channel for health probes (launcher, container checks): no token
+    (health checks need none), but the certificate where internal TLS is on."""
+    options = [*(options or []), *security.channel_options()]
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+async def wait_until_serving(
+    address: str, timeout: float, security: InternalSecurity, service: str = ""
+) -> None:
     """Poll the standard health service until it says SERVING (or time out)."""
     import asyncio
     import time
 
     deadline = time.monotonic() + timeout
     last_error = "no answer"
-    async with insecure_channel(address) as channel:
+    async with internal_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -10,11 +10,16 @@ answers SERVING, or the URL answers HTTP 200; anything else (NOT_SERVING, an
 unknown service, a refused connection, a timeout, HTTP 503) exits 1, which is
 what Docker's HEALTHCHECK and compose's ``healthcheck`` expect. The slim image
 has neither curl nor grpc_health_probe, and Python with grpcio is already there.
+
+``service`` and ``self`` dial the way the service listens: with its internal
+certificate where ``--internal-tls-*`` is set (health checks need no token),
+over https where the gateway has ``--ssl-certfile``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -26,12 +31,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import SERVICE_CONFIGS, config_from_namespace
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import probe_channel
 
 DEFAULT_TIMEOUT_S = 3.0
 # Health checks target the container itself: a proxy configured for outbound
 # traffic (http_proxy and friends, honoured by urllib and grpc alike) must not
 # swallow them.
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The container's own certificate need not name the probed host, and the probe
+# sends nothing secret: https is not verified.
+_UNVERIFIED_TLS = ssl.create_default_context()
+_UNVERIFIED_TLS.check_hostname = False
+_UNVERIFIED_TLS.verify_mode = ssl.CERT_NONE
+_NO_PROXY_OPENER = urllib.request.build_opener(
+    urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=_UNVERIFIED_TLS)
+)
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 # Hosts a service may bind that are not addresses to connect to.
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -49,12 +63,19 @@ class Endpoint:
 
     kind: str
     target: str
+    # How to dial a gRPC target (internal TLS); unused for http.
+    security: InternalSecurity = NO_INTERNAL_AUTH
 
 
-def check_grpc(address: str, service: str = "", timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
+def check_grpc(
+    address: str,
+    service: str = "",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    security: InternalSecurity = NO_INTERNAL_AUTH,
+) -> HealthResult:
     """Ask ``address``'s standard health service whether ``service`` ('' = whole server) serves."""
     try:
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+        with probe_channel(address, security, _CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as e:
@@ -90,8 +111,10 @@ def service_endpoint(service: str, environ: Mapping[str, str] | None = None) -> 
     host = "127.0.0.1" if config.bind_host in _WILDCARD_HOSTS else config.bind_host
     if service == "gateway":
         # /ready, not /health: healthy means the gateway can reach its engine.
-        return Endpoint("http", f"http://{host}:{config.http_port}/ready")
-    return Endpoint("grpc", f"{host}:{getattr(config, f'{service}_port')}")
+        scheme = "https" if config.ssl_certfile else "http"
+        return Endpoint("http", f"{scheme}://{host}:{config.http_port}/ready")
+    security = InternalSecurity.from_config(config)
+    return Endpoint("grpc", f"{host}:{getattr(config, f'{service}_port')}", security)
 
 
 def running_service(proc_root: Path = Path("/proc")) -> str | None:
@@ -114,7 +137,7 @@ def running_service(proc_root: Path = Path("/proc")) -> str | None:
 
 def check_endpoint(endpoint: Endpoint, timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
     if endpoint.kind == "grpc":
-        return check_grpc(endpoint.target, timeout=timeout)
+        return check_grpc(endpoint.target, timeout=timeout, security=endpoint.security)
     return check_http(endpoint.target, timeout=timeout)
 
 

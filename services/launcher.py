@@ -9,6 +9,13 @@ in production) at most ``--max-restarts`` times per ``--restart-window-s``,
 and on SIGINT/SIGTERM stops them all, the gateway first so that no new work
 arrives while the rest drain.
 
+Internal calls are authenticated by default: unless ``--internal-auth-token``
+is given (or ``--no-internal-auth``), the launcher makes a random token for
+this stack and hands it to every child in its environment (never on a command
+line, which ``ps`` shows). ``--internal-tls`` also makes a throwaway CA and
+certificate (``services/stack_credentials.py``) in a private folder removed
+at exit, and every internal call then runs over mutual TLS.
+
 Thread placement is deliberate, for small machines (2 cores) first:
 
 - the worker owns the cores: ``--num-threads`` torch intra-op threads (0, the
@@ -33,16 +40,20 @@ share its cores for long.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -58,7 +69,9 @@ from services.config import (
     config_to_env,
     environment_without_options,
 )
-from services.grpc_server import LIVENESS_SERVICE
+from services.grpc_security import InternalSecurity
+from services.grpc_server import LIVENESS_SERVICE, probe_channel
+from services.stack_credentials import make_stack_certificates, new_token
 from services.supervision import LivenessWatch, RestartBudget
 
 logger = logging.getLogger("kvmesh.launcher")
@@ -146,6 +159,24 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
     return configs
 
 
+def secure_stack(
+    configs: dict[str, Any], launcher: LauncherConfig, scratch: contextlib.ExitStack
+) -> dict[str, Any]:
+    """Every process's config with the stack's internal credentials: those given, or
+    made now for this stack (certificates in a private folder ``scratch`` removes)."""
+    given = configs["gateway"]  # the options every service shares are set alike on all
+    credentials: dict[str, str] = {}
+    if launcher.internal_auth and not given.internal_auth_token:
+        credentials["internal_auth_token"] = new_token()
+    if launcher.internal_tls and not given.internal_tls_certfile:
+        folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-tls-"))
+        certificates = make_stack_certificates(Path(folder))
+        credentials["internal_tls_certfile"] = str(certificates.certfile)
+        credentials["internal_tls_keyfile"] = str(certificates.keyfile)
+        credentials["internal_tls_ca_certs"] = str(certificates.ca_certs)
+    return {name: dataclasses.replace(c, **credentials) for name, c in configs.items()}
+
+
 def child_order(configs: dict[str, Any]) -> list[str]:
     """The processes to start, in order: each prefill process after its decode twin."""
     order = []
@@ -208,8 +239,10 @@ def _die_with_parent() -> None:
         pass  # not Linux: a hard-killed launcher may leave children behind
 
 
-def _grpc_serving(address: str, service: str = "", timeout: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _grpc_serving(
+    address: str, security: InternalSecurity, service: str = "", timeout: float = 1.0
+) -> bool:
+    with probe_channel(address, security) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -219,9 +252,16 @@ def _grpc_serving(address: str, service: str = "", timeout: float = 1.0) -> bool
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+# The gateway's own port probed on loopback, where its public certificate (if any)
+# need not name 127.0.0.1: the probe reads a status code and sends nothing secret.
+_LOOPBACK_TLS = ssl.create_default_context()
+_LOOPBACK_TLS.check_hostname = False
+_LOOPBACK_TLS.verify_mode = ssl.CERT_NONE
+
+
 def _http_ready(url: str, timeout: float = 5.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=_LOOPBACK_TLS) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -232,6 +272,11 @@ class Stack:
         self.launcher = launcher
         self.configs = configs
         self.order = child_order(configs)
+        self.security = InternalSecurity.from_config(configs["gateway"])
+        gateway = configs["gateway"]
+        self.gateway_url = (
+            f"{'https' if gateway.ssl_certfile else 'http'}://{LOCAL_HOST}:{gateway.http_port}"
+        )
         self.children: dict[str, _Child] = {}
         for name in self.order:
             service = PREFILL_REPLICA.get(name, name)
@@ -258,16 +303,16 @@ class Stack:
 
     def _ready(self, name: str) -> bool:
         if name == "gateway":
-            return _http_ready(f"http://{LOCAL_HOST}:{self.configs[name].http_port}/ready")
-        return _grpc_serving(self._address(name))
+            return _http_ready(f"{self.gateway_url}/ready")
+        return _grpc_serving(self._address(name), self.security)
 
     def _live(self, name: str) -> bool:
         """Liveness, not readiness: a service waiting for another is alive."""
         if name == "gateway":
-            return _http_ready(
-                f"http://{LOCAL_HOST}:{self.configs[name].http_port}/health", _LIVENESS_TIMEOUT_S
-            )
-        return _grpc_serving(self._address(name), LIVENESS_SERVICE, _LIVENESS_TIMEOUT_S)
+            return _http_ready(f"{self.gateway_url}/health", _LIVENESS_TIMEOUT_S)
+        return _grpc_serving(
+            self._address(name), self.security, LIVENESS_SERVICE, _LIVENESS_TIMEOUT_S
+        )
 
     def start(self) -> None:
         for name in self.order:
@@ -352,7 +397,19 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s"
     )
-    stack = Stack(config_from_namespace(LauncherConfig, args), stack_configs(args))
+    launcher = config_from_namespace(LauncherConfig, args)
+    with contextlib.ExitStack() as scratch:
+        stack = Stack(launcher, secure_stack(stack_configs(args), launcher, scratch))
+        return _run_stack(stack)
+
+
+def _internal_auth_words(security: InternalSecurity) -> str:
+    on = {"token": bool(security.token), "mutual TLS": security.mutual_tls}
+    checks = [name for name, enabled in on.items() if enabled]
+    return "need " + " and ".join(checks) if checks else "are open (--no-internal-auth)"
+
+
+def _run_stack(stack: Stack) -> int:
     stopping: list[bool] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -368,14 +425,14 @@ def run_up(args: argparse.Namespace) -> int:
             return 0 if stopping else 1
         gw = stack.configs["gateway"]
         logger.info(
-            "kvmesh is ready in %.1fs: OpenAI API http://%s:%d/v1, gRPC %s:%d",
+            "kvmesh is ready in %.1fs: OpenAI API %s/v1, gRPC %s:%d; internal calls %s",
             time.monotonic() - started,
-            LOCAL_HOST,
-            gw.http_port,
+            stack.gateway_url,
             LOCAL_HOST,
             gw.grpc_port,
+            _internal_auth_words(stack.security),
         )
-        print(f"{READY_MARKER} http://{LOCAL_HOST}:{gw.http_port}", flush=True)
+        print(f"{READY_MARKER} {stack.gateway_url}", flush=True)
         return stack.supervise(stopping)
     finally:
         stack.stop()

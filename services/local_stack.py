@@ -6,6 +6,7 @@ SIGKILL of the whole group after a timeout) reaches every service process.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -15,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from services.config import environment_without_options
+from services.config import CommonConfig, config_from_namespace, environment_without_options
+from services.grpc_security import InternalSecurity
 from services.launcher import READY_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +115,15 @@ class LocalStack:
             raise LookupError(f"{len(pids)} processes serve {service!r}")
         return pids[0]
 
+    def internal_security(self, service: str = "worker") -> InternalSecurity:
+        """The credentials the launcher gave ``service`` (a per-stack token by default),
+        read from its environment, as any process of the same user could: what a test
+        needs to call an internal port as the stack's own services do."""
+        environ = _environ_of(self.service_pid(service))
+        return InternalSecurity.from_config(
+            config_from_namespace(CommonConfig, argparse.Namespace(), environ)
+        )
+
     def metrics_url(self, service: str) -> str:
         return f"http://127.0.0.1:{self.ports[service + '_metrics_port']}/metrics"
 
@@ -134,6 +145,13 @@ class LocalStack:
                 self.process.wait()
                 raise
         return self.process.returncode
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with (Linux /proc; same user only)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    pairs = (entry.decode().partition("=") for entry in entries if b"=" in entry)
+    return {name: value for name, _, value in pairs}
 
 
 def _children_of(pid: int) -> dict[int, str]:

@@ -25,6 +25,7 @@ from kvstore.layout import KVLayout
 from protos import worker_pb2, worker_pb2_grpc
 from services.config import WorkerConfig
 from services.errors import InvalidRequestError, UnavailableError
+from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
@@ -203,8 +204,11 @@ def attach_kv_connector(
 
 
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
-    start_metrics_server(config.bind_host, config.worker_metrics_port)
-    service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    start_metrics_server(config, config.worker_metrics_port)
+    security = InternalSecurity.from_config(config)
+    service = GrpcService(
+        "worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name], access=security
+    )
     watchdog = StepWatchdog(
         StepDeadline(StepDeadlinePolicy.from_options(config)), service.set_alive_and_ready
     )
@@ -228,7 +232,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     connector: KVConnectorWorker | None = None
     if config.kv_offload:
         layout = runner_kv_layout(runner, info)
-        store = KVStoreBlocks(KVStoreClient(config.kvstore_addr), layout)
+        store = KVStoreBlocks(KVStoreClient(config.kvstore_addr, security=security), layout)
         connector = attach_kv_connector(runner, info, store, layout, loop)
     servicer.attach(runner, info)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf

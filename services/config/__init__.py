@@ -46,6 +46,7 @@ from services.config.process import (
 from services.config.service_configs import (
     DEFAULT_HOST,
     DEFAULT_MAX_MODEL_LEN,
+    INTERNAL_TLS_SERVER_NAME,
     SERVICE_CONFIGS,
     CommonConfig,
     DetokenizerConfig,
@@ -75,6 +76,7 @@ __all__ = [
     "DTYPES",
     "ENV_PREFIX",
     "ENV_SETTINGS",
+    "INTERNAL_TLS_SERVER_NAME",
     "PROCESS_SETTINGS",
     "ROUTING_POLICIES",
     "SCHEDULING_POLICIES",

@@ -23,6 +23,9 @@ DEFAULT_HOST = "127.0.0.1"
 # more, but every extra position costs KV cache and the persistent batch's
 # token array. worker.config applies it.
 DEFAULT_MAX_MODEL_LEN = 2048
+# The name internal certificates are issued for and clients check (the stack's
+# certificates: services/stack_credentials.py).
+INTERNAL_TLS_SERVER_NAME = "kvmesh-internal"
 
 
 def port(default: int, help: str) -> int:
@@ -35,6 +38,47 @@ class CommonConfig(Options):
 
     bind_host: str = opt(DEFAULT_HOST, "interface the service listens on (0.0.0.0 in containers)")
     log_level: str = opt("INFO", "logging level")
+    # Internal traffic (services/grpc_security.py): a shared token, mutual TLS, or both.
+    internal_auth_token: str = opt(
+        "",
+        "shared secret every internal gRPC call carries; servers refuse calls without it "
+        "(UNAUTHENTICATED) except grpc.health.v1 (empty: internal ports accept any caller; "
+        "`kvmesh up` makes one per stack). Prefer the variable: a flag shows in `ps`",
+    )
+    internal_tls_certfile: str = opt(
+        "", "PEM certificate this service presents on internal calls, as server and as client"
+    )
+    internal_tls_keyfile: str = opt("", "PEM private key of --internal-tls-certfile")
+    internal_tls_ca_certs: str = opt(
+        "",
+        "PEM CA bundle internal peers' certificates must chain to; with the cert and key set, "
+        "internal ports take only mutual TLS",
+    )
+    internal_tls_server_name: str = opt(
+        INTERNAL_TLS_SERVER_NAME,
+        "name a client checks in the server's certificate instead of the dialed host, so one "
+        "stack certificate serves every address ('': check the dialed host)",
+    )
+    metrics_bind_host: str = opt(
+        "", "interface of the Prometheus /metrics server ('': --bind-host)"
+    )
+    expose_metrics: bool = opt(
+        True, "serve Prometheus /metrics (--no-expose-metrics: no metrics endpoint at all)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        tls_files = (
+            self.internal_tls_certfile,
+            self.internal_tls_keyfile,
+            self.internal_tls_ca_certs,
+        )
+        if any(tls_files) and not all(tls_files):
+            # Half of mutual TLS would be a plaintext port, or one that trusts any CA.
+            raise ValueError(
+                "internal TLS needs all of internal_tls_certfile, internal_tls_keyfile and "
+                "internal_tls_ca_certs"
+            )
 
 
 @dataclass(frozen=True)
@@ -196,7 +240,26 @@ class GatewayConfig(CommonConfig):
 
     model: str = opt("", "Hugging Face checkpoint folder whose tokenizer and template are used")
     served_model_name: str = opt("", "model name reported by the API (default: folder name)")
-    http_port: int = port(8000, "OpenAI-compatible HTTP port (also /metrics)")
+    http_port: int = port(
+        8000, "OpenAI-compatible HTTP port (also /metrics unless --gateway-metrics-port)"
+    )
+    gateway_metrics_port: int = opt(
+        0,
+        "serve /metrics on this port, on --metrics-bind-host, and not on the HTTP port "
+        "(0: on the HTTP port, as vLLM)",
+        minimum=0,
+        maximum=65535,
+    )
+    ssl_certfile: str = opt("", "PEM certificate of the public HTTP and gRPC ports (empty: no TLS)")
+    ssl_keyfile: str = opt("", "PEM private key of --ssl-certfile")
+    ssl_ca_certs: str = opt("", "PEM CA bundle that client certificates must chain to")
+    ssl_cert_reqs: int = opt(
+        0,
+        "client certificates on the public ports, as Python's ssl.CERT_*: 0 none, 1 optional "
+        "(HTTP; the gRPC port then requires none), 2 required",
+        minimum=0,
+        maximum=2,
+    )
     grpc_port: int = port(50051, "public gRPC port (kvmesh.v1.Generation)")
     scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
     detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
@@ -232,6 +295,13 @@ class GatewayConfig(CommonConfig):
         minimum=0.001,
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.ssl_cert_reqs and not (self.ssl_certfile and self.ssl_ca_certs):
+            raise ValueError("ssl_cert_reqs needs ssl_certfile, ssl_keyfile and ssl_ca_certs")
+
 
 @dataclass(frozen=True)
 class LauncherConfig(Options):
@@ -265,6 +335,16 @@ class LauncherConfig(Options):
     prefill_scheduler_port: int = port(50057, "gRPC port of the prefill replica's scheduler")
     prefill_scheduler_metrics_port: int = port(
         9106, "Prometheus port of the prefill replica's scheduler"
+    )
+    internal_auth: bool = opt(
+        True,
+        "make a random --internal-auth-token for this stack when none is given "
+        "(--no-internal-auth: internal ports accept any local caller)",
+    )
+    internal_tls: bool = opt(
+        False,
+        "make a throwaway CA and certificate for this stack (openssl on PATH) and run every "
+        "internal call over mutual TLS, unless --internal-tls-* files are given",
     )
 
 

@@ -163,6 +163,18 @@ def test_service_endpoint_connects_to_loopback_when_bound_to_all_interfaces() ->
     assert service_endpoint("gateway", env) == Endpoint("http", "http://10.1.2.3:8080/ready")
 
 
+def test_service_endpoint_dials_as_the_service_listens_under_tls() -> None:
+    tls = {
+        "KVMESH_INTERNAL_TLS_CERTFILE": "/tls/tls.crt",
+        "KVMESH_INTERNAL_TLS_KEYFILE": "/tls/tls.key",
+        "KVMESH_INTERNAL_TLS_CA_CERTS": "/tls/ca.crt",
+    }
+    worker = service_endpoint("worker", tls)
+    assert worker.security.mutual_tls and worker.security.certfile == "/tls/tls.crt"
+    public = {"KVMESH_SSL_CERTFILE": "/p/c.pem", "KVMESH_SSL_KEYFILE": "/p/k.pem"}
+    assert service_endpoint("gateway", public).target == "https://127.0.0.1:8000/ready"
+
+
 def test_service_endpoint_rejects_unknown_service() -> None:
     with pytest.raises(ValueError, match="unknown service"):
         service_endpoint("frontend", {})

@@ -21,12 +21,12 @@ import signal
 import time
 from collections.abc import Callable
 
-import grpc
 import httpx
 import pytest
 
 from kvstore.client import KVStoreClient
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from services.grpc_server import internal_channel
 from services.local_stack import LocalStack
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_kv_offload import LONG_PROMPTS, _generate_all, _metric, greedy_cases
@@ -92,7 +92,8 @@ def _num_leases(stack: LocalStack) -> int:
     """Live leases now (GetStats: the metrics gauge lags a refresh behind)."""
 
     async def stats() -> int:
-        async with KVStoreClient(f"127.0.0.1:{stack.ports['kvstore_port']}") as client:
+        address = f"127.0.0.1:{stack.ports['kvstore_port']}"
+        async with KVStoreClient(address, security=stack.internal_security()) as client:
             return (await client.stats(timeout_s=10)).num_leases
 
     return asyncio.run(stats())
@@ -232,7 +233,8 @@ def test_a_decode_that_never_comes_lets_the_lease_expire(disagg_stack) -> None:
 
     async def prefill() -> scheduler_pb2.PrefillResponse:
         address = f"127.0.0.1:{disagg_stack.ports['prefill_scheduler_port']}"
-        async with grpc.aio.insecure_channel(address) as channel:
+        security = disagg_stack.internal_security("prefill_scheduler")
+        async with internal_channel(address, security) as channel:
             request = scheduler_pb2.PrefillRequest(
                 request_id="orphan", prompt_token_ids=LONG_PROMPTS[0]
             )

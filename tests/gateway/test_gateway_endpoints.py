@@ -127,3 +127,16 @@ async def test_api_key_guards_openai_routes_only(
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/metrics")).status_code == 200
     assert len(engine.requests) == 1
+
+
+async def test_metrics_leave_the_public_port_when_served_elsewhere(
+    engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    # --gateway-metrics-port (or --no-expose-metrics): the HTTP app has no /metrics.
+    app = build_app(
+        engine, tokenizer, MODEL_NAME, metrics_registry=CollectorRegistry(), serve_metrics=False
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        assert (await http.get("/metrics")).status_code == 404
+        assert (await http.get("/health")).status_code == 200

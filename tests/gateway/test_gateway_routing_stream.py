@@ -16,7 +16,8 @@ from gateway.routing.router import Router
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.kv_events_service import KVEventsServicer, attach_publisher
 from scheduler.scheduler import Scheduler
-from services.grpc_server import GrpcService, insecure_channel
+from services.grpc_security import NO_INTERNAL_AUTH
+from services.grpc_server import GrpcService, internal_channel
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 BLOCK_SIZE = 4
@@ -59,7 +60,7 @@ async def test_router_follows_a_scheduler_across_a_broken_stream(caplog) -> None
     port = service.port
     router = Router(RouterConfig(block_size=BLOCK_SIZE))
     router.add_replica("r0")
-    channel = insecure_channel(f"127.0.0.1:{port}")
+    channel = internal_channel(f"127.0.0.1:{port}", NO_INTERNAL_AUTH)
     follower = asyncio.create_task(
         follow_kv_events(router, "r0", scheduler_pb2_grpc.KVEventsStub(channel), retry_delay_s=0.05)
     )

@@ -14,6 +14,7 @@ from services.cli import main
 from services.config import (
     DEFAULT_MAX_MODEL_LEN,
     SERVICE_CONFIGS,
+    GatewayConfig,
     LauncherConfig,
     SchedulerServiceConfig,
     WorkerConfig,
@@ -160,3 +161,17 @@ def test_max_model_len_help_names_the_cap_the_worker_applies(
     }
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     assert ModelConfig.from_pretrained(tmp_path).max_model_len == DEFAULT_MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize(
+    ("cls", "values"),
+    [
+        # Half of mutual TLS: a plaintext port, or one that trusts any CA.
+        (WorkerConfig, {"internal_tls_certfile": "c.pem", "internal_tls_keyfile": "k.pem"}),
+        (GatewayConfig, {"ssl_certfile": "c.pem"}),
+        (GatewayConfig, {"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "ssl_cert_reqs": 2}),
+    ],
+)
+def test_incomplete_tls_settings_are_refused(cls: type, values: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        cls(**values)
