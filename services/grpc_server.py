@@ -34,7 +34,7 @@ CHANNEL_OPTIONS = [
 # Liveness, kept apart from readiness ('' and each named service): SERVING from
 # the moment the server starts (a worker loading its weights is alive), NOT_SERVING
 # only while the service knows it is stuck (a worker step past its deadline).
-# Orchestrators restart on it: deploy/k8s/worker.yaml probes it, and so does
+# Orchestrators restart on it: deploy/k8s/base/engine.yaml probes it, and so does
 # ``kvmesh up``'s launcher.
 LIVENESS_SERVICE = "kvmesh.Liveness"
 SERVER_OPTIONS = [
