@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from detokenizer.registry import DetokenizerTable
+from detokenizer.request_tracing import DetokenizerRequestTraces
 from detokenizer.service import DetokenizerEngine, DetokenizerServicer
 from detokenizer.tokenizer_loader import load_tokenizer
 from protos import detokenizer_pb2, detokenizer_pb2_grpc
@@ -14,6 +15,7 @@ from services.config import DetokenizerConfig
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
+from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,12 @@ logger = logging.getLogger(__name__)
 async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config.bind_host, config.detokenizer_metrics_port)
     tokenizer = load_tokenizer(resolve_model_path(config.model))
-    engine = DetokenizerEngine(DetokenizerTable(tokenizer), config.scheduler_addr)
+    tracing = start_tracing("detokenizer", config.otlp_traces_endpoint)
+    engine = DetokenizerEngine(
+        DetokenizerTable(tokenizer),
+        config.scheduler_addr,
+        DetokenizerRequestTraces(tracing) if tracing is not None else None,
+    )
     service = GrpcService(
         "detokenizer", [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name]
     )
@@ -36,3 +43,5 @@ async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     run_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await run_task
+    if tracing is not None:
+        tracing.shutdown()

@@ -16,10 +16,12 @@ from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
 from gateway.tokenizer import Tokenizer
+from gateway.tracing import TRACED_PUBLIC_METHODS
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
 from services.grpc_server import GrpcService
 from services.model_prep import resolve_model_path
+from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
+    tracing = start_tracing("gateway", config.otlp_traces_endpoint)
     prefill = (
         PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
         if config.prefill_scheduler_addr
@@ -45,6 +48,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.detokenizer_addr,
         token_text=tokenizer.token_to_text,
         prefill=prefill,
+        tracing=tracing,
     )
     logger.info(
         "connecting to scheduler %s and detokenizer %s%s",
@@ -72,6 +76,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         "gateway",
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_receive_message_bytes=config.max_request_body_bytes,
+        interceptors=[tracing.server_interceptor(TRACED_PUBLIC_METHODS)]
+        if tracing is not None
+        else (),
     )
     # What both public surfaces (gRPC and HTTP) serve, and their shared bounds.
     surface = (engine, tokenizer, served_name)
@@ -87,7 +94,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(*surface, **surface_options)
+    app = build_app(*surface, **surface_options, tracing=tracing)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,
@@ -105,3 +112,5 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await http_task
     await grpc_service.stop(grace=2.0)
     await engine.close()
+    if tracing is not None:
+        tracing.shutdown()

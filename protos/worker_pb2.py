@@ -26,13 +26,15 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import kvstore_pb2 as protos_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\x1a\x14protos/kvstore.proto\"u\n\x1ePrepareStructuredOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\"!\n\x1fPrepareStructuredOutputResponse\"\xbd\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\"s\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x33\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.NewRequest\x12;\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x46\n\x15kv_connector_metadata\x18\x07 \x01(\x0b\x32\'.kvmesh.internal.v1.KVConnectorMetadata\"E\n\nKVTransfer\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"s\n\x13KVConnectorMetadata\x12-\n\x05loads\x18\x01 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\x12-\n\x05saves\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\"9\n\x0cKVLoadResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11num_loaded_blocks\x18\x02 \x01(\x05\"\x8b\x01\n\x11KVConnectorOutput\x12\x38\n\x0e\x66inished_loads\x18\x01 \x03(\x0b\x32 .kvmesh.internal.v1.KVLoadResult\x12\x1a\n\x12saved_block_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12\x66\x61iled_save_hashes\x18\x04 \x03(\x0cJ\x04\x08\x03\x10\x04\"m\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\xa1\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x37\n\x11sampled_token_ids\x18\x03 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x33\n\x08logprobs\x18\x04 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12:\n\x06\x65rrors\x18\x05 \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.ErrorsEntry\x12\x17\n\x0f\x65xecute_seconds\x18\x06 \x01(\x01\x12\x42\n\x13kv_connector_output\x18\x07 \x01(\x0b\x32%.kvmesh.internal.v1.KVConnectorOutput\x12;\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\".kvmesh.internal.v1.PromptLogprobs\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetWorkerInfoRequest\"\xe9\x01\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12/\n\tkv_layout\x18\t \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout2\xb2\x02\n\x06Worker\x12N\n\x07\x45xecute\x12\x1f.kvmesh.internal.v1.StepRequest\x1a\x1e.kvmesh.internal.v1.StepResult(\x01\x30\x01\x12S\n\x07GetInfo\x12(.kvmesh.internal.v1.GetWorkerInfoRequest\x1a\x1e.kvmesh.internal.v1.WorkerInfo\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.kvmesh.internal.v1.PrepareStructuredOutputRequest\x1a\x33.kvmesh.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\x1a\x14protos/kvstore.proto\"u\n\x1ePrepareStructuredOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\"!\n\x1fPrepareStructuredOutputResponse\"\xbb\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12G\n\rtrace_context\x18\x07 \x03(\x0b\x32\x30.kvmesh.internal.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"s\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x33\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.NewRequest\x12;\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x46\n\x15kv_connector_metadata\x18\x07 \x01(\x0b\x32\'.kvmesh.internal.v1.KVConnectorMetadata\"E\n\nKVTransfer\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"s\n\x13KVConnectorMetadata\x12-\n\x05loads\x18\x01 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\x12-\n\x05saves\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\"9\n\x0cKVLoadResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11num_loaded_blocks\x18\x02 \x01(\x05\"\x8b\x01\n\x11KVConnectorOutput\x12\x38\n\x0e\x66inished_loads\x18\x01 \x03(\x0b\x32 .kvmesh.internal.v1.KVLoadResult\x12\x1a\n\x12saved_block_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12\x66\x61iled_save_hashes\x18\x04 \x03(\x0cJ\x04\x08\x03\x10\x04\"m\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\xa1\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x37\n\x11sampled_token_ids\x18\x03 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x33\n\x08logprobs\x18\x04 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12:\n\x06\x65rrors\x18\x05 \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.ErrorsEntry\x12\x17\n\x0f\x65xecute_seconds\x18\x06 \x01(\x01\x12\x42\n\x13kv_connector_output\x18\x07 \x01(\x0b\x32%.kvmesh.internal.v1.KVConnectorOutput\x12;\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\".kvmesh.internal.v1.PromptLogprobs\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetWorkerInfoRequest\"\xe9\x01\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12/\n\tkv_layout\x18\t \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout2\xb2\x02\n\x06Worker\x12N\n\x07\x45xecute\x12\x1f.kvmesh.internal.v1.StepRequest\x1a\x1e.kvmesh.internal.v1.StepResult(\x01\x30\x01\x12S\n\x07GetInfo\x12(.kvmesh.internal.v1.GetWorkerInfoRequest\x1a\x1e.kvmesh.internal.v1.WorkerInfo\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.kvmesh.internal.v1.PrepareStructuredOutputRequest\x1a\x33.kvmesh.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_STEPRESULT_ERRORSENTRY']._loaded_options = None
   _globals['_STEPRESULT_ERRORSENTRY']._serialized_options = b'8\001'
   _globals['_PREPARESTRUCTUREDOUTPUTREQUEST']._serialized_start=86
@@ -40,31 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_start=205
   _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_end=238
   _globals['_NEWREQUEST']._serialized_start=241
-  _globals['_NEWREQUEST']._serialized_end=430
-  _globals['_CACHEDREQUESTS']._serialized_start=432
-  _globals['_CACHEDREQUESTS']._serialized_end=547
-  _globals['_BLOCKIDS']._serialized_start=549
-  _globals['_BLOCKIDS']._serialized_end=572
-  _globals['_STEPREQUEST']._serialized_start=575
-  _globals['_STEPREQUEST']._serialized_end=875
-  _globals['_KVTRANSFER']._serialized_start=877
-  _globals['_KVTRANSFER']._serialized_end=946
-  _globals['_KVCONNECTORMETADATA']._serialized_start=948
-  _globals['_KVCONNECTORMETADATA']._serialized_end=1063
-  _globals['_KVLOADRESULT']._serialized_start=1065
-  _globals['_KVLOADRESULT']._serialized_end=1122
-  _globals['_KVCONNECTOROUTPUT']._serialized_start=1125
-  _globals['_KVCONNECTOROUTPUT']._serialized_end=1264
-  _globals['_PROMPTLOGPROBS']._serialized_start=1266
-  _globals['_PROMPTLOGPROBS']._serialized_end=1375
-  _globals['_STEPRESULT']._serialized_start=1378
-  _globals['_STEPRESULT']._serialized_end=1795
-  _globals['_STEPRESULT_ERRORSENTRY']._serialized_start=1750
-  _globals['_STEPRESULT_ERRORSENTRY']._serialized_end=1795
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1797
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1819
-  _globals['_WORKERINFO']._serialized_start=1822
-  _globals['_WORKERINFO']._serialized_end=2055
-  _globals['_WORKER']._serialized_start=2058
-  _globals['_WORKER']._serialized_end=2364
+  _globals['_NEWREQUEST']._serialized_end=556
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=505
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=556
+  _globals['_CACHEDREQUESTS']._serialized_start=558
+  _globals['_CACHEDREQUESTS']._serialized_end=673
+  _globals['_BLOCKIDS']._serialized_start=675
+  _globals['_BLOCKIDS']._serialized_end=698
+  _globals['_STEPREQUEST']._serialized_start=701
+  _globals['_STEPREQUEST']._serialized_end=1001
+  _globals['_KVTRANSFER']._serialized_start=1003
+  _globals['_KVTRANSFER']._serialized_end=1072
+  _globals['_KVCONNECTORMETADATA']._serialized_start=1074
+  _globals['_KVCONNECTORMETADATA']._serialized_end=1189
+  _globals['_KVLOADRESULT']._serialized_start=1191
+  _globals['_KVLOADRESULT']._serialized_end=1248
+  _globals['_KVCONNECTOROUTPUT']._serialized_start=1251
+  _globals['_KVCONNECTOROUTPUT']._serialized_end=1390
+  _globals['_PROMPTLOGPROBS']._serialized_start=1392
+  _globals['_PROMPTLOGPROBS']._serialized_end=1501
+  _globals['_STEPRESULT']._serialized_start=1504
+  _globals['_STEPRESULT']._serialized_end=1921
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_start=1876
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_end=1921
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=1923
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=1945
+  _globals['_WORKERINFO']._serialized_start=1948
+  _globals['_WORKERINFO']._serialized_end=2181
+  _globals['_WORKER']._serialized_start=2184
+  _globals['_WORKER']._serialized_end=2490
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ against any service.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -126,16 +126,21 @@ class GrpcService:
         name: str,
         service_full_names: Iterable[str],
         max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         """``max_receive_message_bytes``: the largest message a caller may send; a
-        public port takes far less than the internal ones' step and KV messages."""
+        public port takes far less than the internal ones' step and KV messages.
+        ``interceptors`` run outside the error boundary (a tracing span then
+        sees the status the boundary reports)."""
         self.name = name
         receive_limit = "grpc.max_receive_message_length"
         options = [
             *(option for option in SERVER_OPTIONS if option[0] != receive_limit),
             (receive_limit, max_receive_message_bytes),
         ]
-        self.server = grpc.aio.server(interceptors=[ErrorBoundaryInterceptor()], options=options)
+        self.server = grpc.aio.server(
+            interceptors=[*interceptors, ErrorBoundaryInterceptor()], options=options
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_full_names)
@@ -174,8 +179,12 @@ class GrpcService:
         await self.server.stop(grace)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def insecure_channel(
+    address: str, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None
+    )
 
 
 async def wait_until_serving(address: str, timeout: float, service: str = "") -> None:

@@ -30,6 +30,9 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hits).
     num_computed_tokens: int
+    # The request's trace context (services/tracing.py) when it is traced;
+    # empty otherwise. Set by the scheduler service, not its core.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

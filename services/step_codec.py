@@ -212,6 +212,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 sampling_params=sampling_params_to_proto(r.sampling_params),
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
+                trace_context=r.trace_context,
             )
             for r in out.scheduled_new_reqs
         ],
@@ -244,6 +245,7 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
                 sampling_params=sampling_params_from_proto(r.sampling_params),
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
+                trace_context=dict(r.trace_context),
             )
             for r in msg.new_requests
         ],
