@@ -4,8 +4,8 @@ Per traced request: a ``scheduler.request`` span from admission to the end,
 child of the AddRequest server span (so of the gateway's spans), with a
 ``scheduler.queue`` child for the time until it is first scheduled and one
 ``scheduled`` event per step that advances it (step id, tokens). Events,
-not spans, for the steps: a request runs hundreds of steps, and an event is
-a tuple appended to its span.
+not spans, for the steps, and noted cheaply until the span ends
+(services/tracing.py, ``RequestSpans``): a request runs hundreds of steps.
 
 The request's span context goes downstream with the request itself: in its
 ``RequestHeader`` (to the detokenizer) and in each ``NewRequestData`` that
@@ -22,7 +22,7 @@ from services.tracing import RequestSpans, Tracing
 class SchedulerRequestTraces:
     def __init__(self, tracing: Tracing) -> None:
         self.tracing = tracing
-        self._requests = RequestSpans(tracing, "scheduler.request")
+        self._requests = RequestSpans(tracing, "scheduler.request", step_event="scheduled")
         self._queued = RequestSpans(tracing, "scheduler.queue")
 
     def __len__(self) -> int:
@@ -51,13 +51,10 @@ class SchedulerRequestTraces:
                 new.trace_context = Tracing.carrier(span)
         step_id = scheduler_output.step_id
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            span = self._requests.get(rid)
-            if span is None:
-                continue
-            self._queued.end(rid)
-            span.add_event(
-                "scheduled", {"kvmesh.step_id": step_id, "kvmesh.num_tokens": num_tokens}
-            )
+            if rid in self._requests:
+                self._queued.end(rid)  # its first step: the wait is over
+                step = {"kvmesh.step_id": step_id, "kvmesh.num_tokens": num_tokens}
+                self._requests.record_step(rid, step)
 
     def on_finished(self, request_id: str, reason: str, num_cached_tokens: int = 0) -> None:
         """End the request's spans (a no-op for an untraced or already ended one)."""

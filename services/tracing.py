@@ -23,8 +23,10 @@ How the context travels (docs/architecture.md, "Traces"):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -131,22 +133,43 @@ def span_or_nothing(
     return nullcontext() if tracing is None else tracing.span(name, attributes)
 
 
+# Step events kept per span: the first half (queueing, prefill chunks, first
+# tokens) and the last half (how it ended). A request runs one step per
+# generated token, and each event costs the SDK tens of microseconds (29 us
+# measured on the shared 2-core dev box) when the span ends, on the loop or
+# thread that ends it; kvmesh.num_steps counts them all.
+MAX_STEP_EVENTS = 32
+
+
+@dataclass
+class _OpenRequest:
+    span: Span
+    # (time in ns, attributes) of each step, turned into events when the span ends.
+    steps: list[tuple[int, Attributes]] = field(default_factory=list)
+
+
 class RequestSpans:
     """One open span per request, for a service that sees each request over many steps.
 
-    Started when the request arrives (from the context it carries), given
-    events as it advances, ended when it leaves. Only traced requests are
-    here, so a step with none of them pays one dictionary lookup per request
-    it holds, and tracing off pays nothing (the service holds no RequestSpans).
+    Started when the request arrives (from the context it carries), given one
+    event per step it takes, ended when it leaves. A step costs a tuple
+    appended to a list (1.7 us per request, against 29 us for an SDK event, on
+    the shared 2-core dev box); the events are made when the span ends, at
+    most ``MAX_STEP_EVENTS`` of them, the first and the last steps. Only
+    traced requests are here, and tracing off means no RequestSpans at all.
     """
 
-    def __init__(self, tracing: Tracing, name: str) -> None:
+    def __init__(self, tracing: Tracing, name: str, step_event: str = "step") -> None:
         self.tracing = tracing
         self.name = name
-        self._spans: dict[str, Span] = {}
+        self.step_event = step_event
+        self._open: dict[str, _OpenRequest] = {}
 
     def __len__(self) -> int:
-        return len(self._spans)
+        return len(self._open)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._open
 
     def start(
         self, request_id: str, parent: Context | None, attributes: Attributes | None = None
@@ -156,22 +179,37 @@ class RequestSpans:
         span = self.tracing.start_span(
             self.name, parent, {"kvmesh.request_id": request_id, **(attributes or {})}
         )
-        self._spans[request_id] = span
+        self._open[request_id] = _OpenRequest(span)
         return span
 
     def get(self, request_id: str) -> Span | None:
-        return self._spans.get(request_id)
+        request = self._open.get(request_id)
+        return None if request is None else request.span
+
+    def record_step(self, request_id: str, attributes: Attributes) -> bool:
+        """Note a step of the request now; False when it is not traced here."""
+        request = self._open.get(request_id)
+        if request is None:
+            return False
+        request.steps.append((time.time_ns(), attributes))
+        return True
 
     def end(self, request_id: str, attributes: Attributes | None = None) -> None:
         """End the request's span, if it has one open (a no-op otherwise)."""
-        span = self._spans.pop(request_id, None)
-        if span is None:
+        request = self._open.pop(request_id, None)
+        if request is None:
             return
-        if attributes:
-            span.set_attributes(attributes)
+        span, steps = request.span, request.steps
+        kept = steps
+        if len(steps) > MAX_STEP_EVENTS:
+            half = MAX_STEP_EVENTS // 2
+            kept = steps[:half] + steps[-half:]
+        for timestamp, step in kept:
+            span.add_event(self.step_event, step, timestamp)
+        span.set_attributes({"kvmesh.num_steps": len(steps), **(attributes or {})})
         span.end()
 
     def end_all(self, reason: str) -> None:
         """End every open span: the requests left all at once (a stream broke)."""
-        for request_id in list(self._spans):
+        for request_id in list(self._open):
             self.end(request_id, {"kvmesh.ended_by": reason})

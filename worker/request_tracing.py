@@ -50,9 +50,8 @@ class WorkerRequestTraces:
             "kvmesh.step_seconds": step_seconds,
         }
         for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            span = self._spans.get(rid)
-            if span is not None:
-                span.add_event("step", {**attributes, "kvmesh.num_tokens": num_tokens})
+            if rid in self._spans:
+                self._spans.record_step(rid, {**attributes, "kvmesh.num_tokens": num_tokens})
 
     def on_detached(self) -> None:
         """The scheduler's stream ended: the batch, and every request in it, is gone."""

@@ -8,7 +8,13 @@ import sys
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
-from services.tracing import RequestSpans, Tracing, span_or_nothing, start_tracing
+from services.tracing import (
+    MAX_STEP_EVENTS,
+    RequestSpans,
+    Tracing,
+    span_or_nothing,
+    start_tracing,
+)
 from tests.deploy.deploy_facts import REPO_ROOT
 from tests.services.tracing_helpers import memory_tracing, only_span, spans_named
 
@@ -87,3 +93,22 @@ def test_span_or_nothing_is_a_child_span_when_on() -> None:
         only_span(exporter, "tokenize").parent.span_id
         == only_span(exporter, "call").context.span_id
     )
+
+
+def test_steps_become_events_at_the_end_first_and_last_kept_past_the_limit() -> None:
+    tracing, exporter = memory_tracing()
+    spans = RequestSpans(tracing, "request", step_event="scheduled")
+    spans.start("r", None)
+    num_steps = MAX_STEP_EVENTS + 72
+    for step_id in range(num_steps):
+        assert spans.record_step("r", {"kvmesh.step_id": step_id})
+    assert not spans.record_step("untraced", {"kvmesh.step_id": 0})
+    assert exporter.get_finished_spans() == ()  # nothing exported while it runs
+    spans.end("r")
+    span = only_span(exporter, "request")
+    kept = [e.attributes["kvmesh.step_id"] for e in span.events]
+    half = MAX_STEP_EVENTS // 2
+    assert kept == [*range(half), *range(num_steps - half, num_steps)]
+    assert {e.name for e in span.events} == {"scheduled"}
+    assert [e.timestamp for e in span.events] == sorted(e.timestamp for e in span.events)
+    assert span.attributes["kvmesh.num_steps"] == num_steps
