@@ -16,7 +16,7 @@ from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
 from gateway.tokenizer import Tokenizer
-from gateway.tracing import TRACED_PUBLIC_METHODS
+from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
 from services.grpc_server import GrpcService
@@ -38,8 +38,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
     tracing = start_tracing("gateway", config.otlp_traces_endpoint)
+    scheduler_interceptors = (
+        tracing.client_interceptors(TRACED_SCHEDULER_METHODS) if tracing is not None else ()
+    )
     prefill = (
-        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
+        PrefillClient(
+            config.prefill_scheduler_addr, config.prefill_timeout_s, scheduler_interceptors
+        )
         if config.prefill_scheduler_addr
         else None
     )
