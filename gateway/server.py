@@ -91,6 +91,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         "api_key": config.api_key or None,
         "limits": limits,
         "admission": admission,
+        "tracing": tracing,
     }
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(*surface, **surface_options),
@@ -99,7 +100,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(*surface, **surface_options, tracing=tracing)
+    app = build_app(*surface, **surface_options)
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,
