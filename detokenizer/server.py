@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from detokenizer.registry import DetokenizerTable
+from detokenizer.request_tracing import DetokenizerRequestTraces
 from detokenizer.service import DetokenizerEngine, DetokenizerServicer
 from detokenizer.tokenizer_loader import load_tokenizer
 from protos import detokenizer_pb2, detokenizer_pb2_grpc
@@ -15,6 +16,7 @@ from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
+from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +25,13 @@ async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config, config.detokenizer_metrics_port)
     security = InternalSecurity.from_config(config)
     tokenizer = load_tokenizer(resolve_model_path(config.model))
-    engine = DetokenizerEngine(DetokenizerTable(tokenizer), config.scheduler_addr, security)
+    tracing = start_tracing("detokenizer", config.otlp_traces_endpoint)
+    engine = DetokenizerEngine(
+        DetokenizerTable(tokenizer),
+        config.scheduler_addr,
+        security,
+        DetokenizerRequestTraces(tracing) if tracing is not None else None,
+    )
     service = GrpcService(
         "detokenizer",
         [detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name],
@@ -40,3 +48,5 @@ async def serve(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     run_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await run_task
+    if tracing is not None:
+        tracing.shutdown()

@@ -26,6 +26,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from detokenizer.registry import DetokenizerTable, StepInput
+from detokenizer.request_tracing import DetokenizerRequestTraces
 from protos import (
     common_pb2,
     detokenizer_pb2,
@@ -71,6 +72,7 @@ class DetokenizerEngine:
         table: DetokenizerTable,
         scheduler_addr: str,
         security: InternalSecurity = NO_INTERNAL_AUTH,
+        traces: DetokenizerRequestTraces | None = None,
     ) -> None:
         self.table = table
         self.scheduler_addr = scheduler_addr
@@ -83,6 +85,8 @@ class DetokenizerEngine:
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
         # Fire-and-forget FinishRequests / AbortRequests calls, referenced until done.
         self._background: set[asyncio.Task[None]] = set()
+        # Each traced request's span (--otlp-traces-endpoint; None: off).
+        self.traces = traces
 
     # ---- gateway side ------------------------------------------------------
 
@@ -144,6 +148,8 @@ class DetokenizerEngine:
                     )
                 except Exception as e:
                     logger.warning("request %s: cannot start detokenizing: %s", rid, e)
+                if self.traces is not None:
+                    self.traces.on_header(rid, out.header)
             finished = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
             inputs.append(
                 StepInput(
@@ -198,6 +204,8 @@ class DetokenizerEngine:
                 self._client_of.pop(rid, None)
                 self._num_output_tokens.pop(rid, None)
                 self.table.remove(rid)
+                if self.traces is not None:
+                    self.traces.on_finished(msg)
             per_client.setdefault(client, []).append(msg)
         _TOKENS.inc(sum(len(o.new_token_ids) for o in kept))
         _LIVE.set(len(self.table))
@@ -239,6 +247,8 @@ class DetokenizerEngine:
             self.table.remove(rid)
         self._client_of.clear()
         self._num_output_tokens.clear()
+        if self.traces is not None:
+            self.traces.on_stream_lost()
         self._route(0, per_client)
 
     async def run(self, stop: asyncio.Event, on_connected) -> None:

@@ -48,12 +48,14 @@ from gateway.protocol import (
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
+from gateway.tracing import HttpTracingMiddleware
 from gateway.validation import check_model, check_token_ids, render_chat
 from services.errors import (
     KvmeshError,
     UnauthenticatedError,
     UnavailableError,
 )
+from services.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +203,14 @@ def build_app(
     limits: GatewayLimits | None = None,
     admission: AdmissionGate | None = None,
     serve_metrics: bool = True,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
     ``admission`` bounds the generation calls in flight (shared with the public
     gRPC API); without it, the engine's own 429 is the only bound.
     ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
+    With ``tracing``, each /v1 call is a server span (gateway/tracing.py).
     """
     limits = limits or GatewayLimits()
     app = FastAPI(title="kvmesh gateway", version=_package_version())
@@ -231,10 +235,13 @@ def build_app(
         app.add_middleware(AdmissionMiddleware, gate=admission)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if tracing is not None:
+        # Outermost: the span also covers (and records) refusals.
+        app.add_middleware(HttpTracingMiddleware, tracing=tracing)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits)
+    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits, tracing)
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits, tracing)
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 

@@ -17,6 +17,7 @@ that goes away during the prefill cancels the call, which aborts it there.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 from prometheus_client import Counter
@@ -41,11 +42,17 @@ class PrefillClient:
     """Asks one prefill replica's scheduler for the KV of each prompt."""
 
     def __init__(
-        self, address: str, timeout_s: float, security: InternalSecurity = NO_INTERNAL_AUTH
+        self,
+        address: str,
+        timeout_s: float,
+        security: InternalSecurity = NO_INTERNAL_AUTH,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
+        """``interceptors``: the tracing ones, so a traced prompt's Prefill call
+        joins its request's trace."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = internal_channel(address, security)
+        self._channel = internal_channel(address, security, interceptors)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         # Warn once per outage, not once per request.
         self._failing = False

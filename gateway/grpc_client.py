@@ -34,6 +34,7 @@ from gateway.engine_client import (
     TokenLogprob,
     TopLogprob,
 )
+from gateway.tracing import TRACED_SCHEDULER_METHODS, current, note_delta, start_engine_span
 from protos import (
     common_pb2,
     detokenizer_pb2,
@@ -45,6 +46,7 @@ from services.errors import InvalidRequestError, UnavailableError, error_from_rp
 from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
 from services.grpc_server import internal_channel
 from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
+from services.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +71,19 @@ class GrpcEngineClient:
         client_id: str | None = None,
         prefill: PrefillClient | None = None,
         security: InternalSecurity = NO_INTERNAL_AUTH,
+        tracing: Tracing | None = None,
     ) -> None:
         self.scheduler_addr = scheduler_addr
         self._security = security
         self.detokenizer_addr = detokenizer_addr
         self.client_id = client_id or f"gateway-{uuid.uuid4().hex[:12]}"
         self._token_text = token_text
-        self._scheduler_channel = internal_channel(scheduler_addr, security)
+        self._tracing = tracing
+        self._scheduler_channel = internal_channel(
+            scheduler_addr,
+            security,
+            tracing.client_interceptors(TRACED_SCHEDULER_METHODS) if tracing is not None else (),
+        )
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         # Disaggregation: prompts are prefilled there first (gateway/disaggregation.py).
         self._prefill = prefill
@@ -251,6 +259,7 @@ class GrpcEngineClient:
         queue: asyncio.Queue[GenerationDelta] = asyncio.Queue(maxsize=_MAX_UNREAD_DELTAS + 1)
         self._queues[rid] = queue
         finished = False
+        span = start_engine_span(self._tracing, rid)
         try:
             msg = scheduler_pb2.AddRequestRequest(
                 request_id=rid,
@@ -264,17 +273,20 @@ class GrpcEngineClient:
                 msg.cache_salt = request.cache_salt
             if request.parallel_group is not None:
                 msg.parallel_group = request.parallel_group
-            if self._prefill is not None:
-                transfer = await self._prefill.prefill(msg)
-                if transfer is not None:
-                    msg.kv_transfer.CopyFrom(transfer)
             try:
-                await self._admit(msg)
+                # The calls that carry the request on carry its trace too.
+                with current(span):
+                    if self._prefill is not None:
+                        transfer = await self._prefill.prefill(msg)
+                        if transfer is not None:
+                            msg.kv_transfer.CopyFrom(transfer)
+                    await self._admit(msg)
             except grpc.aio.AioRpcError as e:
                 finished = True  # never admitted: nothing to abort
                 raise error_from_rpc(e) from e
             while True:
                 delta = await queue.get()
+                note_delta(span, delta)
                 if delta.finished:
                     finished = True
                 yield delta
@@ -285,6 +297,8 @@ class GrpcEngineClient:
             if not finished:
                 # The consumer went away (client disconnect, cancellation).
                 self._in_background(self.abort(rid))
+            if span is not None:
+                span.end()
 
     async def _admit(self, msg: scheduler_pb2.AddRequestRequest) -> None:
         if msg.sampling_params.HasField("structured_output"):

@@ -31,6 +31,7 @@ from gateway.tokenizer import Tokenizer
 from gateway.validation import check_unsupported, completion_prompts
 from protos import generation_pb2, generation_pb2_grpc
 from services.errors import InvalidRequestError, UnauthenticatedError, UnavailableError
+from services.tracing import Tracing, span_or_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         api_key: str | None = None,
         limits: GatewayLimits | None = None,
         admission: AdmissionGate | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -108,6 +110,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None
         # The same vllm:* series as the HTTP API: one model, one set of counters.
         self.metrics = metrics or GatewayMetrics.for_registry()
+        # With --otlp-traces-endpoint: the tokenize span under Generate's server span.
+        self.tracing = tracing
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if self._expected_auth is None:
@@ -139,9 +143,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             completion = completion_request_from_proto(request)
             check_unsupported(completion)
-            prompts = await self.tokenizer.offload(
-                completion_prompts, completion, self.tokenizer, self.limits.max_prompts_per_request
-            )
+            with span_or_nothing(self.tracing, "tokenize"):
+                prompts = await self.tokenizer.offload(
+                    completion_prompts,
+                    completion,
+                    self.tokenizer,
+                    self.limits.max_prompts_per_request,
+                )
             engine_requests = build_engine_requests(
                 request_id, prompts, completion, self.engine.model_info, self.tokenizer
             )

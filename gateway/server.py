@@ -16,12 +16,14 @@ from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
 from gateway.tokenizer import Tokenizer
+from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
 from services.grpc_security import InternalSecurity, PublicTLS
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
+from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,17 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
     security = InternalSecurity.from_config(config)
+    tracing = start_tracing("gateway", config.otlp_traces_endpoint)
+    scheduler_interceptors = (
+        tracing.client_interceptors(TRACED_SCHEDULER_METHODS) if tracing is not None else ()
+    )
     prefill = (
-        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s, security)
+        PrefillClient(
+            config.prefill_scheduler_addr,
+            config.prefill_timeout_s,
+            security,
+            scheduler_interceptors,
+        )
         if config.prefill_scheduler_addr
         else None
     )
@@ -49,6 +60,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         token_text=tokenizer.token_to_text,
         prefill=prefill,
         security=security,
+        tracing=tracing,
     )
     logger.info(
         "connecting to scheduler %s and detokenizer %s%s",
@@ -78,6 +90,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_receive_message_bytes=config.max_request_body_bytes,
         access=public_tls,
+        interceptors=[tracing.server_interceptor(TRACED_PUBLIC_METHODS)]
+        if tracing is not None
+        else (),
     )
     # What both public surfaces (gRPC and HTTP) serve, and their shared bounds.
     surface = (engine, tokenizer, served_name)
@@ -85,6 +100,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         "api_key": config.api_key or None,
         "limits": limits,
         "admission": admission,
+        "tracing": tracing,
     }
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(*surface, **surface_options),
@@ -117,3 +133,5 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await http_task
     await grpc_service.stop(grace=2.0)
     await engine.close()
+    if tracing is not None:
+        tracing.shutdown()

@@ -59,7 +59,7 @@ class ChatServing(Serving):
         check_model(request.model, self._model_name)
         check_unsupported(request)
         plan = plan_tools(request)
-        prompt = await self._tokenizer.offload(
+        prompt = await self._tokenize(
             chat_prompt, request, self._tokenizer, plan.tools if plan.renders_tools else None
         )
         max_model_len = self._engine.model_info.max_model_len

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -29,6 +31,9 @@ from gateway.tokenizer import Tokenizer
 from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
 from services.errors import UnavailableError
 from services.sampling_params import StructuredOutputSpec
+from services.tracing import Tracing, span_or_nothing
+
+T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -43,12 +48,20 @@ class Serving:
         served_model_name: str,
         metrics: GatewayMetrics,
         limits: GatewayLimits,
+        tracing: Tracing | None = None,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model_name = served_model_name
         self._metrics = metrics
         self._limits = limits
+        self._tracing = tracing
+
+    async def _tokenize(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` (a template render, tokenization) on the tokenizer's thread,
+        as the request's ``tokenize`` span when it is traced."""
+        with span_or_nothing(self._tracing, "tokenize"):
+            return await self._tokenizer.offload(work, *args)
 
 
 def new_request_id(prefix: str) -> str:

@@ -74,7 +74,7 @@ class CompletionServing(Serving):
         check_model(request.model, self._model_name)
         check_unsupported(request)
         model_info = self._engine.model_info
-        prompts = await self._tokenizer.offload(
+        prompts = await self._tokenize(
             _tokenized_prompts, request, self._tokenizer, self._limits, model_info.max_model_len
         )
         request_id = new_request_id("cmpl")

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\"\xd9\x03\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12;\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12?\n\x11\x64\x65tokenize_params\x18\x04 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tclient_id\x18\x07 \x01(\t\x12\x1b\n\x0eparallel_group\x18\x08 \x01(\tH\x01\x88\x01\x01\x12>\n\x0bkv_transfer\x18\t \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParamsH\x02\x88\x01\x01\x12:\n\x0clora_request\x18\n \x01(\x0b\x32\x1f.kvmesh.internal.v1.LoRARequestH\x03\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_groupB\x0e\n\x0c_kv_transferB\x0f\n\r_lora_request\"\x14\n\x12\x41\x64\x64RequestResponse\">\n\x14\x41\x62ortRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\",\n\x15\x41\x62ortRequestsResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\",\n\x15\x46inishRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x18\n\x16\x46inishRequestsResponse\"*\n\x14StreamOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x93\x01\n\rRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12?\n\x11\x64\x65tokenize_params\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\"\x9a\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .kvmesh.internal.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x08logprobs\x18\x05 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x36\n\x06header\x18\x08 \x01(\x0b\x32!.kvmesh.internal.v1.RequestHeaderH\x01\x88\x01\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\x12:\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobsB\x10\n\x0e_stop_token_idB\t\n\x07_header\"R\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.kvmesh.internal.v1.RequestOutput\"\x13\n\x11\x43heckReadyRequest\"$\n\x12\x43heckReadyResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x19\n\x17GetSchedulerInfoRequest\"\xe4\x01\n\rSchedulerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\x05\"W\n\x15StreamKVEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\"\xb9\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x30\n\x06\x65vents\x18\x04 \x03(\x0b\x32 .kvmesh.internal.v1.KVCacheEvent\x12-\n\x04load\x18\x05 \x01(\x0b\x32\x1f.kvmesh.internal.v1.ReplicaLoad\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\"\xbc\x01\n\x0cKVCacheEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.kvmesh.internal.v1.BlockStoredH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .kvmesh.internal.v1.BlockRemovedH\x00\x12;\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32$.kvmesh.internal.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x42\x14\n\x12_parent_block_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"i\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_active_blocks\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x1b\n\x0eparallel_group\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_group\"@\n\x10KVTransferParams\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x19\n\x11num_stored_tokens\x18\x02 \x01(\x05\"L\n\x0fPrefillResponse\x12\x39\n\x0bkv_transfer\x18\x01 \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParams2\xa1\x05\n\tScheduler\x12[\n\nAddRequest\x12%.kvmesh.internal.v1.AddRequestRequest\x1a&.kvmesh.internal.v1.AddRequestResponse\x12\x64\n\rAbortRequests\x12(.kvmesh.internal.v1.AbortRequestsRequest\x1a).kvmesh.internal.v1.AbortRequestsResponse\x12g\n\x0e\x46inishRequests\x12).kvmesh.internal.v1.FinishRequestsRequest\x1a*.kvmesh.internal.v1.FinishRequestsResponse\x12\\\n\rStreamOutputs\x12(.kvmesh.internal.v1.StreamOutputsRequest\x1a\x1f.kvmesh.internal.v1.StepOutputs0\x01\x12[\n\nCheckReady\x12%.kvmesh.internal.v1.CheckReadyRequest\x1a&.kvmesh.internal.v1.CheckReadyResponse\x12Y\n\x07GetInfo\x12+.kvmesh.internal.v1.GetSchedulerInfoRequest\x1a!.kvmesh.internal.v1.SchedulerInfo\x12R\n\x07Prefill\x12\".kvmesh.internal.v1.PrefillRequest\x1a#.kvmesh.internal.v1.PrefillResponse2k\n\x08KVEvents\x12_\n\x0eStreamKVEvents\x12).kvmesh.internal.v1.StreamKVEventsRequest\x1a .kvmesh.internal.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\"\xd9\x03\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12;\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12?\n\x11\x64\x65tokenize_params\x18\x04 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tclient_id\x18\x07 \x01(\t\x12\x1b\n\x0eparallel_group\x18\x08 \x01(\tH\x01\x88\x01\x01\x12>\n\x0bkv_transfer\x18\t \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParamsH\x02\x88\x01\x01\x12:\n\x0clora_request\x18\n \x01(\x0b\x32\x1f.kvmesh.internal.v1.LoRARequestH\x03\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_groupB\x0e\n\x0c_kv_transferB\x0f\n\r_lora_request\"\x14\n\x12\x41\x64\x64RequestResponse\">\n\x14\x41\x62ortRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\",\n\x15\x41\x62ortRequestsResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\",\n\x15\x46inishRequestsRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x18\n\x16\x46inishRequestsResponse\"*\n\x14StreamOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x94\x02\n\rRequestHeader\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12?\n\x11\x64\x65tokenize_params\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.DetokenizeParams\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12J\n\rtrace_context\x18\x05 \x03(\x0b\x32\x33.kvmesh.internal.v1.RequestHeader.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9a\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .kvmesh.internal.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x08logprobs\x18\x05 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x36\n\x06header\x18\x08 \x01(\x0b\x32!.kvmesh.internal.v1.RequestHeaderH\x01\x88\x01\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\x12:\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobsB\x10\n\x0e_stop_token_idB\t\n\x07_header\"R\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x32\n\x07outputs\x18\x02 \x03(\x0b\x32!.kvmesh.internal.v1.RequestOutput\"\x13\n\x11\x43heckReadyRequest\"$\n\x12\x43heckReadyResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\x19\n\x17GetSchedulerInfoRequest\"\xe4\x01\n\rSchedulerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14max_waiting_requests\x18\t \x01(\x05\"W\n\x15StreamKVEventsRequest\x12\x15\n\rfrom_sequence\x18\x01 \x01(\x04\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\"\xb9\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x30\n\x06\x65vents\x18\x04 \x03(\x0b\x32 .kvmesh.internal.v1.KVCacheEvent\x12-\n\x04load\x18\x05 \x01(\x0b\x32\x1f.kvmesh.internal.v1.ReplicaLoad\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\"\xbc\x01\n\x0cKVCacheEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.kvmesh.internal.v1.BlockStoredH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .kvmesh.internal.v1.BlockRemovedH\x00\x12;\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32$.kvmesh.internal.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"m\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x42\x14\n\x12_parent_block_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"i\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x19\n\x11num_active_blocks\x18\x03 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\x05\"\xa8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x1b\n\x0eparallel_group\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\x11\n\x0f_parallel_group\"@\n\x10KVTransferParams\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x19\n\x11num_stored_tokens\x18\x02 \x01(\x05\"L\n\x0fPrefillResponse\x12\x39\n\x0bkv_transfer\x18\x01 \x01(\x0b\x32$.kvmesh.internal.v1.KVTransferParams2\xa1\x05\n\tScheduler\x12[\n\nAddRequest\x12%.kvmesh.internal.v1.AddRequestRequest\x1a&.kvmesh.internal.v1.AddRequestResponse\x12\x64\n\rAbortRequests\x12(.kvmesh.internal.v1.AbortRequestsRequest\x1a).kvmesh.internal.v1.AbortRequestsResponse\x12g\n\x0e\x46inishRequests\x12).kvmesh.internal.v1.FinishRequestsRequest\x1a*.kvmesh.internal.v1.FinishRequestsResponse\x12\\\n\rStreamOutputs\x12(.kvmesh.internal.v1.StreamOutputsRequest\x1a\x1f.kvmesh.internal.v1.StepOutputs0\x01\x12[\n\nCheckReady\x12%.kvmesh.internal.v1.CheckReadyRequest\x1a&.kvmesh.internal.v1.CheckReadyResponse\x12Y\n\x07GetInfo\x12+.kvmesh.internal.v1.GetSchedulerInfoRequest\x1a!.kvmesh.internal.v1.SchedulerInfo\x12R\n\x07Prefill\x12\".kvmesh.internal.v1.PrefillRequest\x1a#.kvmesh.internal.v1.PrefillResponse2k\n\x08KVEvents\x12_\n\x0eStreamKVEvents\x12).kvmesh.internal.v1.StreamKVEventsRequest\x1a .kvmesh.internal.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REQUESTHEADER_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_REQUESTHEADER_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_ADDREQUESTREQUEST']._serialized_start=68
   _globals['_ADDREQUESTREQUEST']._serialized_end=541
   _globals['_ADDREQUESTRESPONSE']._serialized_start=543
@@ -47,41 +49,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOUTPUTSREQUEST']._serialized_start=747
   _globals['_STREAMOUTPUTSREQUEST']._serialized_end=789
   _globals['_REQUESTHEADER']._serialized_start=792
-  _globals['_REQUESTHEADER']._serialized_end=939
-  _globals['_REQUESTOUTPUT']._serialized_start=942
-  _globals['_REQUESTOUTPUT']._serialized_end=1352
-  _globals['_STEPOUTPUTS']._serialized_start=1354
-  _globals['_STEPOUTPUTS']._serialized_end=1436
-  _globals['_CHECKREADYREQUEST']._serialized_start=1438
-  _globals['_CHECKREADYREQUEST']._serialized_end=1457
-  _globals['_CHECKREADYRESPONSE']._serialized_start=1459
-  _globals['_CHECKREADYRESPONSE']._serialized_end=1495
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=1497
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=1522
-  _globals['_SCHEDULERINFO']._serialized_start=1525
-  _globals['_SCHEDULERINFO']._serialized_end=1753
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=1755
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=1842
-  _globals['_KVEVENTBATCH']._serialized_start=1845
-  _globals['_KVEVENTBATCH']._serialized_end=2030
-  _globals['_KVCACHEEVENT']._serialized_start=2033
-  _globals['_KVCACHEEVENT']._serialized_end=2221
-  _globals['_BLOCKSTORED']._serialized_start=2223
-  _globals['_BLOCKSTORED']._serialized_end=2332
-  _globals['_BLOCKREMOVED']._serialized_start=2334
-  _globals['_BLOCKREMOVED']._serialized_end=2370
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=2372
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=2390
-  _globals['_REPLICALOAD']._serialized_start=2392
-  _globals['_REPLICALOAD']._serialized_end=2497
-  _globals['_PREFILLREQUEST']._serialized_start=2500
-  _globals['_PREFILLREQUEST']._serialized_end=2668
-  _globals['_KVTRANSFERPARAMS']._serialized_start=2670
-  _globals['_KVTRANSFERPARAMS']._serialized_end=2734
-  _globals['_PREFILLRESPONSE']._serialized_start=2736
-  _globals['_PREFILLRESPONSE']._serialized_end=2812
-  _globals['_SCHEDULER']._serialized_start=2815
-  _globals['_SCHEDULER']._serialized_end=3488
-  _globals['_KVEVENTS']._serialized_start=3490
-  _globals['_KVEVENTS']._serialized_end=3597
+  _globals['_REQUESTHEADER']._serialized_end=1068
+  _globals['_REQUESTHEADER_TRACECONTEXTENTRY']._serialized_start=1017
+  _globals['_REQUESTHEADER_TRACECONTEXTENTRY']._serialized_end=1068
+  _globals['_REQUESTOUTPUT']._serialized_start=1071
+  _globals['_REQUESTOUTPUT']._serialized_end=1481
+  _globals['_STEPOUTPUTS']._serialized_start=1483
+  _globals['_STEPOUTPUTS']._serialized_end=1565
+  _globals['_CHECKREADYREQUEST']._serialized_start=1567
+  _globals['_CHECKREADYREQUEST']._serialized_end=1586
+  _globals['_CHECKREADYRESPONSE']._serialized_start=1588
+  _globals['_CHECKREADYRESPONSE']._serialized_end=1624
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=1626
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=1651
+  _globals['_SCHEDULERINFO']._serialized_start=1654
+  _globals['_SCHEDULERINFO']._serialized_end=1882
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=1884
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=1971
+  _globals['_KVEVENTBATCH']._serialized_start=1974
+  _globals['_KVEVENTBATCH']._serialized_end=2159
+  _globals['_KVCACHEEVENT']._serialized_start=2162
+  _globals['_KVCACHEEVENT']._serialized_end=2350
+  _globals['_BLOCKSTORED']._serialized_start=2352
+  _globals['_BLOCKSTORED']._serialized_end=2461
+  _globals['_BLOCKREMOVED']._serialized_start=2463
+  _globals['_BLOCKREMOVED']._serialized_end=2499
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=2501
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=2519
+  _globals['_REPLICALOAD']._serialized_start=2521
+  _globals['_REPLICALOAD']._serialized_end=2626
+  _globals['_PREFILLREQUEST']._serialized_start=2629
+  _globals['_PREFILLREQUEST']._serialized_end=2797
+  _globals['_KVTRANSFERPARAMS']._serialized_start=2799
+  _globals['_KVTRANSFERPARAMS']._serialized_end=2863
+  _globals['_PREFILLRESPONSE']._serialized_start=2865
+  _globals['_PREFILLRESPONSE']._serialized_end=2941
+  _globals['_SCHEDULER']._serialized_start=2944
+  _globals['_SCHEDULER']._serialized_end=3617
+  _globals['_KVEVENTS']._serialized_start=3619
+  _globals['_KVEVENTS']._serialized_end=3726
 # @@protoc_insertion_point(module_scope)

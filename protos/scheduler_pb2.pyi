@@ -66,16 +66,25 @@ class StreamOutputsRequest(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class RequestHeader(_message.Message):
-    __slots__ = ("prompt_token_ids", "detokenize_params", "client_id", "arrival_time")
+    __slots__ = ("prompt_token_ids", "detokenize_params", "client_id", "arrival_time", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     detokenize_params: _common_pb2.DetokenizeParams
     client_id: str
     arrival_time: float
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., client_id: _Optional[str] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., client_id: _Optional[str] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "logprobs", "num_prompt_tokens", "num_cached_tokens", "header", "error", "prompt_logprobs")

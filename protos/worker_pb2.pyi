@@ -21,7 +21,14 @@ class PrepareStructuredOutputResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request")
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +36,7 @@ class NewRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -36,7 +44,8 @@ class NewRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     lora_request: _common_pb2.LoRARequest
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens")

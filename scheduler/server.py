@@ -15,6 +15,7 @@ from scheduler.kv_events_service import KVEventsServicer, attach_publisher
 from scheduler.kv_leases import StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.metrics import SchedulerMetrics
+from scheduler.request_tracing import SchedulerRequestTraces
 from scheduler.service import SchedulerEngine, SchedulerServicer
 from scheduler.worker_client import WorkerClient
 from services.config import SchedulerServiceConfig
@@ -22,15 +23,20 @@ from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.step_deadline import StepDeadline, StepDeadlinePolicy
+from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
 # The worker may take a while to load weights on a cold machine.
 WORKER_CONNECT_TIMEOUT_S = 600.0
+# The calls that carry one request, each a span of its trace; the streams
+# carry many requests and pass each one's context in its messages.
+TRACED_METHODS = ("AddRequest", "Prefill")
 
 
 async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config, config.scheduler_metrics_port)
+    tracing = start_tracing("scheduler", config.otlp_traces_endpoint)
     security = InternalSecurity.from_config(config)
     worker = WorkerClient(config.worker_addr, security)
     logger.info("waiting for the worker at %s", config.worker_addr)
@@ -73,6 +79,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         kv_lookup=kv_lookup,
         step_deadline=StepDeadline(StepDeadlinePolicy.from_options(config)),
         kv_leases=kv_leases,
+        traces=SchedulerRequestTraces(tracing) if tracing is not None else None,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
@@ -90,6 +97,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         "scheduler",
         [services["Scheduler"].full_name, services["KVEvents"].full_name],
         access=security,
+        interceptors=[tracing.server_interceptor(TRACED_METHODS)] if tracing is not None else (),
     )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(
         SchedulerServicer(engine, scheduler_info), service.server
@@ -112,6 +120,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         await kv_leases.drain()
     if kvstore is not None:
         await kvstore.close()
+    if tracing is not None:
+        tracing.shutdown()
 
 
 def _store_lookup(

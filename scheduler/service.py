@@ -27,6 +27,7 @@ from scheduler.output import FinishReason, RequestOutput
 from scheduler.prefill import PrefillRunner
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
+from scheduler.request_tracing import SchedulerRequestTraces
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError
@@ -68,6 +69,7 @@ class SchedulerEngine:
         kv_lookup: StorePrefixLookup | None = None,
         step_deadline: StepDeadline | None = None,
         kv_leases: StoreLeases | None = None,
+        traces: SchedulerRequestTraces | None = None,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -95,6 +97,8 @@ class SchedulerEngine:
         # and leases of transferred KV held until their request ran.
         self.prefills = PrefillRunner(self, kv_leases)
         self.transfer_leases = HeldLeases(kv_leases)
+        # Each traced request's spans (--otlp-traces-endpoint; None: off).
+        self.traces = traces
 
     # ---- control (called from RPC handlers) -------------------------------
 
@@ -129,14 +133,18 @@ class SchedulerEngine:
             # The core's one refusal: a request that could never run (longer
             # than max_model_len or than the whole KV pool), the caller's fault.
             raise InvalidRequestError(str(exc)) from exc
+        header = None
         if publish:
-            self._headers[msg.request_id] = scheduler_pb2.RequestHeader(
+            header = scheduler_pb2.RequestHeader(
                 prompt_token_ids=msg.prompt_token_ids,
                 detokenize_params=msg.detokenize_params,
                 client_id=msg.client_id,
                 arrival_time=time.time(),
             )
+            self._headers[msg.request_id] = header
             self._client_of[msg.request_id] = msg.client_id
+        if self.traces is not None:
+            self.traces.on_added(msg, header)
         logger.debug("request %s queued (%d prompt tokens)", msg.request_id, request.num_tokens)
         self._wakeup.set()
         return request
@@ -201,20 +209,22 @@ class SchedulerEngine:
                 if rid not in self._headers
             ]
             self.core.abort_requests(ids)
-            self._forget(ids)
+            self._forget(ids, FinishReason.ABORT)
             self._publish(self._step_id, ended)
         if self._pending_stops:
             ids = [rid for rid in self._pending_stops if self.core.get_request(rid) is not None]
             self._pending_stops.clear()
             if ids:
                 self.core.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
-            self._forget(ids)
+            self._forget(ids, FinishReason.STOP)
 
-    def _forget(self, request_ids: list[str]) -> None:
+    def _forget(self, request_ids: list[str], reason: FinishReason) -> None:
         """Drop the service's own state of requests that ended without an output."""
         for rid in request_ids:
             self._headers.pop(rid, None)
             self._client_of.pop(rid, None)
+            if self.traces is not None:
+                self.traces.on_finished(rid, reason.value)
 
     def _final_output(
         self, request_id: str, reason: FinishReason, error: str | None = None
@@ -258,6 +268,12 @@ class SchedulerEngine:
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
+        if self.traces is not None and self.traces:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self.traces.on_finished(
+                        out.request_id, out.finish_reason.value, out.num_cached_tokens
+                    )
         outputs = self.prefills.take_outputs(outputs)
         if not outputs:
             return
@@ -310,6 +326,8 @@ class SchedulerEngine:
             scheduler_output = self.core.schedule()
             self._step_id += 1
             scheduler_output.step_id = self._step_id
+            if self.traces is not None:
+                self.traces.on_scheduled(scheduler_output)
             self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
             if self._worth_sending(scheduler_output):
                 self._in_flight.append((scheduler_output, time.perf_counter()))
@@ -373,6 +391,8 @@ class SchedulerEngine:
         scheduler_output: SchedulerOutput = self.core.schedule()
         self._step_id += 1
         scheduler_output.step_id = self._step_id
+        if self.traces is not None:
+            self.traces.on_scheduled(scheduler_output)
         self._last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         if not self._worth_sending(scheduler_output):
             return

@@ -12,7 +12,7 @@ opened anywhere else, so no call can bypass them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -39,7 +39,7 @@ CHANNEL_OPTIONS = [
 # Liveness, kept apart from readiness ('' and each named service): SERVING from
 # the moment the server starts (a worker loading its weights is alive), NOT_SERVING
 # only while the service knows it is stuck (a worker step past its deadline).
-# Orchestrators restart on it: deploy/k8s/worker.yaml probes it, and so does
+# Orchestrators restart on it: deploy/k8s/base/engine.yaml probes it, and so does
 # ``kvmesh up``'s launcher.
 LIVENESS_SERVICE = "kvmesh.Liveness"
 SERVER_OPTIONS = [
@@ -111,10 +111,13 @@ class GrpcService:
         service_full_names: Iterable[str],
         max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
         access: PortAccess = NO_INTERNAL_AUTH,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         """``max_receive_message_bytes``: the largest message a caller may send; a
         public port takes far less than the internal ones' step and KV messages.
-        ``access``: what callers must present (the default: nothing, plaintext)."""
+        ``access``: what callers must present (the default: nothing, plaintext).
+        ``interceptors`` run outside the error boundary (a tracing span then
+        sees the status the boundary reports)."""
         self.name = name
         self._credentials = access.server_credentials()
         receive_limit = "grpc.max_receive_message_length"
@@ -123,7 +126,7 @@ class GrpcService:
             (receive_limit, max_receive_message_bytes),
         ]
         self.server = grpc.aio.server(
-            interceptors=[*access.server_interceptors(), ErrorBoundaryInterceptor()],
+            interceptors=[*interceptors, *access.server_interceptors(), ErrorBoundaryInterceptor()],
             options=options,
         )
         self.health = health.aio.HealthServicer()
@@ -168,14 +171,23 @@ class GrpcService:
         await self.server.stop(grace)
 
 
-def internal_channel(address: str, security: InternalSecurity) -> grpc.aio.Channel:
-    """A channel to another kvmesh service, presenting ``security``'s token and certificate."""
+def internal_channel(
+    address: str,
+    security: InternalSecurity,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+) -> grpc.aio.Channel:
+    """A channel to another kvmesh service, presenting ``security``'s token and
+    certificate; ``interceptors`` (tracing) run before the token's."""
     options = [*CHANNEL_OPTIONS, *security.channel_options()]
-    interceptors = security.client_interceptors()
+    all_interceptors = [*interceptors, *security.client_interceptors()]
     credentials = security.channel_credentials()
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(
+            address, options=options, interceptors=all_interceptors or None
+        )
+    return grpc.aio.secure_channel(
+        address, credentials, options=options, interceptors=all_interceptors or None
+    )
 
 
 def probe_channel(

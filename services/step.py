@@ -33,6 +33,9 @@ class NewRequestData:
     num_computed_tokens: int
     # The adapter the request runs with; None for the base model.
     lora_request: LoRARequest | None = None
+    # The request's trace context (services/tracing.py) when it is traced;
+    # empty otherwise. Set by the scheduler service, not its core.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -225,6 +225,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=lora_request_to_proto(r.lora_request),
+                trace_context=r.trace_context,
             )
             for r in out.scheduled_new_reqs
         ],
@@ -263,6 +264,7 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=lora_request_from_proto(r.lora_request),
+                trace_context=dict(r.trace_context),
             )
             for r in msg.new_requests
         ],

@@ -35,11 +35,13 @@ from services.step_codec import (
     structured_output_from_proto,
 )
 from services.step_deadline import StepDeadline, StepDeadlinePolicy
+from services.tracing import start_tracing
 from worker.config import CacheConfig, ModelConfig
 from worker.kv_connector import KVBlockStore, KVConnectorWorker
 from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
+from worker.request_tracing import WorkerRequestTraces
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,9 @@ _KV_BLOCKS = Gauge("kvmesh:worker_num_kv_blocks", "KV cache blocks allocated")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, watchdog: StepWatchdog | None = None) -> None:
+    def __init__(
+        self, watchdog: StepWatchdog | None = None, traces: WorkerRequestTraces | None = None
+    ) -> None:
         # Set by attach() once the weights are loaded; until then every call
         # answers UNAVAILABLE.
         self.runner: ModelRunner | None = None
@@ -70,6 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = False
         # Times steps; liveness fails while one is past its deadline.
         self.watchdog = watchdog
+        # Each traced request's span (--otlp-traces-endpoint; None: off).
+        self.traces = traces
 
     def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
         self.runner, self.info = runner, info
@@ -82,6 +88,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         _STEP_SECONDS.observe(elapsed)
         _TOKENS.inc(scheduler_output.total_num_scheduled_tokens)
         _BATCH.set(len(scheduler_output.num_scheduled_tokens))
+        if self.traces is not None:
+            self.traces.on_step(scheduler_output, elapsed)
         return model_runner_output_to_proto(output, execute_seconds=elapsed)
 
     async def Execute(
@@ -108,6 +116,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield result
         finally:
             self._stream_open = False
+            if self.traces is not None:
+                # First, before any await: a cancelled stream may get no further.
+                self.traces.on_detached()
             # A new scheduler starts from an empty batch.
             await loop.run_in_executor(self.executor, self.runner.reset)
             logger.info("scheduler detached; persistent batch cleared")
@@ -205,6 +216,7 @@ def attach_kv_connector(
 
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     start_metrics_server(config, config.worker_metrics_port)
+    tracing = start_tracing("worker", config.otlp_traces_endpoint)
     security = InternalSecurity.from_config(config)
     service = GrpcService(
         "worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name], access=security
@@ -212,7 +224,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     watchdog = StepWatchdog(
         StepDeadline(StepDeadlinePolicy.from_options(config)), service.set_alive_and_ready
     )
-    servicer = WorkerServicer(watchdog)
+    servicer = WorkerServicer(
+        watchdog, WorkerRequestTraces(tracing) if tracing is not None else None
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)
     # Listen (NOT_SERVING) before loading so that health checks answer while
     # the weights load; flip to SERVING once the model is ready.
@@ -245,6 +259,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await stop.wait()
     watch_task.cancel()
     await service.stop()
+    if tracing is not None:
+        tracing.shutdown()
     if connector is not None and store is not None:
         # Let snapshots already taken reach the store before the process exits.
         try:

@@ -38,6 +38,11 @@ class CommonConfig(Options):
 
     bind_host: str = opt(DEFAULT_HOST, "interface the service listens on (0.0.0.0 in containers)")
     log_level: str = opt("INFO", "logging level")
+    otlp_traces_endpoint: str = opt(
+        "",
+        "OTLP/gRPC collector (e.g. http://jaeger:4317) that receives one OpenTelemetry trace "
+        "per request across the services (empty: tracing off, the SDK never loaded)",
+    )
     # Internal traffic (services/grpc_security.py): a shared token, mutual TLS, or both.
     internal_auth_token: str = opt(
         "",

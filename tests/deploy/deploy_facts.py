@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
+K8S_BASE = K8S_DIR / "base"
+K8S_OVERLAYS = ("one-node", "fleet")
 
 # Variables that are not config fields but that every process of the stack
 # reads (where the caches live, kernel switches): a container may set them.
@@ -77,10 +81,22 @@ def load_compose() -> dict[str, Any]:
 
 
 def load_k8s_docs() -> list[dict[str, Any]]:
+    """The base's manifests as written (its kustomization file included)."""
     docs: list[dict[str, Any]] = []
-    for path in sorted(K8S_DIR.glob("*.yaml")):
+    for path in sorted(K8S_BASE.glob("*.yaml")):
         docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d is not None)
     return docs
+
+
+def render_kustomization(folder: Path) -> list[dict[str, Any]]:
+    """What ``kubectl apply -k folder`` would send, rendered by kubectl's own kustomize."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise FileNotFoundError("kubectl (with its built-in kustomize) is not on PATH")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d is not None]
 
 
 def interpolate_defaults(value: str) -> str:

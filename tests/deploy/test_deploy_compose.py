@@ -27,6 +27,8 @@ from tests.deploy.deploy_facts import (
     interpolate_defaults,
 )
 
+OBSERVABILITY = {"prometheus", "grafana", "jaeger"}
+
 # Which service must be healthy before which: the address each one dials.
 REQUIRED_DEPENDENCIES = {
     "scheduler": {"worker"},
@@ -103,13 +105,18 @@ def test_schema_check_rejects_real_mistakes(
     assert not compose_validator.is_valid(broken), mistake
 
 
-def test_one_container_per_service(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == set(SERVICE_CONFIGS)
+def _kvmesh_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The containers that run kvmesh services (not the observability stack)."""
+    return {n: s for n, s in compose["services"].items() if n in SERVICE_CONFIGS}
+
+
+def test_one_container_per_service_plus_the_observability_stack(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == set(SERVICE_CONFIGS) | OBSERVABILITY
 
 
 def test_every_container_runs_its_own_service_from_one_image(compose: dict[str, Any]) -> None:
     images = set()
-    for name, service in compose["services"].items():
+    for name, service in _kvmesh_services(compose).items():
         assert service["command"] == ["serve", name], name
         images.add(service["image"])
         assert service.get("restart") in ("always", "unless-stopped", "on-failure"), name
@@ -117,14 +124,14 @@ def test_every_container_runs_its_own_service_from_one_image(compose: dict[str, 
 
 
 def test_published_ports_are_the_declared_defaults(compose: dict[str, Any]) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _kvmesh_services(compose).items():
         published = [_published(p) for p in service["ports"]]
         assert all(host == container for host, container in published), (name, published)
         assert {c for _, c in published} == declared_ports(name).all, name
 
 
 def test_health_checks_probe_each_service_readiness_endpoint(compose: dict[str, Any]) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _kvmesh_services(compose).items():
         endpoint = _healthcheck_endpoint(service["healthcheck"]["test"])
         # What `python -m services.healthcheck service NAME` would probe by default:
         # gRPC health on the service's port, or the gateway's /ready.
@@ -181,7 +188,7 @@ def test_addresses_point_at_the_dependency_and_its_port(compose: dict[str, Any])
 
 def test_every_service_dials_its_dependencies_by_container_name(compose: dict[str, Any]) -> None:
     # The config defaults dial 127.0.0.1, which inside a container is itself.
-    for name, service in compose["services"].items():
+    for name, service in _kvmesh_services(compose).items():
         config = build_config(name, _environment(service))
         for field_name in ("worker_addr", "scheduler_addr", "detokenizer_addr"):
             address = getattr(config, field_name, None)
@@ -190,6 +197,6 @@ def test_every_service_dials_its_dependencies_by_container_name(compose: dict[st
 
 
 def test_every_service_listens_on_all_interfaces(compose: dict[str, Any]) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _kvmesh_services(compose).items():
         # Building the config also checks every value the file sets (types, choices).
         assert build_config(name, _environment(service)).bind_host == "0.0.0.0", name
