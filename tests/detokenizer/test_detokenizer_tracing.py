@@ -19,7 +19,7 @@ def _output(rid: str, token: int, **fields) -> scheduler_pb2.RequestOutput:
 def test_a_traced_request_is_one_span_ended_by_its_last_output(tokenizer: Tokenizer) -> None:
     tracing, exporter = memory_tracing("detokenizer")
     engine = DetokenizerEngine(
-        DetokenizerTable(tokenizer), "unused:0", DetokenizerRequestTraces(tracing)
+        DetokenizerTable(tokenizer), "unused:0", traces=DetokenizerRequestTraces(tracing)
     )
     prompt = tokenizer.encode("Say it").ids
     word = tokenizer.encode(" hello").ids[0]
