@@ -28,7 +28,7 @@ def _step(
 
 
 def _new(rid: str, trace_context: dict[str, str]) -> NewRequestData:
-    return NewRequestData(rid, [1, 2, 3], [], SamplingParams(), [0], 0, trace_context)
+    return NewRequestData(rid, [1, 2, 3], [], SamplingParams(), [0], 0, trace_context=trace_context)
 
 
 def test_a_traced_request_spans_its_stay_in_the_batch() -> None:
