@@ -4,7 +4,7 @@ Where ``/metrics`` listens is configured, not implied: ``--metrics-bind-host``
 (default: the service's ``--bind-host``) keeps it on an interface of its own,
 and ``--no-expose-metrics`` serves none. Each service's metrics port is its
 own, apart from its gRPC port, so a NetworkPolicy can open it to the
-monitoring namespace alone (``deploy/k8s/networkpolicy.yaml``).
+monitoring namespace alone (``deploy/k8s/base/networkpolicy.yaml``).
 """
 
 from __future__ import annotations

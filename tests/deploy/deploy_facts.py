@@ -11,6 +11,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,30 @@ def render_kustomization(folder: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(rendered) if d is not None]
 
 
-def interpolate_defaults(value: str) -> str:
-    """Compose's ``${VAR:-default}`` / ``${VAR}`` with an empty environment: the defaults."""
-    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+# What the README has users export before `docker compose up`: the file
+# requires it (``${VAR:?...}``), so the tests interpolate it as set.
+COMPOSE_USER_ENV = {"KVMESH_INTERNAL_AUTH_TOKEN": "0123456789abcdef" * 4}
+_COMPOSE_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?])([^}]*))?\}")
+
+
+class MissingComposeVariable(ValueError):
+    """A ``${VAR:?error}`` / ``${VAR?error}`` without its variable: compose refuses to start."""
+
+
+def interpolate_defaults(value: str, environ: Mapping[str, str] = COMPOSE_USER_ENV) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?error}`` and
+    ``${VAR?error}`` under ``environ`` (by default: only what the README has users export)."""
+
+    def substitute(match: re.Match[str]) -> str:
+        name, colon, kind, text = match.groups()
+        current = environ.get(name)
+        if current is not None and not (colon and current == ""):
+            return current
+        if kind == "?":
+            raise MissingComposeVariable(f"{name}: {text}")
+        return text if kind == "-" else ""
+
+    return _COMPOSE_VARIABLE.sub(substitute, value)
 
 
 def build_config(service: str, environ: dict[str, str]) -> Any:

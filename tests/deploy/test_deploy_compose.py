@@ -15,10 +15,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from services.config import SERVICE_CONFIGS
+from services.config import SERVICE_CONFIGS, env_name
 from services.healthcheck import Endpoint, service_endpoint
 from tests.deploy.deploy_facts import (
+    COMPOSE_USER_ENV,
     DOCUMENTED_EXTRA_ENV,
+    MissingComposeVariable,
     addr_target_service,
     all_config_env_names,
     build_config,
@@ -194,6 +196,21 @@ def test_every_service_dials_its_dependencies_by_container_name(compose: dict[st
             address = getattr(config, field_name, None)
             if address is not None:
                 assert not address.startswith("127.0.0.1"), f"{name}: {field_name}={address}"
+
+
+def test_every_service_requires_the_internal_token(compose: dict[str, Any]) -> None:
+    token_var = env_name("internal_auth_token")
+    services = compose["services"]
+    carriers = {n for n, s in services.items() if token_var in s.get("environment", {})}
+    assert carriers == set(SERVICE_CONFIGS)
+    for name in SERVICE_CONFIGS:
+        raw = str(services[name]["environment"][token_var])
+        # No default: unset or empty, compose refuses to start rather than run open ports.
+        for environ in ({}, {token_var: ""}):
+            with pytest.raises(MissingComposeVariable):
+                interpolate_defaults(raw, environ)
+        config = build_config(name, _environment(services[name]))
+        assert config.internal_auth_token == COMPOSE_USER_ENV[token_var], name
 
 
 def test_every_service_listens_on_all_interfaces(compose: dict[str, Any]) -> None:
