@@ -1,0 +1,59 @@
+"""The two sides of one step in a parallel replica: the driver broadcasts, the others follow.
+
+The scheduler keeps talking to one Execute stream, the driver's (rank 0). The
+driver forwards each ``StepRequest``'s serialized bytes to every other rank in
+one broadcast (two gloo collectives: length, bytes), then all ranks decode it
+and run the same step. The other ranks answer nothing: the driver alone
+returns the ``StepResult``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from protos import worker_pb2
+from services.step import ModelRunnerOutput
+from services.step_codec import scheduler_output_from_proto
+from worker.model_runner import ModelRunner
+from worker.parallel.collectives import Collectives
+from worker.parallel.step_messages import RESET, STOP, MessageKind, parse_message, step_message
+
+logger = logging.getLogger(__name__)
+
+
+class StepBroadcaster:
+    """The driver's side: what it runs, every other rank runs too."""
+
+    def __init__(self, runner: ModelRunner, collectives: Collectives) -> None:
+        self.runner = runner
+        self.collectives = collectives
+
+    def execute(self, request: worker_pb2.StepRequest) -> ModelRunnerOutput:
+        self.collectives.broadcast_step(step_message(request.SerializeToString()))
+        return self.runner.execute_model(scheduler_output_from_proto(request))
+
+    def reset(self) -> None:
+        self.collectives.broadcast_step(RESET)
+        self.runner.reset()
+
+    def stop(self) -> None:
+        self.collectives.broadcast_step(STOP)
+
+
+def follow_driver(runner: ModelRunner, collectives: Collectives) -> int:
+    """A non-driver rank's life: run each step the driver broadcasts until it
+    says stop; returns how many steps ran. A collective that times out (the
+    driver or a peer died or hangs) raises, and the rank's process exits."""
+    steps = 0
+    while True:
+        kind, payload = parse_message(collectives.broadcast_step(None))
+        if kind is MessageKind.STOP:
+            logger.info("driver stopped the replica after %d steps", steps)
+            return steps
+        if kind is MessageKind.RESET:
+            runner.reset()
+            continue
+        runner.execute_model(
+            scheduler_output_from_proto(worker_pb2.StepRequest.FromString(payload))
+        )
+        steps += 1
