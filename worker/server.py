@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,10 @@ from worker.kv_connector import KVBlockStore, KVConnectorWorker
 from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
+from worker.parallel.collectives import Collectives
+from worker.parallel.driver import StepBroadcaster
+from worker.parallel.layout import RankLayout
+from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -69,14 +74,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = False
         # Times steps; liveness fails while one is past its deadline.
         self.watchdog = watchdog
+        # Set when this worker drives a tensor/pipeline-parallel replica.
+        self.broadcaster: StepBroadcaster | None = None
 
-    def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
-        self.runner, self.info = runner, info
+    def attach(
+        self,
+        runner: ModelRunner,
+        info: worker_pb2.WorkerInfo,
+        broadcaster: StepBroadcaster | None = None,
+    ) -> None:
+        self.runner, self.info, self.broadcaster = runner, info, broadcaster
 
     def _run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         start = time.perf_counter()
         scheduler_output = scheduler_output_from_proto(request)
-        output = self.runner.execute_model(scheduler_output)
+        if self.broadcaster is None:
+            output = self.runner.execute_model(scheduler_output)
+        else:
+            try:
+                output = self.broadcaster.execute(request, scheduler_output)
+            except Exception:
+                # A peer rank died, hung past the collective timeout, or this rank
+                # failed mid-step: the replica's ranks are out of step, so this one
+                # exits at once and the launcher restarts the replica as a whole
+                # (the scheduler sees the stream end and fails its requests).
+                logger.exception("parallel step %s failed; exiting", request.step_id)
+                os._exit(FATAL_EXIT_CODE)
         elapsed = time.perf_counter() - start
         _STEP_SECONDS.observe(elapsed)
         _TOKENS.inc(scheduler_output.total_num_scheduled_tokens)
@@ -107,8 +130,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield result
         finally:
             self._stream_open = False
-            # A new scheduler starts from an empty batch.
-            await loop.run_in_executor(self.executor, self.runner.reset)
+            # A new scheduler starts from an empty batch (on every rank).
+            reset = self.broadcaster.reset if self.broadcaster is not None else self.runner.reset
+            await loop.run_in_executor(self.executor, reset)
             logger.info("scheduler detached; persistent batch cleared")
 
     async def PrepareStructuredOutput(
@@ -141,7 +165,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info
 
 
-def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
+def build_runner(
+    config: WorkerConfig, collectives: Collectives | None = None
+) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
     path = resolve_model_path(config.model)
     model_config = ModelConfig.from_pretrained(
         path,
@@ -160,6 +186,7 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         device=config.device,
         attention_backend=config.attention_backend or None,
         num_threads=config.num_threads or None,
+        collectives=collectives,
     )
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,
@@ -170,13 +197,16 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         eos_token_ids=list(model_config.eos_token_ids),
         attention_backend=runner.attention_backend_name,
         device=config.device,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
     return runner, info
 
 
 def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayout:
-    """The layout of the runner's KV blocks, named by the served model name."""
-    model = runner.model_config
+    """The layout of the runner's KV blocks, named by the served model name: under
+    tensor/pipeline parallelism, this rank's shard (its TP rank and size, its layers)."""
+    model, plan = runner.model_config, runner.plan
     return worker_kv_layout(
         info.model_name,
         model.dtype,
@@ -184,6 +214,9 @@ def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayo
         model.num_layers,
         model.num_kv_heads,
         model.head_dim,
+        tp_rank=plan.tp_rank,
+        tp_size=plan.tp_size,
+        layers=plan.layers,
     )
 
 
@@ -203,6 +236,10 @@ def attach_kv_connector(
 
 
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
+    layout = RankLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.rank)
+    if not layout.is_driver:
+        await serve_rank(config, layout, stop, build_runner)
+        return
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     watchdog = StepWatchdog(
@@ -214,7 +251,13 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     # the weights load; flip to SERVING once the model is ready.
     await service.start(config.bind_host, config.worker_port)
     loop = asyncio.get_running_loop()
-    runner, info = await loop.run_in_executor(servicer.executor, build_runner, config)
+    collectives = (
+        await loop.run_in_executor(servicer.executor, connect_ranks, config, layout)
+        if layout.is_parallel
+        else None
+    )
+    runner, info = await loop.run_in_executor(servicer.executor, build_runner, config, collectives)
+    broadcaster = StepBroadcaster(runner, collectives) if collectives is not None else None
     _KV_BLOCKS.set(info.num_kv_blocks)
     logger.info(
         "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s",
@@ -230,7 +273,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         layout = runner_kv_layout(runner, info)
         store = KVStoreBlocks(KVStoreClient(config.kvstore_addr), layout)
         connector = attach_kv_connector(runner, info, store, layout, loop)
-    servicer.attach(runner, info)
+    servicer.attach(runner, info, broadcaster)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
     # generations, so that a collection during a step scans only per-step garbage.
@@ -241,6 +284,14 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await stop.wait()
     watch_task.cancel()
     await service.stop()
+    if broadcaster is not None:
+        # The other ranks exit when told; one that died already leaves this
+        # broadcast waiting, so it gets a bounded time.
+        stopping = loop.run_in_executor(servicer.executor, broadcaster.stop)
+        try:
+            await asyncio.wait_for(stopping, timeout=10)
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("could not tell every rank to stop: %s", exc)
     if connector is not None and store is not None:
         # Let snapshots already taken reach the store before the process exits.
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from protos import worker_pb2
-from services.step import ModelRunnerOutput
+from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import scheduler_output_from_proto
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
@@ -28,9 +28,15 @@ class StepBroadcaster:
         self.runner = runner
         self.collectives = collectives
 
-    def execute(self, request: worker_pb2.StepRequest) -> ModelRunnerOutput:
+    def execute(
+        self, request: worker_pb2.StepRequest, scheduler_output: SchedulerOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Broadcast the step, then run the driver's part (``scheduler_output``: the
+        request already decoded by the caller)."""
         self.collectives.broadcast_step(step_message(request.SerializeToString()))
-        return self.runner.execute_model(scheduler_output_from_proto(request))
+        if scheduler_output is None:
+            scheduler_output = scheduler_output_from_proto(request)
+        return self.runner.execute_model(scheduler_output)
 
     def reset(self) -> None:
         self.collectives.broadcast_step(RESET)
