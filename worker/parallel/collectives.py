@@ -23,6 +23,9 @@ from worker.parallel.layout import RankLayout
 
 logger = logging.getLogger(__name__)
 
+# Bytes of the one broadcast that carries a step to the other ranks.
+STEP_CHUNK_BYTES = 16 * 1024
+
 
 class Collectives:
     """One replica's process groups and the few operations a step needs."""
@@ -92,17 +95,29 @@ class Collectives:
     # -- the step and its result (host data, from the driver) ------------------
 
     def broadcast_step(self, message: bytes | None) -> bytes:
-        """The driver's message on every rank (the driver passes it, the others
-        None): its length, then its bytes, two broadcasts."""
-        length = torch.tensor([len(message) if message is not None else 0], dtype=torch.int64)
-        dist.broadcast(length, 0, group=self.host_group)
+        """The driver's message on every rank (the driver passes it, the others None).
+
+        One broadcast of a fixed ``STEP_CHUNK_BYTES`` buffer (an 8-byte length,
+        then the message) carries any step up to that size (a decode step of
+        256 running requests is ~10 KB); a larger one sends its rest in a second.
+        """
+        chunk = torch.zeros(STEP_CHUNK_BYTES, dtype=torch.uint8)
         if message is not None:
-            data = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-        else:
-            data = torch.empty(int(length.item()), dtype=torch.uint8)
-        if data.numel():
-            dist.broadcast(data, 0, group=self.host_group)
-        return message if message is not None else data.numpy().tobytes()
+            head = len(message).to_bytes(8, "little") + message[: STEP_CHUNK_BYTES - 8]
+            chunk[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        dist.broadcast(chunk, 0, group=self.host_group)
+        if message is not None:
+            if len(message) > STEP_CHUNK_BYTES - 8:
+                rest = bytearray(message[STEP_CHUNK_BYTES - 8 :])
+                dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), 0, group=self.host_group)
+            return message
+        data = chunk.numpy().tobytes()
+        length = int.from_bytes(data[:8], "little")
+        if length <= STEP_CHUNK_BYTES - 8:
+            return data[8 : 8 + length]
+        rest = torch.empty(length - (STEP_CHUNK_BYTES - 8), dtype=torch.uint8)
+        dist.broadcast(rest, 0, group=self.host_group)
+        return data[8:] + rest.numpy().tobytes()
 
     def broadcast_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """The driver's sampled token per sampling row (-1: the row failed); every
