@@ -24,6 +24,7 @@ from worker.kv_connector import KVConnectorWorker
 from worker.model_loader import load_model
 from worker.parallel.collectives import Collectives
 from worker.parallel.layout import RankLayout
+from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.parallel.sharding import ShardPlan
 from worker.prompt_logprobs import (
     PromptLogprobsSpan,
@@ -139,7 +140,8 @@ class ModelRunner:
         )
         self.timings = StepTimings()
         # Set by the worker service when KV offload is on (it needs the event loop).
-        self.kv_connector: KVConnectorWorker | None = None
+        # On a parallel rank, a ReplicaKVConnector around it (same methods).
+        self.kv_connector: KVConnectorWorker | ReplicaKVConnector | None = None
 
     @property
     def samples(self) -> bool:

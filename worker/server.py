@@ -44,6 +44,7 @@ from worker.parallel.collectives import Collectives
 from worker.parallel.driver import StepBroadcaster
 from worker.parallel.layout import RankLayout
 from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
+from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -229,16 +230,31 @@ def attach_kv_connector(
 ) -> KVConnectorWorker:
     """Give the runner a connector to ``store`` and publish its layout in ``info``."""
     connector = KVConnectorWorker(runner.kv_caches, store, loop)
-    runner.kv_connector = connector
+    # A parallel rank reports a transfer only once every rank has done its shard.
+    runner.kv_connector = (
+        ReplicaKVConnector(connector, runner.collectives)
+        if runner.collectives is not None and runner.layout.is_parallel
+        else connector
+    )
     info.kv_layout.CopyFrom(layout.to_proto())
     logger.info("KV offload on: %d-byte blocks, layout %s", connector.block_bytes, layout)
     return connector
 
 
+async def connect_kv_offload(
+    config: WorkerConfig, runner: ModelRunner, info: worker_pb2.WorkerInfo
+) -> tuple[KVStoreBlocks, KVConnectorWorker]:
+    """The store client under this rank's layout and the runner's connector to it."""
+    layout = runner_kv_layout(runner, info)
+    store = KVStoreBlocks(KVStoreClient(config.kvstore_addr), layout)
+    loop = asyncio.get_running_loop()
+    return store, attach_kv_connector(runner, info, store, layout, loop)
+
+
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     layout = RankLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.rank)
     if not layout.is_driver:
-        await serve_rank(config, layout, stop, build_runner)
+        await serve_rank(config, layout, stop, build_runner, connect_kv_offload)
         return
     start_metrics_server(config.bind_host, config.worker_metrics_port)
     service = GrpcService("worker", [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
@@ -270,9 +286,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None
     if config.kv_offload:
-        layout = runner_kv_layout(runner, info)
-        store = KVStoreBlocks(KVStoreClient(config.kvstore_addr), layout)
-        connector = attach_kv_connector(runner, info, store, layout, loop)
+        store, connector = await connect_kv_offload(config, runner, info)
     servicer.attach(runner, info, broadcaster)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's

@@ -119,6 +119,12 @@ class Collectives:
         dist.broadcast(rest, 0, group=self.host_group)
         return data[8:] + rest.numpy().tobytes()
 
+    def all_gather_host(self, value: object) -> list:
+        """Every rank's ``value`` (picklable host data), indexed by rank."""
+        gathered: list = [None] * self.layout.world_size
+        dist.all_gather_object(gathered, value, group=self.host_group)
+        return gathered
+
     def broadcast_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """The driver's sampled token per sampling row (-1: the row failed); every
         rank knows how many rows sample, so one broadcast of that many int64s."""

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -42,15 +42,23 @@ async def serve_rank(
     layout: RankLayout,
     stop: asyncio.Event,
     build_runner: Callable[[WorkerConfig, Collectives], tuple[ModelRunner, Any]],
+    connect_kv_offload: Callable[[WorkerConfig, ModelRunner, Any], Awaitable[tuple[Any, Any]]],
 ) -> None:
-    """Run the rank until the driver says stop or this process is asked to."""
+    """Run the rank until the driver says stop or this process is asked to.
+
+    ``build_runner`` and ``connect_kv_offload`` are the driver's own (worker/server.py):
+    with ``--kv-offload`` this rank saves and loads its shard of each block too.
+    """
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
 
     def life() -> None:
         try:
             collectives = connect_ranks(config, layout)
-            runner, _ = build_runner(config, collectives)
+            runner, info = build_runner(config, collectives)
+            if config.kv_offload:  # the store client lives on the event loop
+                connecting = connect_kv_offload(config, runner, info)
+                asyncio.run_coroutine_threadsafe(connecting, loop).result()
             logger.info("rank %d ready: layers %s", layout.rank, runner.plan.layers)
             follow_driver(runner, collectives)
             collectives.close()
