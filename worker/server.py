@@ -184,7 +184,8 @@ def build_runner(
     runner = ModelRunner(
         model_config,
         cache_config,
-        device=config.device,
+        # A parallel rank's own accelerator (cuda:<rank>), as it joined with.
+        device=str(collectives.device) if collectives is not None else config.device,
         attention_backend=config.attention_backend or None,
         num_threads=config.num_threads or None,
         collectives=collectives,

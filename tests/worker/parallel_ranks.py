@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from services.sampling_params import SamplingParams
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import scheduler_output_to_proto
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
-from worker.parallel.driver import StepBroadcaster, follow_driver
+from worker.parallel.driver import BroadcastingRunner, StepBroadcaster, follow_driver
 from worker.parallel.layout import RankLayout
 
 MAX_NEW_TOKENS = 6
@@ -55,18 +53,6 @@ def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
     return runner
 
 
-class _BroadcastingRunner:
-    """What LocalDriver needs of a runner, over the driver's broadcast path."""
-
-    def __init__(self, broadcaster: StepBroadcaster) -> None:
-        self.broadcaster = broadcaster
-        self.cache_config = broadcaster.runner.cache_config
-        self.num_kv_blocks = broadcaster.runner.num_kv_blocks
-
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.broadcaster.execute(scheduler_output_to_proto(step))
-
-
 def drive(runner, spec: RunSpec) -> Result:
     driver = LocalDriver(runner, chunk_size=spec.chunk_size)
     params = SamplingParams(temperature=0.0, logprobs=TOP_LOGPROBS)
@@ -94,7 +80,7 @@ def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None
             return
         broadcaster = StepBroadcaster(runner, collectives)
         try:
-            results.put(drive(_BroadcastingRunner(broadcaster), spec))
+            results.put(drive(BroadcastingRunner(broadcaster), spec))
         finally:
             broadcaster.stop()
     finally:

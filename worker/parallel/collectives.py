@@ -35,6 +35,8 @@ class Collectives:
     ) -> None:
         self.layout = layout
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds each rank to its current device
         dist.init_process_group(
             backend,
             init_method=f"tcp://{init_addr}",

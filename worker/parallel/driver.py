@@ -13,7 +13,7 @@ import logging
 
 from protos import worker_pb2
 from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import scheduler_output_from_proto
+from services.step_codec import scheduler_output_from_proto, scheduler_output_to_proto
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
 from worker.parallel.step_messages import RESET, STOP, MessageKind, parse_message, step_message
@@ -44,6 +44,19 @@ class StepBroadcaster:
 
     def stop(self) -> None:
         self.collectives.broadcast_step(STOP)
+
+
+class BroadcastingRunner:
+    """What ``worker.local_driver.LocalDriver`` needs of a runner, over the driver's
+    broadcast path: an in-process scheduler for a parallel replica (tests, benchmarks)."""
+
+    def __init__(self, broadcaster: StepBroadcaster) -> None:
+        self.broadcaster = broadcaster
+        self.cache_config = broadcaster.runner.cache_config
+        self.num_kv_blocks = broadcaster.runner.num_kv_blocks
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.broadcaster.execute(scheduler_output_to_proto(step), step)
 
 
 def follow_driver(runner: ModelRunner, collectives: Collectives) -> int:

@@ -30,11 +30,18 @@ logger = logging.getLogger(__name__)
 FATAL_EXIT_CODE = 3
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Each rank of a CUDA replica on its own GPU (NCCL refuses two ranks on one);
+    on CPU every rank shares the host's cores."""
+    if device.startswith("cuda") and ":" not in device:
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(device)
+
+
 def connect_ranks(config: WorkerConfig, layout: RankLayout) -> Collectives:
     """Join the replica's process groups (blocks until every rank has joined)."""
-    return Collectives(
-        layout, config.dist_init_addr, config.dist_timeout_s, torch.device(config.device)
-    )
+    device = rank_device(config.device, layout.rank)
+    return Collectives(layout, config.dist_init_addr, config.dist_timeout_s, device)
 
 
 async def serve_rank(
