@@ -14,9 +14,10 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -49,6 +50,8 @@ from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _STEP_SECONDS = Histogram(
     "kvmesh:worker_step_seconds",
     "time to execute one engine step (input prep, forward, sampling)",
@@ -77,6 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.watchdog = watchdog
         # Set when this worker drives a tensor/pipeline-parallel replica.
         self.broadcaster: StepBroadcaster | None = None
+        # When the other ranks last heard from this one (monotonic seconds).
+        self._last_broadcast = time.monotonic()
 
     def attach(
         self,
@@ -92,20 +97,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.broadcaster is None:
             output = self.runner.execute_model(scheduler_output)
         else:
-            try:
-                output = self.broadcaster.execute(request, scheduler_output)
-            except Exception:
-                # A peer rank died, hung past the collective timeout, or this rank
-                # failed mid-step: the replica's ranks are out of step, so this one
-                # exits at once and the launcher restarts the replica as a whole
-                # (the scheduler sees the stream end and fails its requests).
-                logger.exception("parallel step %s failed; exiting", request.step_id)
-                os._exit(FATAL_EXIT_CODE)
+            output = self._with_ranks(self.broadcaster.execute, request, scheduler_output)
         elapsed = time.perf_counter() - start
         _STEP_SECONDS.observe(elapsed)
         _TOKENS.inc(scheduler_output.total_num_scheduled_tokens)
         _BATCH.set(len(scheduler_output.num_scheduled_tokens))
         return model_runner_output_to_proto(output, execute_seconds=elapsed)
+
+    def _with_ranks(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a call that involves every rank; if it fails, exit at once.
+
+        A peer rank died, hung past the collective timeout, or this rank failed
+        mid-step: the ranks are out of step, so this one exits and the launcher
+        restarts the replica as a whole (the scheduler sees the stream end and
+        fails its requests).
+        """
+        try:
+            result = call(*args)
+        except Exception:
+            logger.exception("a call across the replica's ranks failed; exiting")
+            os._exit(FATAL_EXIT_CODE)
+        self._last_broadcast = time.monotonic()
+        return result
+
+    async def keep_ranks_alive(self, period_s: float) -> None:
+        """While the replica idles, tell the other ranks so every ``period_s``: they
+        wait for the next step in a collective, which would time out otherwise."""
+        assert self.broadcaster is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period_s)
+            if time.monotonic() - self._last_broadcast >= period_s:
+                await loop.run_in_executor(
+                    self.executor, self._with_ranks, self.broadcaster.keep_alive
+                )
 
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.StepRequest], context
@@ -132,8 +157,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._stream_open = False
             # A new scheduler starts from an empty batch (on every rank).
-            reset = self.broadcaster.reset if self.broadcaster is not None else self.runner.reset
-            await loop.run_in_executor(self.executor, reset)
+            if self.broadcaster is not None:
+                await loop.run_in_executor(self.executor, self._with_ranks, self.broadcaster.reset)
+            else:
+                await loop.run_in_executor(self.executor, self.runner.reset)
             logger.info("scheduler detached; persistent batch cleared")
 
     async def PrepareStructuredOutput(
@@ -296,8 +323,17 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     gc.freeze()
     await service.set_serving(True)
     watch_task = asyncio.create_task(watchdog.run(), name="step-watchdog")
+    keep_alive_task = (
+        asyncio.create_task(
+            servicer.keep_ranks_alive(config.dist_timeout_s / 4), name="rank-keep-alive"
+        )
+        if broadcaster is not None
+        else None
+    )
     await stop.wait()
     watch_task.cancel()
+    if keep_alive_task is not None:
+        keep_alive_task.cancel()
     await service.stop()
     if broadcaster is not None:
         # The other ranks exit when told; one that died already leaves this

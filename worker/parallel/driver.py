@@ -16,7 +16,14 @@ from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import scheduler_output_from_proto, scheduler_output_to_proto
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
-from worker.parallel.step_messages import RESET, STOP, MessageKind, parse_message, step_message
+from worker.parallel.step_messages import (
+    KEEPALIVE,
+    RESET,
+    STOP,
+    MessageKind,
+    parse_message,
+    step_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,9 @@ class StepBroadcaster:
     def stop(self) -> None:
         self.collectives.broadcast_step(STOP)
 
+    def keep_alive(self) -> None:
+        self.collectives.broadcast_step(KEEPALIVE)
+
 
 class BroadcastingRunner:
     """What ``worker.local_driver.LocalDriver`` needs of a runner, over the driver's
@@ -69,6 +79,8 @@ def follow_driver(runner: ModelRunner, collectives: Collectives) -> int:
         if kind is MessageKind.STOP:
             logger.info("driver stopped the replica after %d steps", steps)
             return steps
+        if kind is MessageKind.KEEPALIVE:
+            continue
         if kind is MessageKind.RESET:
             runner.reset()
             continue
