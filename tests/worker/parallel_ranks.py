@@ -80,6 +80,7 @@ def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None
             return
         broadcaster = StepBroadcaster(runner, collectives)
         try:
+            broadcaster.keep_alive()  # what an idle driver sends: the others wait on
             results.put(drive(BroadcastingRunner(broadcaster), spec))
         finally:
             broadcaster.stop()
