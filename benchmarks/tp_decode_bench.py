@@ -13,20 +13,19 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import time
 
 import torch
 
-from services.local_stack import free_ports
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
-from worker.parallel.driver import BroadcastingRunner, StepBroadcaster, follow_driver
+from worker.parallel.driver import lead_or_follow
 from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
 from worker.parallel.rank_service import rank_device
 
 
@@ -58,32 +57,18 @@ def _rank_main(layout: RankLayout, address: str, args: argparse.Namespace, out) 
     if collectives is None:
         out.put(_decode_tokens_per_s(runner, args.batch, args.prompt_len, args.new_tokens))
         return
-    if not layout.is_driver:
-        follow_driver(runner, collectives)
-    else:
-        broadcaster = StepBroadcaster(runner, collectives)
-        rate = _decode_tokens_per_s(
-            BroadcastingRunner(broadcaster), args.batch, args.prompt_len, args.new_tokens
-        )
-        broadcaster.stop()
+    rate = lead_or_follow(
+        runner,
+        collectives,
+        lambda lead: _decode_tokens_per_s(lead, args.batch, args.prompt_len, args.new_tokens),
+    )
+    if layout.is_driver:
         out.put(rate)
     collectives.close()
 
 
 def measure(tp_size: int, args: argparse.Namespace) -> float:
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    address = f"127.0.0.1:{free_ports(1)[0]}"
-    ranks = [
-        context.Process(target=_rank_main, args=(RankLayout(tp_size, 1, r), address, args, out))
-        for r in range(tp_size)
-    ]
-    for process in ranks:
-        process.start()
-    rate = out.get(timeout=1800)
-    for process in ranks:
-        process.join(timeout=60)
-    return rate
+    return run_local_replica(_rank_main, tp_size, 1, (args,), timeout_s=1800)
 
 
 def main() -> None:

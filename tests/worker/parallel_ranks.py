@@ -7,8 +7,6 @@ output tokens and logprobs on a queue.
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +16,9 @@ from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.parallel.collectives import Collectives
-from worker.parallel.driver import BroadcastingRunner, StepBroadcaster, follow_driver
+from worker.parallel.driver import lead_or_follow
 from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
 
 MAX_NEW_TOKENS = 6
 TOP_LOGPROBS = 5
@@ -33,12 +32,6 @@ class RunSpec:
     prompts: list[list[int]]
     chunk_size: int | None = None
     dense: bool = False  # plain F.linear instead of oneDNN / block codes
-
-
-def free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
@@ -74,42 +67,18 @@ def drive(runner, spec: RunSpec) -> Result:
 def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None:
     collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
     try:
-        runner = build_runner(spec, collectives)
-        if not layout.is_driver:
-            follow_driver(runner, collectives)
-            return
-        broadcaster = StepBroadcaster(runner, collectives)
-        try:
-            broadcaster.keep_alive()  # what an idle driver sends: the others wait on
-            results.put(drive(BroadcastingRunner(broadcaster), spec))
-        finally:
-            broadcaster.stop()
+        result = lead_or_follow(
+            build_runner(spec, collectives), collectives, lambda runner: drive(runner, spec)
+        )
+        if layout.is_driver:
+            results.put(result)
     finally:
         collectives.close()
 
 
 def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 240) -> Result:
     """Greedy results of a TP x PP replica of spawned ranks."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    address = free_address()
-    processes = [
-        context.Process(
-            target=_rank_main, args=(RankLayout(tp_size, pp_size, rank), address, spec, results)
-        )
-        for rank in range(tp_size * pp_size)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        result = results.get(timeout=timeout_s)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
-    return result
+    return run_local_replica(_rank_main, tp_size, pp_size, (spec,), timeout_s)
 
 
 def run_single(spec: RunSpec) -> Result:

@@ -7,7 +7,6 @@ are added across ranks).
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,10 @@ import torch
 
 from worker.parallel.collectives import STEP_CHUNK_BYTES, Collectives
 from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
 
 from .conftest import make_tiny_checkpoint
-from .parallel_ranks import Result, RunSpec, free_address, run_replica, run_single
+from .parallel_ranks import Result, RunSpec, run_replica, run_single
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7] * 20 + [1, 2, 3], [100, 30]]
@@ -80,26 +80,17 @@ def test_dense_path_matches_one_process(uneven_heads: Path) -> None:
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
 
 
-def _broadcast_rank(rank: int, address: str, messages: list[bytes], out) -> None:
-    collectives = Collectives(RankLayout(1, 2, rank), address, 60, torch.device("cpu"))
-    received = [collectives.broadcast_step(m if rank == 0 else None) for m in messages]
-    if rank == 1:
-        out.put(received)
+def _broadcast_rank(layout: RankLayout, address: str, messages: list[bytes], out) -> None:
+    collectives = Collectives(layout, address, 60, torch.device("cpu"))
+    received = [collectives.broadcast_step(m if layout.is_driver else None) for m in messages]
+    if layout.is_driver:
+        out.put(received == messages)  # the sender's own copy
+    else:
+        assert received == messages  # a mismatch fails this rank's exit code
     collectives.close()
 
 
 def test_step_broadcast_carries_small_and_large_messages_whole() -> None:
     # Empty, one chunk exactly full, one byte over (a second broadcast), large.
     messages = [b"", b"a" * (STEP_CHUNK_BYTES - 8), b"b" * (STEP_CHUNK_BYTES - 7), b"xyz" * 50_000]
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    address = free_address()
-    ranks = [
-        context.Process(target=_broadcast_rank, args=(r, address, messages, out)) for r in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    received = out.get(timeout=120)
-    for process in ranks:
-        process.join(timeout=30)
-    assert received == messages
+    assert run_local_replica(_broadcast_rank, 1, 2, (messages,), timeout_s=120)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from worker.parallel.layout import RankLayout
+from worker.parallel.sharding import vocab_shard_size
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Collectives:
 
     def all_gather_vocab(self, shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Full ``[rows, vocab]`` logits from each rank's equal-width vocab shard."""
-        width = -(-vocab_size // self.layout.tp_size)
+        width = vocab_shard_size(vocab_size, self.layout.tp_size)
         if shard.shape[-1] < width:  # the last rank's shard may be short
             shard = F.pad(shard, (0, width - shard.shape[-1]))
         parts = [torch.empty_like(shard) for _ in range(self.layout.tp_size)]

@@ -10,6 +10,8 @@ returns the ``StepResult``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from protos import worker_pb2
 from services.step import ModelRunnerOutput, SchedulerOutput
@@ -26,6 +28,8 @@ from worker.parallel.step_messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class StepBroadcaster:
@@ -67,6 +71,25 @@ class BroadcastingRunner:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.broadcaster.execute(scheduler_output_to_proto(step), step)
+
+
+def lead_or_follow(
+    runner: ModelRunner,
+    collectives: Collectives,
+    lead: Callable[[BroadcastingRunner], T],
+) -> T | None:
+    """An in-process replica's rank: the driver runs ``lead`` over the broadcast path
+    (a keep-alive first, as an idle driver sends) and then stops the others, which
+    follow until then. Returns what ``lead`` returned, on the driver."""
+    if not collectives.layout.is_driver:
+        follow_driver(runner, collectives)
+        return None
+    broadcaster = StepBroadcaster(runner, collectives)
+    try:
+        broadcaster.keep_alive()
+        return lead(BroadcastingRunner(broadcaster))
+    finally:
+        broadcaster.stop()
 
 
 def follow_driver(runner: ModelRunner, collectives: Collectives) -> int:

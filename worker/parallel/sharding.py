@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.math_utils import cdiv
+
 
 def split_range(size: int, parts: int, index: int) -> range:
     """The ``index``-th of ``parts`` contiguous near-equal pieces of ``range(size)``."""
@@ -60,7 +62,7 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: in
 def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
     """Rows of every rank's vocab shard (the last may hold fewer real rows): equal
     sizes let the logits be all-gathered in one collective."""
-    return -(-vocab_size // tp_size)
+    return cdiv(vocab_size, tp_size)
 
 
 def vocab_range(vocab_size: int, tp_size: int, tp_rank: int) -> range:
