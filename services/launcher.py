@@ -82,6 +82,10 @@ START_ORDER = ("kvstore", "worker", "scheduler", "detokenizer", "gateway")
 # (``serve worker`` / ``serve scheduler`` with the launcher's prefill ports),
 # each started right after its decode twin.
 PREFILL_REPLICA = {"prefill_worker": "worker", "prefill_scheduler": "scheduler"}
+# ``--tensor-parallel-size T --pipeline-parallel-size P``: the worker is rank 0
+# (the driver the scheduler dials) and ranks 1..T*P-1 are its siblings, each
+# ``serve worker --rank R``. They live and die together.
+WORKER_RANK_PREFIX = "worker_rank"
 # Set (never read) for every child but the worker; see the module docstring.
 _SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -135,6 +139,14 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
             # Two workers on one machine: each owns half the cores (two OpenMP
             # teams over the same cores stall each other at every barrier).
             local["num_threads"] = max(1, (os.cpu_count() or 2) // 2)
+    worker = configs["worker"]
+    world_size = worker.tensor_parallel_size * worker.pipeline_parallel_size
+    if world_size > 1:
+        if launcher.disaggregated:
+            raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
+        if worker.num_threads == 0:
+            # One machine's cores shared by the ranks (see --disaggregated).
+            local["num_threads"] = max(1, (os.cpu_count() or 2) // world_size)
     if not configs["worker"].model:
         # Prepare the default model once here, not racing in three services.
         from services.model_prep import prepare_default_model
@@ -156,6 +168,8 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
             scheduler_metrics_port=launcher.prefill_scheduler_metrics_port,
             worker_addr=f"{LOCAL_HOST}:{launcher.prefill_worker_port}",
         )
+    for rank in range(1, world_size):
+        configs[f"{WORKER_RANK_PREFIX}{rank}"] = dataclasses.replace(configs["worker"], rank=rank)
     return configs
 
 
@@ -175,12 +189,28 @@ def secure_stack(
         credentials["internal_tls_keyfile"] = str(certificates.keyfile)
         credentials["internal_tls_ca_certs"] = str(certificates.ca_certs)
     return {name: dataclasses.replace(c, **credentials) for name, c in configs.items()}
+def service_of(name: str) -> str:
+    """The service a child process runs (its name, but for twins and worker ranks)."""
+    if name.startswith(WORKER_RANK_PREFIX):
+        return "worker"
+    return PREFILL_REPLICA.get(name, name)
+
+
+def replica_of(name: str) -> str:
+    """Children restarted together: a tensor/pipeline-parallel worker's ranks, as
+    one; every other child alone."""
+    return "worker" if name.startswith(WORKER_RANK_PREFIX) else name
 
 
 def child_order(configs: dict[str, Any]) -> list[str]:
     """The processes to start, in order: each prefill process after its decode twin."""
     order = []
     for name in START_ORDER:
+        if name == "worker":
+            # Ranks before their driver, so that shutdown, in reverse, stops the
+            # driver first: it tells the ranks to stop, instead of waiting in a
+            # broadcast to ranks already gone.
+            order.extend(sorted(n for n in configs if n.startswith(WORKER_RANK_PREFIX)))
         order.append(name)
         order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
     return order
@@ -279,7 +309,7 @@ class Stack:
         )
         self.children: dict[str, _Child] = {}
         for name in self.order:
-            service = PREFILL_REPLICA.get(name, name)
+            service = service_of(name)
             env = environment_without_options()
             for service_name in START_ORDER:  # one shared environment; twins differ by flags
                 env.update(config_to_env(self.configs[service_name]))
@@ -298,16 +328,20 @@ class Stack:
 
     def _address(self, name: str) -> str:
         """host:port of a gRPC service process (the prefill replica's on its own port)."""
-        service = PREFILL_REPLICA.get(name, name)
+        service = service_of(name)
         return f"{LOCAL_HOST}:{getattr(self.configs[name], f'{service}_port')}"
 
     def _ready(self, name: str) -> bool:
+        if name.startswith(WORKER_RANK_PREFIX):
+            return True  # serves nothing: the driver is ready only once every rank joined
         if name == "gateway":
             return _http_ready(f"{self.gateway_url}/ready")
         return _grpc_serving(self._address(name), self.security)
 
     def _live(self, name: str) -> bool:
         """Liveness, not readiness: a service waiting for another is alive."""
+        if name.startswith(WORKER_RANK_PREFIX):
+            return True  # alive while it runs: a rank that fails a collective exits
         if name == "gateway":
             return _http_ready(f"{self.gateway_url}/health", _LIVENESS_TIMEOUT_S)
         return _grpc_serving(
@@ -361,9 +395,21 @@ class Stack:
                     child.restarts.recent,
                     child.restarts.window_s,
                 )
-                child.start()
+                self._restart_replica(child)
             time.sleep(0.5)
         return 0
+
+    def _restart_replica(self, died: _Child) -> None:
+        """Restart ``died`` and, for a parallel worker rank, every rank of its replica:
+        the survivors' process groups, KV caches and batches are useless alone."""
+        replica = [c for c in self.children.values() if replica_of(c.name) == replica_of(died.name)]
+        for child in replica:
+            if child is not died and child.alive():
+                logger.error("restarting %s with its replica", child.name)
+                child.process.kill()
+                child.process.wait()
+        for child in replica:
+            child.start()
 
     def _kill_if_hung(self, child: _Child) -> None:
         """Probe ``child``'s liveness when due; SIGKILL it once it is judged hung."""

@@ -62,6 +62,8 @@ class LocalStack:
             args += ["--model", str(model)]
         for name, port in self.ports.items():
             args += ["--" + name.replace("_", "-"), str(port)]
+        # The rendezvous of a tensor/pipeline-parallel worker's ranks (unused otherwise).
+        args += ["--dist-init-addr", f"127.0.0.1:{free_ports(1)[0]}"]
         # The stack reads only its flags, plus the process settings (where the
         # caches live, the kernels' A/B switches for benchmarks).
         env = environment_without_options()

@@ -194,26 +194,26 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 
-    def bytes_per_block(self, model_config: ModelConfig) -> int:
-        """K and V of every layer for ``block_size`` tokens."""
+    def bytes_per_block(self, model_config: ModelConfig, kv_head_layers: int | None = None) -> int:
+        """K and V of every layer for ``block_size`` tokens; ``kv_head_layers``: KV heads
+        times layers a parallel rank holds (default: the whole model's)."""
         element_size = torch.empty((), dtype=model_config.dtype).element_size()
-        return (
-            2
-            * model_config.num_layers
-            * self.block_size
-            * model_config.num_kv_heads
-            * model_config.head_dim
-            * element_size
-        )
+        share = kv_head_layers or model_config.num_layers * model_config.num_kv_heads
+        return 2 * share * self.block_size * model_config.head_dim * element_size
 
-    def resolve_num_kv_blocks(self, model_config: ModelConfig) -> int:
+    def resolve_num_kv_blocks(
+        self, model_config: ModelConfig, kv_head_layers: int | None = None
+    ) -> int:
+        """Blocks in the budget. Every rank of a parallel replica holds the same block
+        ids, so ranks pass the largest rank's share and all arrive at one count."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         assert self.kv_cache_memory_bytes is not None
-        num_blocks = self.kv_cache_memory_bytes // self.bytes_per_block(model_config)
+        block_bytes = self.bytes_per_block(model_config, kv_head_layers)
+        num_blocks = self.kv_cache_memory_bytes // block_bytes
         if num_blocks <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} is smaller than one "
-                f"block ({self.bytes_per_block(model_config)} bytes)"
+                f"block ({block_bytes} bytes)"
             )
         return int(num_blocks)

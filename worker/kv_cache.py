@@ -18,19 +18,24 @@ def allocate_kv_caches(
     num_blocks: int,
     block_size: int,
     device: str | torch.device = "cpu",
+    num_kv_heads: int | None = None,
+    num_layers: int | None = None,
 ) -> list[KVCache]:
     """Per layer, K and V as ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    Zero-filled rather than empty: padding slots that a kernel might read past a
-    context's end then hold finite values instead of NaNs from stale memory.
+    ``num_kv_heads``/``num_layers``: a tensor/pipeline-parallel rank's share
+    (default: the whole model's). Zero-filled rather than empty: padding slots
+    that a kernel might read past a context's end then hold finite values
+    instead of NaNs from stale memory.
     """
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    heads = num_kv_heads or model_config.num_kv_heads
+    shape = (num_blocks, block_size, heads, model_config.head_dim)
     caches = [
         (
             torch.zeros(shape, dtype=model_config.dtype, device=device),
             torch.zeros(shape, dtype=model_config.dtype, device=device),
         )
-        for _ in range(model_config.num_layers)
+        for _ in range(num_layers or model_config.num_layers)
     ]
     total_bytes = 2 * len(caches) * caches[0][0].numel() * caches[0][0].element_size()
     logger.info(

@@ -26,11 +26,17 @@ def worker_kv_layout(
     head_dim: int,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: range | None = None,
 ) -> KVLayout:
     """The layout of this worker's blocks. The model's identity is its name plus
     the cache shape, so two checkpoints that share a name but not a shape never
-    exchange blocks."""
+    exchange blocks. A tensor-parallel rank's blocks hold only its KV heads
+    (``tp_rank`` of ``tp_size``, both in the layout, so TP=2 replicas share
+    blocks rank by rank and never with TP=1); a pipeline stage's hold only its
+    ``layers``, named in the identity."""
     identity = f"{model_name};layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim}"
+    if layers is not None and len(layers) != num_layers:
+        identity += f";stage_layers={layers.start}-{layers.stop}"
     return KVLayout(
         model=identity,
         dtype=str(dtype).removeprefix("torch."),

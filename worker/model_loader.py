@@ -18,7 +18,8 @@ from safetensors import safe_open
 from services.config.process import DENSE_LINEAR
 from worker.config import ModelConfig
 from worker.models import get_model_class
-from worker.models.llama import LlamaForCausalLM
+from worker.models.llama import AllReduce, GatherVocab, LlamaForCausalLM
+from worker.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,18 @@ def iterate_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
                 yield name, tensor
 
 
-def load_model(model_config: ModelConfig, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Build the model class for the checkpoint's architecture and fill its weights."""
+def load_model(
+    model_config: ModelConfig,
+    device: str | torch.device = "cpu",
+    plan: ShardPlan | None = None,
+    all_reduce: AllReduce | None = None,
+    gather_vocab: GatherVocab | None = None,
+) -> LlamaForCausalLM:
+    """Build the model class for the checkpoint's architecture and fill its weights
+    (this rank's shards of them under tensor/pipeline parallelism: ``plan``)."""
     model_class = get_model_class(model_config.architecture)
-    model = model_class(model_config).to(device)
+    parallel_args = {} if all_reduce is None else {"all_reduce": all_reduce}
+    model = model_class(model_config, plan, gather_vocab=gather_vocab, **parallel_args).to(device)
     model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
     model.eval()
     dense = DENSE_LINEAR.get()  # plain F.linear, e.g. to compare kernels

@@ -22,6 +22,10 @@ from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.kv_connector import KVConnectorWorker
 from worker.model_loader import load_model
+from worker.parallel.collectives import Collectives
+from worker.parallel.layout import RankLayout
+from worker.parallel.replica_kv_connector import ReplicaKVConnector
+from worker.parallel.sharding import ShardPlan
 from worker.prompt_logprobs import (
     PromptLogprobsSpan,
     compute_prompt_logprobs,
@@ -45,8 +49,29 @@ class StepTimings:
     num_steps: int = 0
 
 
+def shard_plan(model_config: ModelConfig, layout: RankLayout) -> ShardPlan:
+    return ShardPlan(
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        intermediate_size=model_config.intermediate_size,
+        vocab_size=model_config.vocab_size,
+        num_layers=model_config.num_layers,
+        tp_size=layout.tp_size,
+        tp_rank=layout.tp_rank,
+        pp_size=layout.pp_size,
+        pp_rank=layout.pp_rank,
+    )
+
+
 class ModelRunner:
-    """Owns the model, its KV cache and the persistent batch of one worker."""
+    """Owns the model, its KV cache and the persistent batch of one worker.
+
+    With ``collectives`` it is one rank of a tensor/pipeline-parallel replica:
+    every rank holds the same persistent batch and block ids and runs the same
+    step (its own shard of the model); only the driver (rank 0) samples, and it
+    broadcasts the sampled tokens so every rank's batch moves in step.
+    """
 
     def __init__(
         self,
@@ -55,6 +80,7 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str | None = None,
         num_threads: int | None = None,
+        collectives: Collectives | None = None,
     ) -> None:
         # Decode matmuls are memory-bandwidth bound and torch parallelizes each
         # one across its intra-op threads, so a worker that owns the machine
@@ -73,11 +99,31 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model_config = model_config
         self.cache_config = cache_config
-        self.num_kv_blocks = cache_config.resolve_num_kv_blocks(model_config)
-        self.model = load_model(model_config, self.device)
+        self.collectives = collectives
+        self.layout = collectives.layout if collectives is not None else RankLayout()
+        self.plan = shard_plan(model_config, self.layout)
+        self.num_kv_blocks = cache_config.resolve_num_kv_blocks(
+            model_config, self.plan.largest_kv_share()
+        )
+        self.model = (
+            load_model(
+                model_config,
+                self.device,
+                self.plan,
+                collectives.all_reduce,
+                collectives.all_gather_vocab,
+            )
+            if collectives is not None and self.layout.tp_size > 1
+            else load_model(model_config, self.device, self.plan)
+        )
         self.backend = select_attention_backend(self.device, attention_backend)
         self.kv_caches = allocate_kv_caches(
-            model_config, self.num_kv_blocks, cache_config.block_size, self.device
+            model_config,
+            self.num_kv_blocks,
+            cache_config.block_size,
+            self.device,
+            num_kv_heads=len(self.plan.heads.kv_heads),
+            num_layers=len(self.plan.layers),
         )
         self.input_batch = InputBatch(
             model_config.max_model_len,
@@ -94,7 +140,13 @@ class ModelRunner:
         )
         self.timings = StepTimings()
         # Set by the worker service when KV offload is on (it needs the event loop).
-        self.kv_connector: KVConnectorWorker | None = None
+        # On a parallel rank, a ReplicaKVConnector around it (same methods).
+        self.kv_connector: KVConnectorWorker | ReplicaKVConnector | None = None
+
+    @property
+    def samples(self) -> bool:
+        """Only the driver samples (and so keeps grammars and sampling state)."""
+        return self.layout.is_driver
 
     @property
     def vocab_size(self) -> int:
@@ -123,7 +175,7 @@ class ModelRunner:
             try:
                 batch.add_request(new)
                 spec = new.sampling_params.structured_output
-                if spec is not None:
+                if spec is not None and self.samples:
                     self.structured_output.add_request(new.req_id, spec, new.output_token_ids)
             except (ValueError, TypeError) as exc:
                 batch.remove_request(new.req_id)
@@ -205,6 +257,10 @@ class ModelRunner:
                 inputs, prompt_spans
             )
         except Exception as exc:
+            if self.layout.is_parallel:
+                # The other ranks may be waiting in a collective this rank never
+                # reaches: the replica is out of step and restarts as a whole.
+                raise
             # A failure in the forward pass belongs to the whole step (the
             # sampler isolates its own per row): fail the step's requests,
             # keep the worker alive for the next one.
@@ -244,9 +300,10 @@ class ModelRunner:
         """(sampled token per sampling row, their logprobs, prompt logprobs, failed
         sampling rows by position)."""
         forward_started = time.perf_counter()
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
-        )
+        hidden = self._run_layers(inputs)
+        if hidden is None:  # a later pipeline stage: the driver's stage samples
+            self.timings.forward += time.perf_counter() - forward_started
+            return self._receive_sampled(inputs)
         prompt_logprobs = (
             compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_spans)
             if prompt_spans
@@ -258,6 +315,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sample_started = time.perf_counter()
         self.timings.forward += sample_started - forward_started
+        if not self.samples:
+            return self._receive_sampled(inputs)
         batch = self.input_batch
         sample_rows = inputs.rows[inputs.sample_mask]
         params = [batch.sampling_params[row] for row in sample_rows]
@@ -281,5 +340,54 @@ class ModelRunner:
         result = self.sampler(logits, metadata)
         if step_grammar is not None:
             step_grammar.accept(result.token_ids.tolist())
+        if self.layout.is_parallel:
+            self._send_sampled(result.token_ids, result.failed_rows)
         self.timings.sample += time.perf_counter() - sample_started
         return result.token_ids, result.logprobs, prompt_logprobs, result.failed_rows
+
+    def _run_layers(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The final hidden states on the first pipeline stage, None on the others.
+
+        Stages pass activations around a ring: stage 0 embeds and runs its
+        layers, each next stage continues, and the last hands its output back
+        to stage 0, which holds the final norm and LM head.
+        """
+        if self.layout.pp_size == 1:
+            return self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
+            )
+        collectives = self.collectives
+        assert collectives is not None
+        shape = (inputs.input_ids.shape[0], self.model_config.hidden_size)
+        dtype = self.model_config.dtype
+        first = self.plan.is_first_stage
+        hidden = None if first else collectives.recv_hidden(shape, dtype)
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_caches,
+            inputs.metadata,
+            self.backend,
+            hidden=hidden,
+        )
+        collectives.send_hidden(hidden)
+        return collectives.recv_hidden(shape, dtype) if first else None
+
+    def _send_sampled(self, token_ids: torch.Tensor, failed_rows: dict[int, str]) -> None:
+        tokens = token_ids.to(device="cpu", dtype=torch.int64, copy=True)
+        for position in failed_rows:
+            tokens[position] = -1
+        assert self.collectives is not None
+        self.collectives.broadcast_sampled(tokens)
+
+    def _receive_sampled(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, list, list[PromptLogprobs], dict[int, str]]:
+        """The driver's sampled tokens (-1: that row failed there, so it fails here)."""
+        assert self.collectives is not None
+        num_rows = int(inputs.sample_mask.sum())
+        if num_rows == 0:  # the driver samples nothing either, and sends nothing
+            return torch.empty(0, dtype=torch.int64), [], [], {}
+        tokens = self.collectives.broadcast_sampled(torch.empty(num_rows, dtype=torch.int64))
+        failed = {int(p): "failed on the driver" for p in torch.nonzero(tokens < 0).flatten()}
+        return tokens, [None] * num_rows, [], failed

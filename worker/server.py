@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -42,9 +44,16 @@ from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
 from worker.request_tracing import WorkerRequestTraces
+from worker.parallel.collectives import Collectives
+from worker.parallel.driver import StepBroadcaster
+from worker.parallel.layout import RankLayout
+from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
+from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _STEP_SECONDS = Histogram(
     "kvmesh:worker_step_seconds",
@@ -76,14 +85,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.watchdog = watchdog
         # Each traced request's span (--otlp-traces-endpoint; None: off).
         self.traces = traces
+        # Set when this worker drives a tensor/pipeline-parallel replica.
+        self.broadcaster: StepBroadcaster | None = None
+        # When the other ranks last heard from this one (monotonic seconds).
+        self._last_broadcast = time.monotonic()
 
-    def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
-        self.runner, self.info = runner, info
+    def attach(
+        self,
+        runner: ModelRunner,
+        info: worker_pb2.WorkerInfo,
+        broadcaster: StepBroadcaster | None = None,
+    ) -> None:
+        self.runner, self.info, self.broadcaster = runner, info, broadcaster
 
     def _run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         start = time.perf_counter()
         scheduler_output = scheduler_output_from_proto(request)
-        output = self.runner.execute_model(scheduler_output)
+        if self.broadcaster is None:
+            output = self.runner.execute_model(scheduler_output)
+        else:
+            output = self._with_ranks(self.broadcaster.execute, request, scheduler_output)
         elapsed = time.perf_counter() - start
         _STEP_SECONDS.observe(elapsed)
         _TOKENS.inc(scheduler_output.total_num_scheduled_tokens)
@@ -91,6 +112,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.traces is not None:
             self.traces.on_step(scheduler_output, elapsed)
         return model_runner_output_to_proto(output, execute_seconds=elapsed)
+
+    def _with_ranks(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a call that involves every rank; if it fails, exit at once.
+
+        A peer rank died, hung past the collective timeout, or this rank failed
+        mid-step: the ranks are out of step, so this one exits and the launcher
+        restarts the replica as a whole (the scheduler sees the stream end and
+        fails its requests).
+        """
+        try:
+            result = call(*args)
+        except Exception:
+            logger.exception("a call across the replica's ranks failed; exiting")
+            os._exit(FATAL_EXIT_CODE)
+        self._last_broadcast = time.monotonic()
+        return result
+
+    async def keep_ranks_alive(self, period_s: float) -> None:
+        """While the replica idles, tell the other ranks so every ``period_s``: they
+        wait for the next step in a collective, which would time out otherwise."""
+        assert self.broadcaster is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period_s)
+            if time.monotonic() - self._last_broadcast >= period_s:
+                await loop.run_in_executor(
+                    self.executor, self._with_ranks, self.broadcaster.keep_alive
+                )
 
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.StepRequest], context
@@ -119,8 +168,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.traces is not None:
                 # First, before any await: a cancelled stream may get no further.
                 self.traces.on_detached()
-            # A new scheduler starts from an empty batch.
-            await loop.run_in_executor(self.executor, self.runner.reset)
+            # A new scheduler starts from an empty batch (on every rank).
+            if self.broadcaster is not None:
+                await loop.run_in_executor(self.executor, self._with_ranks, self.broadcaster.reset)
+            else:
+                await loop.run_in_executor(self.executor, self.runner.reset)
             logger.info("scheduler detached; persistent batch cleared")
 
     async def PrepareStructuredOutput(
@@ -153,7 +205,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info
 
 
-def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
+def build_runner(
+    config: WorkerConfig, collectives: Collectives | None = None
+) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
     path = resolve_model_path(config.model)
     model_config = ModelConfig.from_pretrained(
         path,
@@ -169,9 +223,11 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
     runner = ModelRunner(
         model_config,
         cache_config,
-        device=config.device,
+        # A parallel rank's own accelerator (cuda:<rank>), as it joined with.
+        device=str(collectives.device) if collectives is not None else config.device,
         attention_backend=config.attention_backend or None,
         num_threads=config.num_threads or None,
+        collectives=collectives,
     )
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,
@@ -182,13 +238,16 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         eos_token_ids=list(model_config.eos_token_ids),
         attention_backend=runner.attention_backend_name,
         device=config.device,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
     return runner, info
 
 
 def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayout:
-    """The layout of the runner's KV blocks, named by the served model name."""
-    model = runner.model_config
+    """The layout of the runner's KV blocks, named by the served model name: under
+    tensor/pipeline parallelism, this rank's shard (its TP rank and size, its layers)."""
+    model, plan = runner.model_config, runner.plan
     return worker_kv_layout(
         info.model_name,
         model.dtype,
@@ -196,6 +255,9 @@ def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayo
         model.num_layers,
         model.num_kv_heads,
         model.head_dim,
+        tp_rank=plan.tp_rank,
+        tp_size=plan.tp_size,
+        layers=plan.layers,
     )
 
 
@@ -208,13 +270,33 @@ def attach_kv_connector(
 ) -> KVConnectorWorker:
     """Give the runner a connector to ``store`` and publish its layout in ``info``."""
     connector = KVConnectorWorker(runner.kv_caches, store, loop)
-    runner.kv_connector = connector
+    # A parallel rank reports a transfer only once every rank has done its shard.
+    runner.kv_connector = (
+        ReplicaKVConnector(connector, runner.collectives)
+        if runner.collectives is not None and runner.layout.is_parallel
+        else connector
+    )
     info.kv_layout.CopyFrom(layout.to_proto())
     logger.info("KV offload on: %d-byte blocks, layout %s", connector.block_bytes, layout)
     return connector
 
 
+async def connect_kv_offload(
+    config: WorkerConfig, runner: ModelRunner, info: worker_pb2.WorkerInfo
+) -> tuple[KVStoreBlocks, KVConnectorWorker]:
+    """The store client under this rank's layout and the runner's connector to it."""
+    layout = runner_kv_layout(runner, info)
+    security = InternalSecurity.from_config(config)
+    store = KVStoreBlocks(KVStoreClient(config.kvstore_addr, security=security), layout)
+    loop = asyncio.get_running_loop()
+    return store, attach_kv_connector(runner, info, store, layout, loop)
+
+
 async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
+    layout = RankLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.rank)
+    if not layout.is_driver:
+        await serve_rank(config, layout, stop, build_runner, connect_kv_offload)
+        return
     start_metrics_server(config, config.worker_metrics_port)
     tracing = start_tracing("worker", config.otlp_traces_endpoint)
     security = InternalSecurity.from_config(config)
@@ -232,7 +314,13 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     # the weights load; flip to SERVING once the model is ready.
     await service.start(config.bind_host, config.worker_port)
     loop = asyncio.get_running_loop()
-    runner, info = await loop.run_in_executor(servicer.executor, build_runner, config)
+    collectives = (
+        await loop.run_in_executor(servicer.executor, connect_ranks, config, layout)
+        if layout.is_parallel
+        else None
+    )
+    runner, info = await loop.run_in_executor(servicer.executor, build_runner, config, collectives)
+    broadcaster = StepBroadcaster(runner, collectives) if collectives is not None else None
     _KV_BLOCKS.set(info.num_kv_blocks)
     logger.info(
         "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s",
@@ -245,10 +333,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None
     if config.kv_offload:
-        layout = runner_kv_layout(runner, info)
-        store = KVStoreBlocks(KVStoreClient(config.kvstore_addr, security=security), layout)
-        connector = attach_kv_connector(runner, info, store, layout, loop)
-    servicer.attach(runner, info)
+        store, connector = await connect_kv_offload(config, runner, info)
+    servicer.attach(runner, info, broadcaster)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
     # generations, so that a collection during a step scans only per-step garbage.
@@ -256,9 +342,26 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     gc.freeze()
     await service.set_serving(True)
     watch_task = asyncio.create_task(watchdog.run(), name="step-watchdog")
+    keep_alive_task = (
+        asyncio.create_task(
+            servicer.keep_ranks_alive(config.dist_timeout_s / 4), name="rank-keep-alive"
+        )
+        if broadcaster is not None
+        else None
+    )
     await stop.wait()
     watch_task.cancel()
+    if keep_alive_task is not None:
+        keep_alive_task.cancel()
     await service.stop()
+    if broadcaster is not None:
+        # The other ranks exit when told; one that died already leaves this
+        # broadcast waiting, so it gets a bounded time.
+        stopping = loop.run_in_executor(servicer.executor, broadcaster.stop)
+        try:
+            await asyncio.wait_for(stopping, timeout=10)
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("could not tell every rank to stop: %s", exc)
     if tracing is not None:
         tracing.shutdown()
     if connector is not None and store is not None:

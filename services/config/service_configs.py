@@ -155,7 +155,49 @@ class StepDeadlineOptions(CommonConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(KVConnectorOptions, StepDeadlineOptions):
+class ParallelOptions(CommonConfig):
+    """Tensor/pipeline parallelism: one engine replica over several worker ranks
+    (worker/parallel/). ``kvmesh up`` starts every rank; ``kvmesh serve worker``
+    runs the one ``--rank`` names."""
+
+    tensor_parallel_size: int = opt(
+        1, "worker ranks each layer is split across (heads, MLP, vocab)", minimum=1
+    )
+    pipeline_parallel_size: int = opt(
+        1, "pipeline stages the layers are split into (contiguous ranges)", minimum=1
+    )
+    rank: int = opt(
+        0,
+        "this worker's rank in its replica (0: the driver, which serves the scheduler)",
+        minimum=0,
+    )
+    world_size: int = opt(
+        0, "ranks in the replica (0: tensor x pipeline parallel size, else equal to it)", minimum=0
+    )
+    dist_init_addr: str = opt(
+        "127.0.0.1:29500", "host:port of rank 0's torch.distributed rendezvous (TCP store)"
+    )
+    dist_timeout_s: float = opt(
+        120.0,
+        "seconds a collective may wait for a peer rank before this rank gives up and exits "
+        "(the launcher then restarts the replica)",
+        minimum=1,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size and self.world_size != ranks:
+            raise ValueError(
+                f"world_size {self.world_size} != tensor_parallel_size x "
+                f"pipeline_parallel_size ({ranks})"
+            )
+        if self.rank >= ranks:
+            raise ValueError(f"rank {self.rank} outside a replica of {ranks} ranks")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions):
     """The model worker service."""
 
     model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")

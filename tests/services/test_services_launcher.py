@@ -6,7 +6,14 @@ import argparse
 
 import pytest
 
-from services.launcher import add_up_arguments, child_order, flags_differing, stack_configs
+from services.launcher import (
+    add_up_arguments,
+    child_order,
+    flags_differing,
+    replica_of,
+    service_of,
+    stack_configs,
+)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -76,3 +83,29 @@ def test_the_two_workers_of_one_machine_split_its_cores(monkeypatch: pytest.Monk
     chosen = stack_configs(_args(["--model", "/m", "--disaggregated", "--num-threads", "3"]))
     assert chosen["worker"].num_threads == chosen["prefill_worker"].num_threads == 3
     assert stack_configs(_args(["--model", "/m"]))["worker"].num_threads == 0  # all of them
+
+
+def test_a_parallel_worker_starts_every_rank_before_its_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    argv = ["--model", "/m", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    configs = stack_configs(_args(argv))
+    ranks = ["worker_rank1", "worker_rank2", "worker_rank3"]
+    # Shutdown runs in reverse: the driver stops first and tells its ranks to.
+    rest = ["scheduler", "detokenizer", "gateway"]
+    assert child_order(configs) == ["kvstore", *ranks, "worker", *rest]
+    assert [configs[n].rank for n in ["worker", *ranks]] == [0, 1, 2, 3]
+    assert flags_differing(configs["worker"], configs["worker_rank3"]) == ["--rank", "3"]
+    assert {configs[n].num_threads for n in ["worker", *ranks]} == {2}  # 8 cores / 4 ranks
+    assert {replica_of(n) for n in ["worker", *ranks]} == {"worker"}
+    assert {service_of(n) for n in ["worker", *ranks]} == {"worker"}
+
+
+def test_parallel_sizes_are_checked_against_rank_and_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--world-size", "3"]))
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--rank", "2"]))
+    with pytest.raises(ValueError, match="disaggregated"):
+        stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--disaggregated"]))

@@ -91,7 +91,9 @@ def make_tiny_checkpoint(
     dtype: torch.dtype,
     tie_word_embeddings: bool = False,
     max_shard_size: str | None = None,
+    **shape: int,
 ) -> torch.nn.Module:
+    """A small random checkpoint; ``shape`` overrides config fields (heads, layers...)."""
     import transformers
 
     common = dict(
@@ -107,6 +109,7 @@ def make_tiny_checkpoint(
         bos_token_id=None,
         pad_token_id=None,
     )
+    common.update(shape)
     if architecture == "Qwen2ForCausalLM":
         config = transformers.Qwen2Config(**common)
         model_class = transformers.Qwen2ForCausalLM

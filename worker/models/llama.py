@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +21,33 @@ from kernels.backend import AttentionBackend, AttentionMetadata
 from worker.config import ModelConfig
 from worker.models.linear import PackedLinear
 from worker.models.rotary import RotaryEmbedding
+from worker.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Sums a row-parallel projection's partial outputs over the TP group (in place).
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+# Full-vocab logits from this rank's vocab shard.
+GatherVocab = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def full_plan(config: ModelConfig) -> ShardPlan:
+    """The plan of a model on one process: every head, row and layer."""
+    return ShardPlan(
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_layers,
+    )
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -42,16 +63,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """One decoder layer, or this TP rank's part of it: its heads, its slice of
+    the MLP; ``all_reduce`` completes o_proj's and down's partial sums."""
+
+    def __init__(
+        self, config: ModelConfig, plan: ShardPlan, all_reduce: AllReduce = _identity
+    ) -> None:
         super().__init__()
         dtype = config.dtype
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = plan.heads
+        self.num_heads = len(heads.q_heads)
+        self.num_kv_heads = len(heads.kv_heads)
+        self.intermediate_size = len(plan.intermediate)
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.all_reduce = all_reduce
         self.input_norm = _empty(config.hidden_size, dtype=dtype)
         self.post_attention_norm = _empty(config.hidden_size, dtype=dtype)
         self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
@@ -59,8 +88,8 @@ class LlamaDecoderLayer(nn.Module):
             _empty(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
         )
         self.o_proj = _empty(config.hidden_size, self.q_size, dtype=dtype)
-        self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_proj = _empty(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.gate_up_proj = _empty(2 * self.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_proj = _empty(config.hidden_size, self.intermediate_size, dtype=dtype)
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
 
@@ -116,7 +145,9 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
-        attn_out = self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
+        attn_out = self.all_reduce(
+            self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
+        )
 
         if self._native_ops:
             # The same float ops as below, fused into two kernels.
@@ -124,31 +155,53 @@ class LlamaDecoderLayer(nn.Module):
                 attn_out, residual, self.post_attention_norm, self.eps
             )
             gate_up = self._linear("gate_up", self.gate_up_proj, hidden)
-            return residual + self._linear(
-                "down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up)
+            return residual + self.all_reduce(
+                self._linear("down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up))
             )
         hidden = residual + attn_out
         residual = hidden
         hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate, up = self._linear("gate_up", self.gate_up_proj, hidden).chunk(2, dim=-1)
-        return residual + self._linear("down", self.down_proj, F.silu(gate) * up)
+        return residual + self.all_reduce(self._linear("down", self.down_proj, F.silu(gate) * up))
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder stack plus LM head; ``forward`` returns hidden states, not logits."""
+    """Decoder stack plus LM head; ``forward`` returns hidden states, not logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor/pipeline parallelism (``plan``) it is one rank's part: its
+    stage's layers, each cut to the rank's heads and MLP slice, and on the
+    first stage only, the vocab shard of the embedding and LM head plus the
+    final norm (the last stage hands its hidden states back to the first, so
+    sampling stays on the driver, next to the step's sampling state).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: ShardPlan | None = None,
+        all_reduce: AllReduce = _identity,
+        gather_vocab: GatherVocab | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.plan = plan = plan or full_plan(config)
+        self.all_reduce = all_reduce
+        self.gather_vocab = gather_vocab
         dtype = config.dtype
-        self.embed_tokens = _empty(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = _empty(config.hidden_size, dtype=dtype)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else _empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layer_offset = plan.layers.start
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, plan, all_reduce) for _ in plan.layers
         )
+        self.has_head = plan.is_first_stage
+        if self.has_head:
+            vocab_rows = len(plan.vocab)
+            self.embed_tokens = _empty(vocab_rows, config.hidden_size, dtype=dtype)
+            self.norm = _empty(config.hidden_size, dtype=dtype)
+            self.lm_head = (
+                self.embed_tokens
+                if config.tie_word_embeddings
+                else _empty(vocab_rows, config.hidden_size, dtype=dtype)
+            )
         self._packed_lm_head: PackedLinear | None = None
         self._native_ops = False
         self.rotary = RotaryEmbedding(
@@ -166,13 +219,28 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] before the final norm."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        """Hidden states [num_tokens, hidden_size] before the final norm; a later
+        pipeline stage passes the previous stage's ``hidden`` instead of embedding."""
+        if hidden is None:
+            hidden = self._embed(input_ids)
         rotary_tables = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, self.rotary, rotary_tables, kv_cache, metadata, backend)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.plan.tp_size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: each rank looks up the ids in its shard, zeros the rest;
+        # the sum over ranks is the full lookup (exact: one non-zero term per row).
+        vocab = self.plan.vocab
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= len(vocab))
+        hidden = F.embedding(local.clamp(0, len(vocab) - 1), self.embed_tokens)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.all_reduce(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (the rows that sample); norm is per row."""
@@ -183,8 +251,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         if self._packed_lm_head is None:
-            return F.linear(normed, self.lm_head)
-        return self._packed_lm_head(normed)
+            logits = F.linear(normed, self.lm_head)
+        else:
+            logits = self._packed_lm_head(normed)
+        if self.gather_vocab is None:
+            return logits
+        return self.gather_vocab(logits, self.config.vocab_size)
 
     def pack_weights(self, use_onednn: bool = True, use_native: bool = True) -> None:
         """Prepare every projection for inference once the weights are loaded.
@@ -194,29 +266,29 @@ class LlamaForCausalLM(nn.Module):
         """
         self._native_ops = (
             use_native
-            and self.embed_tokens.dtype == torch.float32
-            and self.embed_tokens.device.type == "cpu"
+            and self.config.dtype == torch.float32
+            and self.rotary.cos.device.type == "cpu"
             and native.unavailable_reason() is None
         )
         for layer in self.layers:
             layer.pack_weights(use_onednn, self._native_ops)
         self.rotary.use_native = self._native_ops
-        self._packed_lm_head = PackedLinear(
-            self.lm_head, None, use_onednn, use_block_codes=self._native_ops
-        )
+        if self.has_head:
+            self._packed_lm_head = PackedLinear(
+                self.lm_head, None, use_onednn, use_block_codes=self._native_ops
+            )
 
     def block_code_coverage(self) -> tuple[int, int]:
         """(projections running on exact block codes for small batches, all projections)."""
-        packed = [self._packed_lm_head] + [
-            p for layer in self.layers for p in (layer._packed or {}).values()
-        ]
+        packed = [self._packed_lm_head] if self.has_head else []
+        packed += [p for layer in self.layers for p in (layer._packed or {}).values()]
         return sum(p is not None and p.uses_block_codes for p in packed), len(packed)
 
     # -- loading -------------------------------------------------------------
 
     def _layer_target(self, layer: LlamaDecoderLayer, name: str) -> tuple[torch.Tensor, int]:
         """(destination parameter, first row) for one per-layer checkpoint tensor."""
-        q, kv, inter = layer.q_size, layer.kv_size, self.config.intermediate_size
+        q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
         targets: dict[str, tuple[torch.Tensor | None, int]] = {
             "input_layernorm.weight": (layer.input_norm, 0),
             "post_attention_layernorm.weight": (layer.post_attention_norm, 0),
@@ -245,6 +317,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            if not self.has_head and not name.startswith("model.layers."):
+                continue  # a later pipeline stage: layers only
             if name == "model.embed_tokens.weight":
                 target, row = self.embed_tokens, 0
             elif name == "model.norm.weight":
@@ -255,14 +329,19 @@ class LlamaForCausalLM(nn.Module):
                 target, row = self.lm_head, 0
             else:
                 match = _LAYER_WEIGHT.fullmatch(name)
-                if match is None or int(match.group(1)) >= len(self.layers):
+                if match is None or int(match.group(1)) >= self.config.num_layers:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                if int(match.group(1)) not in self.plan.layers:
+                    continue  # another pipeline stage's layer
                 try:
                     target, row = self._layer_target(
-                        self.layers[int(match.group(1))], match.group(2)
+                        self.layers[int(match.group(1)) - self.layer_offset], match.group(2)
                     )
                 except KeyError:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint") from None
+                tensor = self.plan.shard(match.group(2), tensor)
+            if not name.startswith("model.layers."):
+                tensor = self.plan.shard(name, tensor)
             if tensor.shape[1:] != target.shape[1:] or row + tensor.shape[0] > target.shape[0]:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, does not fit "

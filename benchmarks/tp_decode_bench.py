@@ -1,0 +1,99 @@
+"""Decode throughput of one worker vs a tensor-parallel replica of the same model.
+
+Each run spawns the replica's ranks (gloo on CPU, NCCL on CUDA, one GPU per
+rank), drives them in process exactly as the worker service does (the driver
+broadcasts each step; worker/parallel/driver.py), and times the decode steps of
+``--batch`` requests after their prefill. TP=1 runs in the same script first,
+so the ratio compares runs on the same machine minutes apart.
+
+Run from the repository root:
+    PYTHONPATH=. python benchmarks/tp_decode_bench.py --tp 1 2 [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from services.model_prep import default_model_path
+from services.sampling_params import SamplingParams
+from worker.config import CacheConfig, ModelConfig
+from worker.local_driver import LocalDriver
+from worker.model_runner import ModelRunner
+from worker.parallel.collectives import Collectives
+from worker.parallel.driver import lead_or_follow
+from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
+from worker.parallel.rank_service import rank_device
+
+
+def _decode_tokens_per_s(runner, batch: int, prompt_len: int, new_tokens: int) -> float:
+    driver = LocalDriver(runner)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(17 * i + j) % 30_000 + 100 for j in range(prompt_len)]
+        driver.add_request(f"r{i}", prompt, params, max_new_tokens=new_tokens)
+    driver.step()  # every prefill, and the first tokens
+    start = time.perf_counter()
+    steps = 0
+    while driver.requests:
+        driver.step()
+        steps += 1
+    return steps * batch / (time.perf_counter() - start)
+
+
+def _rank_main(layout: RankLayout, address: str, args: argparse.Namespace, out) -> None:
+    device = rank_device(args.device, layout.rank)
+    collectives = Collectives(layout, address, 300, device) if layout.is_parallel else None
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(default_model_path(), max_model_len=1024),
+        CacheConfig(block_size=16, num_kv_blocks=args.batch * 64),
+        device=str(device),
+        num_threads=args.threads_per_rank or None,
+        collectives=collectives,
+    )
+    if collectives is None:
+        out.put(_decode_tokens_per_s(runner, args.batch, args.prompt_len, args.new_tokens))
+        return
+    rate = lead_or_follow(
+        runner,
+        collectives,
+        lambda lead: _decode_tokens_per_s(lead, args.batch, args.prompt_len, args.new_tokens),
+    )
+    if layout.is_driver:
+        out.put(rate)
+    collectives.close()
+
+
+def measure(tp_size: int, args: argparse.Namespace) -> float:
+    return run_local_replica(_rank_main, tp_size, 1, (args,), timeout_s=1800)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--threads-per-rank", type=int, default=0, help="torch threads per rank (0: all cores)"
+    )
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and max(args.tp) > torch.cuda.device_count():
+        parser.error(f"TP={max(args.tp)} needs as many GPUs; {torch.cuda.device_count()} visible")
+    baseline = None
+    for tp_size in args.tp:
+        rate = measure(tp_size, args)
+        baseline = baseline or rate
+        print(
+            f"TP={tp_size} device={args.device} batch={args.batch}: "
+            f"{rate:8.1f} decode tokens/s  ({rate / baseline:.2f}x TP={args.tp[0]})",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

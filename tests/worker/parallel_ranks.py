@@ -1,0 +1,85 @@
+"""Run one replica's ranks as spawned processes on CPU (gloo), for the parallel tests.
+
+Rank 0 drives a LocalDriver through a StepBroadcaster, exactly the path the
+worker service takes; the other ranks follow. Rank 0 puts each request's
+output tokens and logprobs on a queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling_params import SamplingParams
+from worker.config import CacheConfig, ModelConfig
+from worker.local_driver import LocalDriver
+from worker.model_runner import ModelRunner
+from worker.parallel.collectives import Collectives
+from worker.parallel.driver import lead_or_follow
+from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
+
+MAX_NEW_TOKENS = 6
+TOP_LOGPROBS = 5
+# Each request's greedy tokens, then per sampled token its (token, logprob) top list.
+Result = dict[str, tuple[list[int], list[list[tuple[int, float]]]]]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    checkpoint: str
+    prompts: list[list[int]]
+    chunk_size: int | None = None
+    dense: bool = False  # plain F.linear instead of oneDNN / block codes
+
+
+def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(spec.checkpoint, max_model_len=128),
+        CacheConfig(block_size=16, num_kv_blocks=64),
+        num_threads=1,
+        collectives=collectives,
+    )
+    if spec.dense:
+        runner.model.pack_weights(use_onednn=False, use_native=False)
+    return runner
+
+
+def drive(runner, spec: RunSpec) -> Result:
+    driver = LocalDriver(runner, chunk_size=spec.chunk_size)
+    params = SamplingParams(temperature=0.0, logprobs=TOP_LOGPROBS)
+    for index, prompt in enumerate(spec.prompts):
+        driver.add_request(f"r{index}", prompt, params, max_new_tokens=MAX_NEW_TOKENS)
+    finished = driver.run()
+    return {
+        req_id: (
+            request.output_token_ids,
+            [
+                [(lp.token_id, lp.logprob), *zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+                for lp in request.logprobs
+            ],
+        )
+        for req_id, request in finished.items()
+    }
+
+
+def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None:
+    collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
+    try:
+        result = lead_or_follow(
+            build_runner(spec, collectives), collectives, lambda runner: drive(runner, spec)
+        )
+        if layout.is_driver:
+            results.put(result)
+    finally:
+        collectives.close()
+
+
+def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 240) -> Result:
+    """Greedy results of a TP x PP replica of spawned ranks."""
+    return run_local_replica(_rank_main, tp_size, pp_size, (spec,), timeout_s)
+
+
+def run_single(spec: RunSpec) -> Result:
+    return drive(build_runner(spec, None), spec)

@@ -1,0 +1,96 @@
+"""A TP / PP / TP x PP replica of spawned gloo ranks equals one process on a tiny model.
+
+Greedy tokens must be identical and every logprob (sampled and top 5) within
+1e-4: only the order of float32 sums differs (o_proj's and down's partial sums
+are added across ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.parallel.collectives import STEP_CHUNK_BYTES, Collectives
+from worker.parallel.layout import RankLayout
+from worker.parallel.local_replica import run_local_replica
+
+from .conftest import make_tiny_checkpoint
+from .parallel_ranks import Result, RunSpec, run_replica, run_single
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7] * 20 + [1, 2, 3], [100, 30]]
+
+
+def assert_same_outputs(expected: Result, actual: Result) -> None:
+    assert expected.keys() == actual.keys()
+    for req_id, (tokens, logprobs) in expected.items():
+        actual_tokens, actual_logprobs = actual[req_id]
+        assert actual_tokens == tokens, req_id
+        for step, (want, got) in enumerate(zip(logprobs, actual_logprobs, strict=True)):
+            assert [t for t, _ in got] == [t for t, _ in want], (req_id, step)
+            gaps = [abs(a - b) for (_, a), (_, b) in zip(want, got, strict=True)]
+            assert max(gaps) < LOGPROB_TOLERANCE, (req_id, step, gaps)
+
+
+@pytest.fixture(scope="module")
+def uneven_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 query heads in 3 KV groups: TP=2 splits them 2 + 1 groups."""
+    folder = tmp_path_factory.mktemp("uneven")
+    make_tiny_checkpoint(
+        folder,
+        "LlamaForCausalLM",
+        torch.float32,
+        tie_word_embeddings=True,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=96,
+        head_dim=16,
+        num_hidden_layers=3,
+        vocab_size=131,  # odd: the last vocab shard is short
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A single KV head: TP=2 replicates it, each rank computing 2 of the 4 query heads."""
+    folder = tmp_path_factory.mktemp("mqa")
+    make_tiny_checkpoint(folder, "Qwen2ForCausalLM", torch.float32, num_key_value_heads=1)
+    return folder
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2), (2, 2)])
+def test_replica_matches_one_process(uneven_heads: Path, tp_size: int, pp_size: int) -> None:
+    # Chunked prefill: prompts span several steps, so the KV cache written by
+    # each rank's shard is read back by later steps.
+    spec = RunSpec(str(uneven_heads), PROMPTS, chunk_size=8)
+    assert_same_outputs(run_single(spec), run_replica(tp_size, pp_size, spec))
+
+
+def test_replicated_kv_head_matches_one_process(one_kv_head: Path) -> None:
+    spec = RunSpec(str(one_kv_head), PROMPTS)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
+
+
+def test_dense_path_matches_one_process(uneven_heads: Path) -> None:
+    # Plain F.linear on both sides (no oneDNN packing, no C++ ops).
+    spec = RunSpec(str(uneven_heads), PROMPTS, dense=True)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
+
+
+def _broadcast_rank(layout: RankLayout, address: str, messages: list[bytes], out) -> None:
+    collectives = Collectives(layout, address, 60, torch.device("cpu"))
+    received = [collectives.broadcast_step(m if layout.is_driver else None) for m in messages]
+    if layout.is_driver:
+        out.put(received == messages)  # the sender's own copy
+    else:
+        assert received == messages  # a mismatch fails this rank's exit code
+    collectives.close()
+
+
+def test_step_broadcast_carries_small_and_large_messages_whole() -> None:
+    # Empty, one chunk exactly full, one byte over (a second broadcast), large.
+    messages = [b"", b"a" * (STEP_CHUNK_BYTES - 8), b"b" * (STEP_CHUNK_BYTES - 7), b"xyz" * 50_000]
+    assert run_local_replica(_broadcast_rank, 1, 2, (messages,), timeout_s=120)

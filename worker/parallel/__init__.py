@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: one engine replica over several worker processes."""
