@@ -189,6 +189,8 @@ def secure_stack(
         credentials["internal_tls_keyfile"] = str(certificates.keyfile)
         credentials["internal_tls_ca_certs"] = str(certificates.ca_certs)
     return {name: dataclasses.replace(c, **credentials) for name, c in configs.items()}
+
+
 def service_of(name: str) -> str:
     """The service a child process runs (its name, but for twins and worker ranks)."""
     if name.startswith(WORKER_RANK_PREFIX):

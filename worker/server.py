@@ -43,12 +43,12 @@ from worker.kv_connector import KVBlockStore, KVConnectorWorker
 from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
-from worker.request_tracing import WorkerRequestTraces
 from worker.parallel.collectives import Collectives
 from worker.parallel.driver import StepBroadcaster
 from worker.parallel.layout import RankLayout
 from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
+from worker.request_tracing import WorkerRequestTraces
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
