@@ -71,6 +71,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         kv_lookup=kv_lookup,
         step_deadline=StepDeadline(StepDeadlinePolicy.from_options(config)),
         kv_leases=kv_leases,
+        max_migrations=config.max_migrations,
+        subscriber_grace_s=config.migration_timeout_s,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,
