@@ -45,6 +45,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.detokenizer_addr,
         token_text=tokenizer.token_to_text,
         prefill=prefill,
+        max_migrations=config.max_migrations,
+        migration_timeout_s=config.migration_timeout_s,
     )
     logger.info(
         "connecting to scheduler %s and detokenizer %s%s",

@@ -317,3 +317,27 @@ async def test_requests_are_aborted_when_no_subscriber_returns_in_time() -> None
     await asyncio.wait_for(task, 10)
     assert engine.core.live_request_ids() == []
     engine.core.check_integrity()
+
+
+async def test_a_continuation_resumes_with_its_tokens_and_original_budget() -> None:
+    """The gateway resubmits a request after losing its scheduler: it picks up where
+    the client's stream stopped and ends where the undisturbed run ended."""
+    undisturbed = _tokens_by_request(await _generate(InMemoryWorkerClient()))["a"]
+    engine = _engine(InMemoryWorkerClient())
+    _, queue = engine.subscribe()
+    engine.add_request(
+        scheduler_pb2.AddRequestRequest(
+            request_id="a~m1",
+            prompt_token_ids=[5, 6, 7, 8, 9],
+            sampling_params=common_pb2.SamplingParams(
+                max_tokens=12, ignore_eos=True, temperature=0.0
+            ),
+            client_id="gw",
+            resumed_output_token_ids=undisturbed[:5],
+            num_migrations=1,
+        )
+    )
+    outputs = await _run_until(engine, queue, lambda outs: any(o.finish_reason for o in outs))
+    assert list(outputs[0].header.output_token_ids) == undisturbed[:5]
+    assert _tokens_by_request(outputs)["a~m1"] == undisturbed[5:]
+    assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
