@@ -190,9 +190,6 @@ class SchedulerEngine:
         unknown = [rid for rid in request_ids if self.core.get_request(rid) is None]
         replays = [rid for rid in request_ids if rid in self._sent_headers]
         self._pending_replays.update(replays)
-        if replays:
-            self.metrics.migrations.labels(self.metrics.model_name, "detokenizer").inc(len(replays))
-            logger.info("republishing %d requests to a new detokenizer", len(replays))
         self._wakeup.set()
         return unknown
 
@@ -208,6 +205,14 @@ class SchedulerEngine:
         queue: asyncio.Queue[scheduler_pb2.StepOutputs] = asyncio.Queue()
         key = id(queue)
         self._subscribers[key] = queue
+        if self._no_subscriber_since is not None and self._sent_headers:
+            # A detokenizer came back (restarted): it must know every request
+            # before their next tokens reach it. Its gateways resync later.
+            self._pending_replays.update(self._sent_headers)
+            self.metrics.migrations.labels(self.metrics.model_name, "detokenizer").inc(
+                len(self._sent_headers)
+            )
+            logger.info("output subscriber back: republishing %d requests", len(self._sent_headers))
         self._no_subscriber_since = None
         self._wakeup.set()  # a loop paused for a subscriber resumes
         return key, queue

@@ -271,12 +271,12 @@ async def test_a_gone_gateways_requests_are_aborted_by_its_client_id() -> None:
 
 
 async def test_requests_wait_for_a_new_subscriber_then_are_republished() -> None:
-    """The detokenizer restarts: the loop holds its steps meanwhile, and a resync
-    republishes the header with every token so far."""
+    """The detokenizer restarts: the loop holds its steps meanwhile; the new one first
+    gets every request's header with every token so far, and so does a gateway's resync."""
     engine = _engine(InMemoryWorkerClient())
     key, queue = engine.subscribe()
     _add(engine, "a", max_tokens=40)
-    _add(engine, "unseen", max_tokens=40)
+    _add(engine, "b", max_tokens=40)
     stop = asyncio.Event()
     task = asyncio.create_task(engine.run(stop))
     try:
@@ -288,15 +288,24 @@ async def test_requests_wait_for_a_new_subscriber_then_are_republished() -> None
         await asyncio.sleep(0.05)
         assert request.num_output_tokens == held  # paused: no step without a listener
         _, queue = engine.subscribe()
+        on_return = (await asyncio.wait_for(queue.get(), 5)).outputs
         assert engine.resync(["a", "gone"]) == ["gone"]
-        replay = (await asyncio.wait_for(queue.get(), 5)).outputs[0]
+        while True:  # the resync's replay comes after a few more steps
+            resynced = (await asyncio.wait_for(queue.get(), 5)).outputs
+            if resynced[0].HasField("header"):
+                break
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
-    assert {o.request_id for o in first.outputs if o.HasField("header")} == {"a", "unseen"}
-    assert replay.request_id == "a" and not replay.new_token_ids
-    assert list(replay.header.output_token_ids) == request.output_token_ids[:held]
-    assert list(replay.header.prompt_token_ids) == [5, 6, 7, 8, 9]
+    assert {o.request_id for o in first.outputs if o.HasField("header")} == {"a", "b"}
+    assert sorted(o.request_id for o in on_return) == ["a", "b"]
+    for replay in [*on_return, *resynced]:
+        assert replay.HasField("header") and not replay.new_token_ids
+        assert list(replay.header.prompt_token_ids) == [5, 6, 7, 8, 9]
+    (replay_a,) = [o for o in on_return if o.request_id == "a"]
+    assert list(replay_a.header.output_token_ids) == request.output_token_ids[:held]
+    assert [o.request_id for o in resynced] == ["a"]
+    assert len(resynced[0].header.output_token_ids) >= held
 
 
 async def test_requests_are_aborted_when_no_subscriber_returns_in_time() -> None:
