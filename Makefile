@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Stamp files make the steps idempotent: each reruns only when its inputs change.
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: install up test test-fast lint format protos bench clean
+.PHONY: install up test test-fast soak lint format protos bench clean
 
 install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
@@ -45,6 +45,10 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e"
+
+# Nothing lost under chaos: 2,000 streams, client hang-ups, SIGKILLs (benchmarks/soak.py).
+soak: install
+	$(BIN)/python benchmarks/soak.py
 
 lint: install
 	$(BIN)/ruff check .

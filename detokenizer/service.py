@@ -6,6 +6,13 @@ the scheduler (one FinishRequests call per step) to finish requests whose
 stop string matched, and routes the deltas to the gateway that submitted each
 request (by client_id), again one message per step.
 
+Request migration: a header that carries ``output_token_ids`` (republished
+after a detokenizer restart, or a continuation after a scheduler restart)
+restarts the request's state from prompt + those tokens and the output says
+``replay``: its text starts at the first output token, and the gateway skips
+what it delivered already. Losing the scheduler stream drops every request's
+state and tells each gateway ``scheduler_lost``, so that it resubmits them.
+
 A gateway's subscription ending means the gateway is gone (or cut off): the
 scheduler is asked to abort every request it submitted, which would otherwise
 run to max_tokens for nobody. A gateway that falls ``_MAX_GATEWAY_BACKLOG``
@@ -132,14 +139,23 @@ class DetokenizerEngine:
         """Detokenize one step. Returns outputs per client_id and stop-string finishes."""
         inputs: list[StepInput] = []
         kept: list[scheduler_pb2.RequestOutput] = []
+        replaying: set[str] = set()
         for out in step.outputs:
             rid = out.request_id
             if rid in self._stopped:
                 if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self._stopped.pop(rid, None)
                 continue
+            replayed: list[int] = []
             if out.HasField("header"):
+                replayed = list(out.header.output_token_ids)
                 self._client_of[rid] = out.header.client_id
+                if rid in self.table:  # republished while this detokenizer held it
+                    self.table.remove(rid)
+                    replaying.add(rid)
+                if replayed:
+                    replaying.add(rid)
+                    self._num_output_tokens[rid] = 0
                 try:
                     self.table.add(
                         rid,
@@ -154,7 +170,7 @@ class DetokenizerEngine:
             inputs.append(
                 StepInput(
                     rid,
-                    list(out.new_token_ids),
+                    replayed + list(out.new_token_ids),
                     finished,
                     out.finish_reason == common_pb2.FINISH_REASON_STOP,
                 )
@@ -164,11 +180,12 @@ class DetokenizerEngine:
 
         per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]] = {}
         stop_finishes: list[str] = []
-        for out, result in zip(kept, results, strict=True):
+        for out, step_input, result in zip(kept, inputs, results, strict=True):
             rid = out.request_id
             msg = detokenizer_pb2.DetokenizedOutput(
                 request_id=rid,
-                token_ids=out.new_token_ids,
+                token_ids=step_input.new_token_ids,
+                replay=rid in replaying,
                 finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens,
@@ -198,7 +215,7 @@ class DetokenizerEngine:
                         self._remember_stopped(rid)
                     _STOPS.inc()
             client = self._client_of.get(rid, "")
-            msg.num_output_tokens = self._num_output_tokens.get(rid, 0) + len(out.new_token_ids)
+            msg.num_output_tokens = self._num_output_tokens.get(rid, 0) + len(msg.token_ids)
             self._num_output_tokens[rid] = msg.num_output_tokens
             if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._client_of.pop(rid, None)
@@ -207,7 +224,7 @@ class DetokenizerEngine:
                 if self.traces is not None:
                     self.traces.on_finished(msg)
             per_client.setdefault(client, []).append(msg)
-        _TOKENS.inc(sum(len(o.new_token_ids) for o in kept))
+        _TOKENS.inc(sum(len(i.new_token_ids) for i in inputs))
         _LIVE.set(len(self.table))
         return per_client, stop_finishes
 
@@ -236,20 +253,27 @@ class DetokenizerEngine:
                 subscription.cut_off = True
                 self.unsubscribe(client, subscription)
 
-    def _fail_live_requests(self, reason: str) -> None:
-        per_client: dict[str, list[detokenizer_pb2.DetokenizedOutput]] = {}
-        for rid, client in list(self._client_of.items()):
-            per_client.setdefault(client, []).append(
-                detokenizer_pb2.DetokenizedOutput(
-                    request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=reason
-                )
-            )
+    def _announce_scheduler_lost(self) -> None:
+        """Drop every request's state and tell every gateway to resubmit its requests.
+
+        Every gateway, not only those with requests here: one whose requests
+        still waited in the scheduler (no output yet) lost them too.
+        """
+        for rid in self._client_of:
             self.table.remove(rid)
         self._client_of.clear()
         self._num_output_tokens.clear()
         if self.traces is not None:
             self.traces.on_stream_lost()
-        self._route(0, per_client)
+        self._stopped.clear()
+        lost = detokenizer_pb2.DetokenizedBatch(scheduler_lost=True)
+        for client, subscription in list(self._subscribers.items()):
+            try:
+                subscription.queue.put_nowait(lost)
+            except asyncio.QueueFull:
+                subscription.cut_off = True
+                self.unsubscribe(client, subscription)
+        _LIVE.set(0)
 
     async def run(self, stop: asyncio.Event, on_connected) -> None:
         """Follow the scheduler's output stream, reconnecting when it breaks."""
@@ -291,7 +315,7 @@ class DetokenizerEngine:
                 if self.connected:
                     self.connected = False
                     await on_connected(False)
-                    self._fail_live_requests("scheduler unavailable")
+                    self._announce_scheduler_lost()
                 self._stub = None
             if not stop.is_set():
                 await asyncio.sleep(0.5)

@@ -2,9 +2,11 @@
 
 One StreamDetokenized subscription (keyed by this gateway's client_id)
 carries the deltas of every request this gateway submitted; a dispatcher task
-routes them to per-request queues. A broken stream fails the in-flight
-requests with an error delta (HTTP clients see it as a 503 / error finish),
-aborts them in the scheduler, and reconnects.
+routes them to per-request queues. Requests outlive a restarting detokenizer
+or scheduler (gateway/migration.py): a broken stream is reconnected and the
+scheduler asked to republish; a lost scheduler gets continuations. Only when
+no detokenizer answers within ``--migration-timeout-s`` are the in-flight
+requests failed with an error delta and aborted in the scheduler.
 
 Bounds:
 
@@ -20,9 +22,11 @@ Bounds:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -34,6 +38,8 @@ from gateway.engine_client import (
     TokenLogprob,
     TopLogprob,
 )
+from gateway.migration import MIGRATIONS, continuation_of, finish_reason_of_delivered
+from gateway.stream_cursor import StreamCursor
 from gateway.tracing import TRACED_SCHEDULER_METHODS, current, note_delta, start_engine_span
 from protos import (
     common_pb2,
@@ -52,6 +58,13 @@ logger = logging.getLogger(__name__)
 
 _MAX_ADMISSIONS_IN_FLIGHT = 32
 _MAX_UNREAD_DELTAS = 1024
+# Answers that mean "no scheduler can take it right now": a continuation retries them.
+_RETRIABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+_RETRY_INTERVAL_S = 0.5
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -60,6 +73,31 @@ _FINISH_REASONS = {
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
 }
+
+
+@dataclass(frozen=True)
+class _Resubmit:
+    """Queued for a request whose scheduler-side state is gone."""
+
+    # The submission it replaces: a marker for an older one is stale.
+    engine_id: str
+    reason: str
+
+
+@dataclass
+class _LiveRequest:
+    """A request between admission and its final delta, across its migrations."""
+
+    first: scheduler_pb2.AddRequestRequest
+    queue: asyncio.Queue[GenerationDelta | _Resubmit]
+    # The id the engine knows it by now (a continuation gets a new one).
+    engine_id: str
+    cursor: StreamCursor = field(default_factory=StreamCursor)
+    num_migrations: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.first.request_id
 
 
 class GrpcEngineClient:
@@ -72,6 +110,8 @@ class GrpcEngineClient:
         prefill: PrefillClient | None = None,
         security: InternalSecurity = NO_INTERNAL_AUTH,
         tracing: Tracing | None = None,
+        max_migrations: int = 3,
+        migration_timeout_s: float = 60.0,
     ) -> None:
         self.scheduler_addr = scheduler_addr
         self._security = security
@@ -87,7 +127,11 @@ class GrpcEngineClient:
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         # Disaggregation: prompts are prefilled there first (gateway/disaggregation.py).
         self._prefill = prefill
-        self._queues: dict[str, asyncio.Queue[GenerationDelta]] = {}
+        # Live requests by the client's id and by the id the engine knows now.
+        self._live: dict[str, _LiveRequest] = {}
+        self._by_engine_id: dict[str, _LiveRequest] = {}
+        self.max_migrations = max_migrations
+        self.migration_timeout_s = migration_timeout_s
         self._subscribed = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._model_info: ModelInfo | None = None
@@ -137,7 +181,10 @@ class GrpcEngineClient:
 
     # ---- outputs -----------------------------------------------------------
 
-    def _to_delta(self, out: detokenizer_pb2.DetokenizedOutput) -> GenerationDelta:
+    def _to_delta(
+        self, out: detokenizer_pb2.DetokenizedOutput, live: _LiveRequest
+    ) -> GenerationDelta | None:
+        """The reader's delta: only what it has not received (None: nothing new)."""
         stop_reason: int | str | None = None
         which = out.WhichOneof("stop_reason")
         if which == "stop_token_id":
@@ -147,23 +194,27 @@ class GrpcEngineClient:
         logprobs = None
         if len(out.logprobs):
             logprobs = [self._token_logprob(lp) for lp in out.logprobs]
+        finish_reason = _FINISH_REASONS[out.finish_reason]
+        new = live.cursor.advance(out.text, list(out.token_ids), logprobs, out.replay)
+        if out.replay and not (new.text or new.token_ids or finish_reason):
+            return None  # a replay up to what the reader has
         prompt_logprobs: list[TokenLogprob | None] | None = None
-        if len(out.prompt_logprobs):
+        if len(out.prompt_logprobs) and new.first:
             # Entry 0 is the first prompt token, which has no logprob.
             prompt_logprobs = [None]
             prompt_logprobs += [
                 None if lp.token_id < 0 else self._token_logprob(lp) for lp in out.prompt_logprobs
             ]
         return GenerationDelta(
-            request_id=out.request_id,
-            text=out.text,
-            token_ids=list(out.token_ids),
-            finish_reason=_FINISH_REASONS[out.finish_reason],
+            request_id=live.request_id,
+            text=new.text,
+            token_ids=new.token_ids,
+            finish_reason=finish_reason,
             stop_reason=stop_reason,
-            num_prompt_tokens=out.num_prompt_tokens,
+            num_prompt_tokens=len(live.first.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
-            num_output_tokens=out.num_output_tokens,
-            logprobs=logprobs,
+            num_output_tokens=len(live.cursor.token_ids),
+            logprobs=new.logprobs,
             error=out.error or None,
             prompt_logprobs=prompt_logprobs,
         )
@@ -180,50 +231,76 @@ class GrpcEngineClient:
             rank=lp.rank,
         )
 
-    def _fail(self, rid: str, reason: str) -> None:
-        """End ``rid`` for its reader with an error (ahead of anything unread)."""
-        queue = self._queues.pop(rid, None)
-        if queue is None:
-            return
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(
-            GenerationDelta(
-                request_id=rid,
-                text="",
-                token_ids=[],
-                finish_reason="error",
-                stop_reason=None,
-                num_prompt_tokens=0,
-                num_cached_tokens=0,
-                num_output_tokens=0,
-                logprobs=None,
-                error=reason,
-            )
+    @staticmethod
+    def _final(live: _LiveRequest, finish_reason: str, error: str | None = None) -> GenerationDelta:
+        """A last delta made up here (an error, or an end the engine's output lost)."""
+        return GenerationDelta(
+            request_id=live.request_id,
+            text="",
+            token_ids=[],
+            finish_reason=finish_reason,
+            stop_reason=None,
+            num_prompt_tokens=len(live.first.prompt_token_ids),
+            num_cached_tokens=0,
+            num_output_tokens=len(live.cursor.token_ids),
+            logprobs=None,
+            error=error,
         )
 
+    def _forget(self, live: _LiveRequest) -> None:
+        if self._live.get(live.request_id) is live:
+            del self._live[live.request_id]
+        if self._by_engine_id.get(live.engine_id) is live:
+            del self._by_engine_id[live.engine_id]
+
+    def _fail(self, live: _LiveRequest, reason: str) -> None:
+        """End a request for its reader with an error (ahead of anything unread)."""
+        self._forget(live)
+        queue = live.queue
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(self._final(live, "error", reason))
+
     def _fail_all(self, reason: str) -> None:
-        ids = list(self._queues)
-        for rid in ids:
-            self._fail(rid, reason)
-        if ids:
+        lives = list(self._live.values())
+        for live in lives:
+            self._fail(live, reason)
+        if lives:
             # Their outputs could no longer reach this gateway: stop computing them.
-            self._in_background(self._abort_many(ids))
+            self._in_background(self._abort_many([live.engine_id for live in lives]))
+
+    def _resubmit_all(self, reason: str, engine_ids: list[str] | None = None) -> None:
+        """Have these requests (default: all) resubmitted as continuations by their readers."""
+        ids = list(self._by_engine_id) if engine_ids is None else engine_ids
+        for engine_id in ids:
+            live = self._by_engine_id.get(engine_id)
+            if live is None:
+                continue
+            # A full queue: its reader is failing for being too far behind anyway.
+            with contextlib.suppress(asyncio.QueueFull):
+                live.queue.put_nowait(_Resubmit(engine_id, reason))
 
     def _deliver(self, out: detokenizer_pb2.DetokenizedOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is None:
-            return  # finished, aborted or failed here already
+        live = self._by_engine_id.get(out.request_id)
+        if live is None:
+            return  # finished, aborted, failed or resubmitted here already
+        delta = self._to_delta(out, live)
+        if delta is None:
+            return
         try:
-            queue.put_nowait(self._to_delta(out))
+            live.queue.put_nowait(delta)
         except asyncio.QueueFull:
             logger.warning(
-                "request %s: reader %d deltas behind; failing it", out.request_id, queue.qsize()
+                "request %s: reader %d deltas behind; failing it",
+                live.request_id,
+                live.queue.qsize(),
             )
-            self._fail(out.request_id, f"the client fell {_MAX_UNREAD_DELTAS} steps behind")
-            self._in_background(self._abort_many([out.request_id]))
+            self._fail(live, f"the client fell {_MAX_UNREAD_DELTAS} steps behind")
+            self._in_background(self._abort_many([live.engine_id]))
 
     async def _dispatch_forever(self) -> None:
+        lost_since: float | None = None  # when the stream broke with requests live
+        loop = asyncio.get_running_loop()
         while not self._closing:
             try:
                 async with internal_channel(self.detokenizer_addr, self._security) as channel:
@@ -236,16 +313,45 @@ class GrpcEngineClient:
                     logger.info(
                         "subscribed to detokenizer %s as %s", self.detokenizer_addr, self.client_id
                     )
+                    if lost_since is not None:
+                        lost_since = None
+                        self._in_background(self._resync())
                     async for batch in stream:
+                        if batch.scheduler_lost:
+                            logger.warning("the scheduler was lost; resuming live requests")
+                            self._resubmit_all("scheduler lost")
                         for out in batch.outputs:
                             self._deliver(out)
             except grpc.aio.AioRpcError as e:
                 log = logger.warning if self._subscribed.is_set() else logger.debug
                 log("detokenizer stream broke: %s %s", e.code().name, e.details())
             self._subscribed.clear()
-            self._fail_all("detokenizer unavailable")
+            # Live requests wait (paused) for a detokenizer, for a while.
+            if lost_since is None:
+                lost_since = loop.time()
+            if loop.time() - lost_since > self.migration_timeout_s:
+                self._fail_all("detokenizer unavailable")
+            if not self._live:
+                lost_since = None
             if not self._closing:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(_RETRY_INTERVAL_S)
+
+    async def _resync(self) -> None:
+        """After subscribing to a new detokenizer: have the live requests republished;
+        those the scheduler no longer holds are resubmitted as continuations."""
+        ids = list(self._by_engine_id)
+        if not ids:
+            return
+        try:
+            reply = await self._pick_scheduler().ResyncRequests(
+                scheduler_pb2.ResyncRequestsRequest(request_ids=ids), timeout=10
+            )
+            unknown = list(reply.unknown_ids)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("resync failed (%s); resubmitting %d requests", e.details(), len(ids))
+            unknown = ids
+        logger.info("resynced %d live requests (%d resubmitted)", len(ids), len(unknown))
+        self._resubmit_all("not held by the scheduler at resync", unknown)
 
     # ---- EngineClient ------------------------------------------------------
 
@@ -253,26 +359,27 @@ class GrpcEngineClient:
         if not self._subscribed.is_set():
             raise UnavailableError("engine unavailable: not subscribed to the detokenizer")
         rid = request.request_id
-        if rid in self._queues:
+        if rid in self._live:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        # One slot more than the bound: room for the error that ends an overflow.
-        queue: asyncio.Queue[GenerationDelta] = asyncio.Queue(maxsize=_MAX_UNREAD_DELTAS + 1)
-        self._queues[rid] = queue
         finished = False
         span = start_engine_span(self._tracing, rid)
+        msg = scheduler_pb2.AddRequestRequest(
+            request_id=rid,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(request.sampling_params),
+            detokenize_params=detokenize_params_to_proto(request.detokenize_params),
+            priority=request.priority,
+            client_id=self.client_id,
+        )
+        if request.cache_salt is not None:
+            msg.cache_salt = request.cache_salt
+        if request.parallel_group is not None:
+            msg.parallel_group = request.parallel_group
+        # Two slots more than the bound: room for the error that ends an
+        # overflow and for a resubmission marker.
+        live = _LiveRequest(msg, asyncio.Queue(maxsize=_MAX_UNREAD_DELTAS + 2), rid)
+        self._live[rid] = self._by_engine_id[rid] = live
         try:
-            msg = scheduler_pb2.AddRequestRequest(
-                request_id=rid,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=sampling_params_to_proto(request.sampling_params),
-                detokenize_params=detokenize_params_to_proto(request.detokenize_params),
-                priority=request.priority,
-                client_id=self.client_id,
-            )
-            if request.cache_salt is not None:
-                msg.cache_salt = request.cache_salt
-            if request.parallel_group is not None:
-                msg.parallel_group = request.parallel_group
             try:
                 # The calls that carry the request on carry its trace too.
                 with current(span):
@@ -285,7 +392,10 @@ class GrpcEngineClient:
                 finished = True  # never admitted: nothing to abort
                 raise error_from_rpc(e) from e
             while True:
-                delta = await queue.get()
+                item = await live.queue.get()
+                delta = await self._resubmit(live, item) if isinstance(item, _Resubmit) else item
+                if delta is None:
+                    continue
                 note_delta(span, delta)
                 if delta.finished:
                     finished = True
@@ -293,19 +403,72 @@ class GrpcEngineClient:
                 if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._forget(live)
             if not finished:
                 # The consumer went away (client disconnect, cancellation).
-                self._in_background(self.abort(rid))
+                self._in_background(self._abort_many([live.engine_id]))
             if span is not None:
                 span.end()
 
+    async def _resubmit(self, live: _LiveRequest, marker: _Resubmit) -> GenerationDelta | None:
+        """Resume a request whose scheduler-side state is gone as a continuation.
+
+        Returns a final delta when it cannot (or need not) continue, else None
+        (its deltas follow from the scheduler that took it).
+        """
+        if marker.engine_id != live.engine_id:
+            return None  # already resubmitted since
+        info = self.model_info
+        delivered = live.cursor.token_ids
+        done = finish_reason_of_delivered(
+            live.first, delivered, info.eos_token_ids, info.max_model_len
+        )
+        if done is not None:
+            return self._final(live, done)  # only its last output was lost
+        if live.num_migrations >= self.max_migrations:
+            return self._final(
+                live,
+                "error",
+                f"{marker.reason}: the request was migrated {live.num_migrations} times "
+                f"(--max-migrations {self.max_migrations}), giving up",
+            )
+        live.num_migrations += 1
+        self._by_engine_id.pop(live.engine_id, None)
+        self._in_background(self._abort_many([live.engine_id]))  # if it lives on somewhere
+        msg = continuation_of(live.first, delivered, live.num_migrations)
+        live.engine_id = msg.request_id
+        self._by_engine_id[live.engine_id] = live
+        MIGRATIONS.labels("scheduler").inc()
+        logger.warning(
+            "request %s: %s; resubmitted as %s after %d tokens",
+            live.request_id,
+            marker.reason,
+            live.engine_id,
+            len(delivered),
+        )
+        deadline = asyncio.get_running_loop().time() + self.migration_timeout_s
+        while True:
+            try:
+                await self._admit(msg)
+                return None
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _RETRIABLE or asyncio.get_running_loop().time() > deadline:
+                    return self._final(
+                        live, "error", f"{marker.reason}; could not resume: {e.details()}"
+                    )
+            await asyncio.sleep(_RETRY_INTERVAL_S)
+
+    def _pick_scheduler(self) -> scheduler_pb2_grpc.SchedulerStub:
+        """The scheduler a submission goes to (one today; a router picks among replicas)."""
+        return self._scheduler
+
     async def _admit(self, msg: scheduler_pb2.AddRequestRequest) -> None:
+        scheduler = self._pick_scheduler()
         if msg.sampling_params.HasField("structured_output"):
-            await self._scheduler.AddRequest(msg, timeout=30)
+            await scheduler.AddRequest(msg, timeout=30)
             return
         async with self._admissions:
-            await self._scheduler.AddRequest(msg, timeout=30)
+            await scheduler.AddRequest(msg, timeout=30)
 
     def _in_background(self, work: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -313,7 +476,8 @@ class GrpcEngineClient:
         task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
-        await self._abort_many([request_id])
+        live = self._live.get(request_id)
+        await self._abort_many([live.engine_id if live is not None else request_id])
 
     async def _abort_many(self, request_ids: list[str]) -> None:
         try:

@@ -61,6 +61,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         prefill=prefill,
         security=security,
         tracing=tracing,
+        max_migrations=config.max_migrations,
+        migration_timeout_s=config.migration_timeout_s,
     )
     logger.info(
         "connecting to scheduler %s and detokenizer %s%s",

@@ -54,8 +54,8 @@ class DetokenizerServicer:
         """Detokenized outputs for the requests submitted with this client_id,
         one DetokenizedBatch per engine step that produced output for them.
         A new call with the same client_id replaces the previous one. If the
-        scheduler stream breaks, every live request gets an ERROR output
-        ("scheduler unavailable").
+        scheduler stream breaks, every subscribed gateway gets one batch with
+        scheduler_lost set (and the detokenizer drops its requests' state).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

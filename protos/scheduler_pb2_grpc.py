@@ -57,6 +57,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.StreamOutputsRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.StepOutputs.FromString,
                 _registered_method=True)
+        self.ResyncRequests = channel.unary_unary(
+                '/kvmesh.internal.v1.Scheduler/ResyncRequests',
+                request_serializer=protos_dot_scheduler__pb2.ResyncRequestsRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.ResyncRequestsResponse.FromString,
+                _registered_method=True)
         self.CheckReady = channel.unary_unary(
                 '/kvmesh.internal.v1.Scheduler/CheckReady',
                 request_serializer=protos_dot_scheduler__pb2.CheckReadyRequest.SerializeToString,
@@ -116,8 +121,24 @@ class SchedulerServicer:
         """Step outputs, one StepOutputs per engine step that produced anything.
         The detokenizer holds this stream open for the scheduler's lifetime.
         Every subscriber receives every batch; one that falls 10,000 batches
-        behind is dropped. When the last subscriber leaves, every live request is
-        aborted: nobody could receive its outputs.
+        behind is dropped. While no subscriber is attached the step loop pauses
+        (a restarting detokenizer costs time, not tokens); when none came back
+        within --output-subscriber-grace-s, every live request is aborted: nobody
+        could receive its outputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResyncRequests(self, request, context):
+        """Called by a gateway once it subscribed to a (restarted) detokenizer: the
+        scheduler republishes each listed live request's header with every token
+        it generated so far (RequestHeader.output_token_ids), so the new
+        detokenizer re-derives its state and the gateway's stream continues
+        (gateway/stream_cursor.py skips what it already delivered). Published at
+        the next turn of the step loop that has a subscriber. Answers the ids the
+        scheduler does not hold (finished while their last output was lost, or
+        aborted): the gateway resubmits those as continuations.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +196,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.StreamOutputs,
                     request_deserializer=protos_dot_scheduler__pb2.StreamOutputsRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.StepOutputs.SerializeToString,
+            ),
+            'ResyncRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResyncRequests,
+                    request_deserializer=protos_dot_scheduler__pb2.ResyncRequestsRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.ResyncRequestsResponse.SerializeToString,
             ),
             'CheckReady': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckReady,
@@ -303,6 +329,33 @@ class Scheduler:
             '/kvmesh.internal.v1.Scheduler/StreamOutputs',
             protos_dot_scheduler__pb2.StreamOutputsRequest.SerializeToString,
             protos_dot_scheduler__pb2.StepOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.internal.v1.Scheduler/ResyncRequests',
+            protos_dot_scheduler__pb2.ResyncRequestsRequest.SerializeToString,
+            protos_dot_scheduler__pb2.ResyncRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,14 @@ class SchedulerMetrics:
             "vllm:request_prefill_time_seconds", "first scheduled to first token"
         )
         self.decode_time = histogram("vllm:request_decode_time_seconds", "first token to finished")
+        self.migrations = Counter(
+            "kvmesh:request_migrations",
+            "live requests resumed after a stage was lost (stage=worker: requeued with their "
+            "tokens for a restarted worker; stage=detokenizer: outputs republished to a "
+            "restarted detokenizer)",
+            [*labels, "stage"],
+            registry=registry,
+        )
         self.step_seconds = Histogram(
             "kvmesh:scheduler_step_seconds",
             "wall time of one engine step as seen by the scheduler (schedule+execute+update)",

@@ -30,6 +30,7 @@ class Request:
         "first_token_time",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_migrations",
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
@@ -54,6 +55,8 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         parallel_group: str | None = None,
+        resumed_output_token_ids: Sequence[int] = (),
+        num_migrations: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,9 +72,11 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A continuation (request migration) starts with the tokens it already
+        # generated elsewhere: limits and stop checks count from the original start.
+        self.output_token_ids: list[int] = list(resumed_output_token_ids)
         # prompt + output, kept as one list so blocks can be hashed by slicing.
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         # Async scheduling only: tokens the worker samples in steps already
         # scheduled whose ids the scheduler has not seen yet. They count as
@@ -85,6 +90,8 @@ class Request:
         self.stop_reason: int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        # Times it lost the stage that ran it and resumed (scheduler/migration.py).
+        self.num_migrations = num_migrations
         # SamplingParams.prompt_logprobs set: entry i holds the logprobs of
         # prompt token i + 1 as the worker reports them chunk by chunk; they
         # leave with the first output token (None from then on).

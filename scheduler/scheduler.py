@@ -123,9 +123,10 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         # The one length check: SchedulerConfig makes the KV pool hold at least
         # max_model_len tokens, so a prompt within it always fits the pool alone.
-        if request.num_prompt_tokens > config.max_model_len:
+        # (A continuation counts the output it resumes with.)
+        if request.num_tokens > config.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} "
+                f"request {request.request_id!r}: prompt has {request.num_tokens} "
                 f"tokens, more than max_model_len={config.max_model_len}"
             )
         self.requests[request.request_id] = request
@@ -210,17 +211,25 @@ class Scheduler:
         self.connector.cancel_load(request.request_id)
         self._finish(request, status, held_by_worker=True)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, requeue at the front of the line."""
+    def _requeue(self, request: Request) -> None:
+        """Drop a running request's KV and put it back at the front of the line.
+
+        Its tokens so far stay: its next admission sends them to the worker
+        (NewRequestData.output_token_ids), which recomputes their KV.
+        """
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # A token still in flight is dropped: the resumed request recomputes it.
         request.num_output_placeholders = 0
+        self.waiting.prepend(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, requeue at the front of the line."""
+        self._requeue(request)
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
-        self.waiting.prepend(request)
         logger.info(
             "request %s preempted (%s tokens, preemption #%s)",
             request.request_id,
@@ -695,6 +704,27 @@ class Scheduler:
             self.waiting.prepend(request)
         self.waiting_for_remote_kvs.clear()
         return ids
+
+    def requeue_after_worker_loss(self) -> list[Request]:
+        """The worker died, and every KV block with it: migrate its requests.
+
+        Running requests go back to the front of the waiting queue in admission
+        order, like preempted ones, each with ``num_migrations`` counted; loads
+        in flight are requeued too. The prefix cache is emptied (its hashes
+        would promise KV the new worker does not have), and the new worker
+        holds no request, so there is nothing left for it to drop. Returns the
+        running requests requeued.
+        """
+        moved, self.running = self.running, []
+        for request in reversed(moved):
+            self._requeue(request)
+            request.num_migrations += 1
+        self.release_remote_loads()
+        self._finished_req_ids.clear()
+        self.reset_prefix_cache()
+        if moved:
+            logger.warning("worker lost: %d running requests requeued", len(moved))
+        return moved
 
     @staticmethod
     def _log_early_sample(request: Request, num_computed: int) -> None:

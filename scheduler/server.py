@@ -80,6 +80,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         step_deadline=StepDeadline(StepDeadlinePolicy.from_options(config)),
         kv_leases=kv_leases,
         traces=SchedulerRequestTraces(tracing) if tracing is not None else None,
+        max_migrations=config.max_migrations,
+        subscriber_grace_s=config.migration_timeout_s,
     )
     scheduler_info = scheduler_pb2.SchedulerInfo(
         model_name=info.model_name,

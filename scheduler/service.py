@@ -70,6 +70,8 @@ class SchedulerEngine:
         step_deadline: StepDeadline | None = None,
         kv_leases: StoreLeases | None = None,
         traces: SchedulerRequestTraces | None = None,
+        max_migrations: int = 3,
+        subscriber_grace_s: float = 60.0,
     ) -> None:
         self.config = config
         self.core = Scheduler(config)
@@ -79,7 +81,17 @@ class SchedulerEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
+        # Headers not yet sent (they leave with a request's first output), and
+        # those sent, kept while the request lives to be republished on resync.
         self._headers: dict[str, scheduler_pb2.RequestHeader] = {}
+        self._sent_headers: dict[str, scheduler_pb2.RequestHeader] = {}
+        # Requests to republish from their first token (ResyncRequests).
+        self._pending_replays: set[str] = set()
+        # A request lost with this many workers more than this fails (poison).
+        self.max_migrations = max_migrations
+        # How long the loop pauses for a detokenizer before aborting everything.
+        self.subscriber_grace_s = subscriber_grace_s
+        self._no_subscriber_since: float | None = None
         # Live request -> the client_id of the gateway that submitted it.
         self._client_of: dict[str, str] = {}
         self._pending_aborts: set[str] = set()
@@ -126,6 +138,8 @@ class SchedulerEngine:
             priority=msg.priority,
             cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
             parallel_group=msg.parallel_group if msg.HasField("parallel_group") else None,
+            resumed_output_token_ids=msg.resumed_output_token_ids,
+            num_migrations=msg.num_migrations,
         )
         try:
             self.core.add_request(request)
@@ -140,6 +154,7 @@ class SchedulerEngine:
                 detokenize_params=msg.detokenize_params,
                 client_id=msg.client_id,
                 arrival_time=time.time(),
+                output_token_ids=msg.resumed_output_token_ids,
             )
             self._headers[msg.request_id] = header
             self._client_of[msg.request_id] = msg.client_id
@@ -174,6 +189,18 @@ class SchedulerEngine:
         self._wakeup.set()
         return live
 
+    def resync(self, request_ids: list[str]) -> list[str]:
+        """Republish these requests from their first token; returns the ids not live here.
+
+        A request whose header is still unsent needs nothing: its first output
+        carries the header to whichever detokenizer is subscribed by then.
+        """
+        unknown = [rid for rid in request_ids if self.core.get_request(rid) is None]
+        replays = [rid for rid in request_ids if rid in self._sent_headers]
+        self._pending_replays.update(replays)
+        self._wakeup.set()
+        return unknown
+
     def requests_of_client(self, client_id: str) -> list[str]:
         """Live requests submitted by the gateway ``client_id``."""
         return [rid for rid, client in self._client_of.items() if client == client_id]
@@ -186,14 +213,29 @@ class SchedulerEngine:
         queue: asyncio.Queue[scheduler_pb2.StepOutputs] = asyncio.Queue()
         key = id(queue)
         self._subscribers[key] = queue
+        if self._no_subscriber_since is not None and self._sent_headers:
+            # A detokenizer came back (restarted): it must know every request
+            # before their next tokens reach it. Its gateways resync later.
+            self._pending_replays.update(self._sent_headers)
+            self.metrics.migrations.labels(self.metrics.model_name, "detokenizer").inc(
+                len(self._sent_headers)
+            )
+            logger.info("output subscriber back: republishing %d requests", len(self._sent_headers))
+        self._no_subscriber_since = None
+        self._wakeup.set()  # a loop paused for a subscriber resumes
         return key, queue
 
     def unsubscribe(self, key: int) -> None:
         self._subscribers.pop(key, None)
         if not self._subscribers:
-            live = self.abort(self.core.live_request_ids())
-            if live:
-                logger.warning("no output subscriber left: aborting %d live requests", len(live))
+            # The loop pauses (see _await_subscriber): a detokenizer restarts in seconds.
+            self._no_subscriber_since = time.monotonic()
+            if self._client_of:
+                logger.warning(
+                    "no output subscriber left: %d live requests pause for up to %.0fs",
+                    len(self._client_of),
+                    self.subscriber_grace_s,
+                )
 
     # ---- the step loop -----------------------------------------------------
 
@@ -217,11 +259,37 @@ class SchedulerEngine:
             if ids:
                 self.core.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
             self._forget(ids, FinishReason.STOP)
+        if self._pending_replays and self._subscribers:
+            self._publish_replays()
+
+    def _publish_replays(self) -> None:
+        """One output per request to republish: its header and every token so far."""
+        outputs = []
+        for rid in self._pending_replays:
+            request = self.core.get_request(rid)
+            header = self._sent_headers.get(rid)
+            if request is None or header is None:
+                continue  # ended meanwhile; its final output went out after the resync
+            replayed = scheduler_pb2.RequestHeader()
+            replayed.CopyFrom(header)
+            replayed.output_token_ids[:] = request.output_token_ids
+            outputs.append(
+                scheduler_pb2.RequestOutput(
+                    request_id=rid,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    header=replayed,
+                )
+            )
+        self._pending_replays.clear()
+        if outputs:
+            self._send(scheduler_pb2.StepOutputs(step_id=self._step_id, outputs=outputs))
 
     def _forget(self, request_ids: list[str], reason: FinishReason) -> None:
         """Drop the service's own state of requests that ended without an output."""
         for rid in request_ids:
             self._headers.pop(rid, None)
+            self._sent_headers.pop(rid, None)
             self._client_of.pop(rid, None)
             if self.traces is not None:
                 self.traces.on_finished(rid, reason.value)
@@ -263,8 +331,10 @@ class SchedulerEngine:
         header = self._headers.pop(out.request_id, None)
         if header is not None:
             msg.header.CopyFrom(header)
+            self._sent_headers[out.request_id] = header
         if out.finish_reason is not None:
             self._client_of.pop(out.request_id, None)
+            self._sent_headers.pop(out.request_id, None)
         return msg
 
     def _publish(self, step_id: int, outputs: list[RequestOutput]) -> None:
@@ -277,9 +347,11 @@ class SchedulerEngine:
         outputs = self.prefills.take_outputs(outputs)
         if not outputs:
             return
-        batch = scheduler_pb2.StepOutputs(
-            step_id=step_id, outputs=[self._to_proto(o) for o in outputs]
+        self._send(
+            scheduler_pb2.StepOutputs(step_id=step_id, outputs=[self._to_proto(o) for o in outputs])
         )
+
+    def _send(self, batch: scheduler_pb2.StepOutputs) -> None:
         for key, queue in list(self._subscribers.items()):
             if queue.qsize() >= _MAX_SUBSCRIBER_BACKLOG:
                 logger.error("subscriber %s is %d steps behind; dropping it", key, queue.qsize())
@@ -287,17 +359,31 @@ class SchedulerEngine:
                 continue
             queue.put_nowait(batch)
 
-    def _fail_all(self, reason: str) -> None:
-        """Finish every live request with an error (the worker lost their KV)."""
-        ids = self.core.live_request_ids()
-        failed = [self._final_output(rid, FinishReason.ERROR, reason) for rid in ids]
-        self.core.abort_requests(ids)
-        # Loads in flight died with the worker: their blocks are free again.
-        self.core.release_remote_loads()
-        # The worker's cache contents are gone; cached hashes would lie.
-        self.core.reset_prefix_cache()
+    def _migrate_all(self, reason: str) -> None:
+        """The worker is lost: its running requests wait, with their tokens so far,
+        for the restarted worker (request migration). One lost with more than
+        ``max_migrations`` workers fails instead (it may be what kills them), and
+        so do prefills for another replica, which computes the prompt itself."""
+        moved = self.core.requeue_after_worker_loss()
+        self.metrics.migrations.labels(self.metrics.model_name, "worker").inc(len(moved))
+        too_many = (
+            f"{reason}; the request was migrated {self.max_migrations + 1} times "
+            f"(--max-migrations {self.max_migrations}), giving up"
+        )
+        errors = {r.request_id: too_many for r in moved if r.num_migrations > self.max_migrations}
+        errors.update(
+            (rid, reason) for rid in self.core.live_request_ids() if rid not in self._client_of
+        )
+        failed = [self._final_output(rid, FinishReason.ERROR, e) for rid, e in errors.items()]
+        self.core.finish_requests([out.request_id for out in failed], RequestStatus.FINISHED_ERROR)
+        # Also settles prefills waiting for saves the lost worker will never confirm.
         self._publish(self._step_id, failed)
-        logger.error("failed %d requests: %s", len(ids), reason)
+        logger.error(
+            "%s: %d running requests wait for the worker, %d failed",
+            reason,
+            len(moved),
+            len(failed),
+        )
 
     async def _reconnect(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -414,6 +500,27 @@ class SchedulerEngine:
             and self.core.has_connector_work()
         )
 
+    async def _await_subscriber(self, stop_task: asyncio.Future[object]) -> None:
+        """Hold every step while no detokenizer listens (its outputs would be lost)
+        until one subscribes; past the grace period abort the published requests."""
+        since = self._no_subscriber_since
+        if since is None:
+            since = self._no_subscriber_since = time.monotonic()
+        left = self.subscriber_grace_s - (time.monotonic() - since)
+        if left <= 0:
+            live = self.abort(list(self._client_of))
+            logger.warning(
+                "no output subscriber for %.0fs: aborting %d live requests",
+                self.subscriber_grace_s,
+                len(live),
+            )
+            self._apply_pending_control()
+            return
+        self._wakeup.clear()
+        wake = asyncio.ensure_future(self._wakeup.wait())
+        await asyncio.wait({wake, stop_task}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        wake.cancel()
+
     async def run(self, stop: asyncio.Event) -> None:
         stop_task = asyncio.ensure_future(stop.wait())
         try:
@@ -427,6 +534,9 @@ class SchedulerEngine:
                     if not reconnect.done():
                         reconnect.cancel()
                     continue
+                if not self._subscribers and self._client_of:
+                    await self._await_subscriber(stop_task)
+                    continue
                 if not self._has_work() and not self._pending_aborts and not self._in_flight:
                     self.metrics.record(self.core.make_stats())
                     self._wakeup.clear()
@@ -439,7 +549,7 @@ class SchedulerEngine:
                 except UnavailableError as e:
                     self.healthy = False
                     self._in_flight.clear()
-                    self._fail_all(f"worker unavailable: {e}")
+                    self._migrate_all(f"worker unavailable: {e}")
                     self.metrics.record(self.core.make_stats())  # not stale while it is down
                     continue
                 self.metrics.record(self.core.make_stats())
@@ -478,6 +588,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if request.client_id:
             ids += self.engine.requests_of_client(request.client_id)
         return scheduler_pb2.AbortRequestsResponse(aborted_ids=self.engine.abort(ids))
+
+    async def ResyncRequests(self, request, context):
+        unknown = self.engine.resync(list(request.request_ids))
+        return scheduler_pb2.ResyncRequestsResponse(unknown_ids=unknown)
 
     async def FinishRequests(self, request, context):
         self.engine.finish_on_stop_string(list(request.request_ids))

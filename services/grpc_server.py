@@ -35,6 +35,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer (request migration waits for it) is found within ~2 s,
+    # not after gRPC's default backoff, which grows to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # Liveness, kept apart from readiness ('' and each named service): SERVING from
 # the moment the server starts (a worker loading its weights is alive), NOT_SERVING

@@ -197,6 +197,25 @@ class ParallelOptions(CommonConfig):
 
 
 @dataclass(frozen=True)
+class MigrationOptions(CommonConfig):
+    """Request migration (scheduler and gateway, one flag): a request whose stage
+    died resumes elsewhere with its tokens so far, at most this often."""
+
+    max_migrations: int = opt(
+        3,
+        "times one request may be resumed after losing its worker or scheduler; beyond it "
+        "the request fails (stops a request that kills its stage from cycling)",
+        minimum=0,
+    )
+    migration_timeout_s: float = opt(
+        60.0,
+        "seconds a request waits for a lost stage to come back (scheduler: a detokenizer "
+        "to subscribe; gateway: a detokenizer or scheduler to answer) before it fails",
+        minimum=0.1,
+    )
+
+
+@dataclass(frozen=True)
 class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions):
     """The model worker service."""
 
@@ -237,7 +256,7 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions):
 
 
 @dataclass(frozen=True)
-class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions):
+class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions, MigrationOptions):
     """The scheduler service."""
 
     scheduler_port: int = port(50052, "gRPC port of the scheduler")
@@ -282,7 +301,7 @@ class DetokenizerConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class GatewayConfig(CommonConfig):
+class GatewayConfig(MigrationOptions):
     """The gateway service (OpenAI HTTP API + public gRPC API)."""
 
     model: str = opt("", "Hugging Face checkpoint folder whose tokenizer and template are used")

@@ -1,4 +1,5 @@
-"""A dead worker fails its requests with a clear error, readiness drops, and the stack heals."""
+"""A dead or hung worker: its requests wait for the restarted worker and continue (request
+migration), at most --max-migrations times; readiness drops meanwhile, and the stack heals."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -26,11 +28,17 @@ def _worker_pids(stack: LocalStack) -> list[int]:
 
 
 def _stream_and_signal(
-    url: str, pid: int, sig: signal.Signals, after_events: int
+    url: str, pid: int, sig: signal.Signals, after_events: int, max_tokens: int = 800
 ) -> tuple[list[dict], float]:
     """Stream a long completion and send ``sig`` to ``pid`` after ``after_events``
     events; returns every event and when the signal was sent."""
-    body = {"prompt": "Tell me a story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Tell me a story.",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     events: list[dict] = []
     signalled_at = 0.0
     with (
@@ -57,15 +65,19 @@ def _wait_for(predicate, timeout: float) -> bool:
     return False
 
 
-def test_killed_worker_fails_requests_then_recovers() -> None:
-    stack = start_stack(["--num-kv-blocks", "256", "--max-model-len", "1024"])
+def test_past_max_migrations_a_killed_worker_fails_its_requests_then_recovers() -> None:
+    """--max-migrations 0: the poison-request bound. The stream ends at once with an
+    error saying why, instead of waiting for the restarted worker."""
+    stack = start_stack(
+        ["--num-kv-blocks", "256", "--max-model-len", "1024", "--max-migrations", "0"]
+    )
     try:
         url = stack.http_url
         old_worker = _worker_pid(stack)
         events, _ = _stream_and_signal(url, old_worker, signal.SIGKILL, after_events=3)
         # The stream ended (no hang) with an error, not with a normal finish.
         assert len(events) >= 3
-        assert "error" in events[-1], events[-1]
+        assert "--max-migrations 0" in events[-1]["error"]["message"], events[-1]
 
         # While the worker is down the stack is not ready and refuses work clearly.
         def refused() -> bool:
@@ -91,9 +103,10 @@ def test_killed_worker_fails_requests_then_recovers() -> None:
         assert stop_stack(stack) == 0
 
 
-def test_stopped_worker_costs_its_request_the_step_deadline_then_is_restarted() -> None:
-    """SIGSTOP: the worker is alive but hung. Its request fails at the step deadline
-    (was 61 s), and the launcher's liveness probe gets the worker restarted.
+def test_a_stopped_worker_is_failed_over_at_the_step_deadline_and_its_request_continues() -> None:
+    """SIGSTOP: the worker is alive but hung. The step deadline gives it up (was 61 s:
+    readiness drops within seconds), the launcher's liveness probe gets it restarted,
+    and the request continues on the new worker to its last token.
 
     The deadline here is max(3 s, 2 x p99 of the measured steps) so that it stays
     short on a loaded 2-core machine, where a decode step can take a second.
@@ -108,16 +121,28 @@ def test_stopped_worker_costs_its_request_the_step_deadline_then_is_restarted() 
     old_worker = _worker_pid(stack)
     try:
         url = stack.http_url
-        # After 12 events: past the cold start, so the deadline is measured.
-        events, stopped_at = _stream_and_signal(url, old_worker, signal.SIGSTOP, after_events=12)
-        failed_after = time.monotonic() - stopped_at
-        # The deadline failed it over (the launcher's kill comes later, after 3 probes).
-        assert "hung" in events[-1]["error"]["message"], events[-1]
-        assert failed_after < 15, f"the request waited {failed_after:.1f}s for a hung worker"
-        assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 503, 10)
+        ready_seen: list[int] = []
 
-        # Liveness fails (a stopped process answers no probe): killed, restarted, ready.
-        assert _wait_for(lambda: _worker_pids(stack) not in ([], [old_worker]), 60)
+        def watch_readiness() -> None:
+            # While the stream waits: the deadline marks the worker lost, readiness drops.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not ready_seen:
+                if httpx.get(url + "/ready", timeout=10).status_code == 503:
+                    ready_seen.append(503)
+                time.sleep(0.25)
+
+        watcher = threading.Thread(target=watch_readiness, daemon=True)
+        # After 12 events: past the cold start, so the deadline is measured.
+        watcher.start()
+        events, _ = _stream_and_signal(
+            url, old_worker, signal.SIGSTOP, after_events=12, max_tokens=40
+        )
+        watcher.join(timeout=60)
+        assert "error" not in events[-1], events[-1]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert ready_seen == [503], "readiness never reflected the hung worker"
+        # Liveness failed (a stopped process answers no probe): killed, restarted.
+        assert old_worker not in _worker_pids(stack)
         assert _wait_for(lambda: httpx.get(url + "/ready", timeout=10).status_code == 200, 120)
         r = httpx.post(
             url + "/v1/completions",

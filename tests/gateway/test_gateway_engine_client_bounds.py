@@ -90,7 +90,7 @@ async def test_a_broken_detokenizer_stream_fails_and_aborts_every_request() -> N
     assert scheduler.aborted == [["a", "b"]]
     # Late outputs for them are dropped, not queued.
     client._deliver(_output("a", 1))
-    assert client._queues == {}
+    assert client._live == {} and client._by_engine_id == {}
     await client.close()
 
 

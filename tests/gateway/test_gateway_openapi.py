@@ -1,7 +1,8 @@
 """/openapi.json tells the truth: what it documents is what the gateway accepts and answers.
 
 The main test runs `schemathesis run --checks all` (bounded examples, a fixed
-seed) against the real app over HTTP, with the fake engine behind it: every
+seed) against the real app over HTTP, with the fake engine behind it: no answer
+may be a 5xx (`not_a_server_error`, part of `all`), every
 documented status, content type and body is checked, schema-valid requests
 must be accepted (and reach the engine), schema-invalid ones refused with the
 documented 400. The cross-field rules no JSON Schema can state are in
