@@ -104,6 +104,7 @@ class GrpcEngineClient:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             capacity=info.max_num_seqs + info.max_waiting_requests,
+            kv_block_size=info.block_size,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(
@@ -198,6 +199,10 @@ class GrpcEngineClient:
         if ids:
             # Their outputs could no longer reach this gateway: stop computing them.
             self._in_background(self._abort_many(ids))
+
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request in flight with an error, and abort them on the scheduler."""
+        self._fail_all(reason)
 
     def _deliver(self, out: detokenizer_pb2.DetokenizedOutput) -> None:
         queue = self._queues.get(out.request_id)

@@ -15,11 +15,14 @@ from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
+from gateway.routed_engine_client import RoutedEngineClient
+from gateway.routing.discovery import make_discovery
 from gateway.tokenizer import Tokenizer
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
 from services.grpc_server import GrpcService
 from services.model_prep import resolve_model_path
+from services.replica_set import ReplicaAddress
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +38,29 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
-    prefill = (
-        PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
-        if config.prefill_scheduler_addr
-        else None
-    )
-    engine = GrpcEngineClient(
-        config.scheduler_addr,
-        config.detokenizer_addr,
-        token_text=tokenizer.token_to_text,
-        prefill=prefill,
+    discovery = make_discovery(config)
+
+    def replica_client(replica: ReplicaAddress) -> GrpcEngineClient:
+        prefill = (
+            PrefillClient(config.prefill_scheduler_addr, config.prefill_timeout_s)
+            if config.prefill_scheduler_addr
+            else None
+        )
+        return GrpcEngineClient(
+            replica.scheduler_addr,
+            replica.detokenizer_addr,
+            token_text=tokenizer.token_to_text,
+            prefill=prefill,
+        )
+
+    engine = RoutedEngineClient(
+        discovery, replica_client, config.routing_policy, config.replica_poll_period_s
     )
     logger.info(
-        "connecting to scheduler %s and detokenizer %s%s",
-        config.scheduler_addr,
-        config.detokenizer_addr,
-        f"; prefills on {config.prefill_scheduler_addr}" if prefill else "",
+        "engine replicas by %s discovery, routed by policy %s%s",
+        config.replica_discovery,
+        config.routing_policy,
+        f"; prefills on {config.prefill_scheduler_addr}" if config.prefill_scheduler_addr else "",
     )
     stop_task = asyncio.create_task(stop.wait())
     start_task = asyncio.create_task(engine.start())

@@ -36,13 +36,16 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -59,6 +62,7 @@ from services.config import (
     environment_without_options,
 )
 from services.grpc_server import LIVENESS_SERVICE
+from services.replica_set import ReplicaAddress, write_replica_set
 from services.supervision import LivenessWatch, RestartBudget
 
 logger = logging.getLogger("kvmesh.launcher")
@@ -69,6 +73,10 @@ START_ORDER = ("kvstore", "worker", "scheduler", "detokenizer", "gateway")
 # (``serve worker`` / ``serve scheduler`` with the launcher's prefill ports),
 # each started right after its decode twin.
 PREFILL_REPLICA = {"prefill_worker": "worker", "prefill_scheduler": "scheduler"}
+# Each replica of ``--data-parallel-size`` beyond the first is these three,
+# named ``<service>-<i>`` and moved by ``i * --replica-port-offset``.
+REPLICA_SERVICES = ("worker", "scheduler", "detokenizer")
+REPLICA_PORTS = {name: (f"{name}_port", f"{name}_metrics_port") for name in REPLICA_SERVICES}
 # Set (never read) for every child but the worker; see the module docstring.
 _SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -101,11 +109,14 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         seen.update(f.name for f in dataclasses.fields(cls))
 
 
-def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
+def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[str, Any]:
     """Each process's config for one machine: addresses follow ports, one model for all.
 
-    Keyed by service name, plus ``prefill_worker`` and ``prefill_scheduler``
-    with ``--disaggregated``: their twins' configs on the prefill ports.
+    Keyed by service name (replica 0's), plus ``worker-<i>``, ``scheduler-<i>``
+    and ``detokenizer-<i>`` for each further replica of ``--data-parallel-size``,
+    plus ``prefill_worker`` and ``prefill_scheduler`` with ``--disaggregated``:
+    their twins' configs on the prefill ports. The gateway learns the replicas
+    from ``replica_set_file`` (the launcher writes it, ``services/replica_set.py``).
     """
     launcher = config_from_namespace(LauncherConfig, args)
     configs = {name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER}
@@ -113,15 +124,19 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
         f"{name}_addr": f"{LOCAL_HOST}:{getattr(configs[name], f'{name}_port')}"
         for name in DIALED_SERVICES
     }
+    if replica_set_file:
+        local["replica_discovery"] = "file"
+        local["replica_set_file"] = replica_set_file
     # The gateway prefills on the prefill replica only under --disaggregated.
     local["prefill_scheduler_addr"] = ""
     if launcher.disaggregated:
         local["prefill_scheduler_addr"] = f"{LOCAL_HOST}:{launcher.prefill_scheduler_port}"
         local["kv_offload"] = True  # KV travels between the replicas through the store
-        if configs["worker"].num_threads == 0:
-            # Two workers on one machine: each owns half the cores (two OpenMP
-            # teams over the same cores stall each other at every barrier).
-            local["num_threads"] = max(1, (os.cpu_count() or 2) // 2)
+    num_workers = launcher.data_parallel_size + launcher.disaggregated
+    if num_workers > 1 and configs["worker"].num_threads == 0:
+        # Several workers on one machine: each owns its share of the cores (two
+        # OpenMP teams over the same cores stall each other at every barrier).
+        local["num_threads"] = max(1, (os.cpu_count() or 2) // num_workers)
     if not configs["worker"].model:
         # Prepare the default model once here, not racing in three services.
         from services.model_prep import prepare_default_model
@@ -131,6 +146,8 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
         name: dataclasses.replace(config, **{k: v for k, v in local.items() if hasattr(config, k)})
         for name, config in configs.items()
     }
+    for i in range(1, launcher.data_parallel_size):
+        configs.update(replica_configs(configs, i, i * launcher.replica_port_offset))
     if launcher.disaggregated:
         configs["prefill_worker"] = dataclasses.replace(
             configs["worker"],
@@ -146,11 +163,55 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
     return configs
 
 
+def replica_configs(configs: dict[str, Any], i: int, offset: int) -> dict[str, Any]:
+    """Replica ``i``'s worker, scheduler and detokenizer: replica 0's, each port
+    moved by ``offset``, each dialing its own replica's processes."""
+    moved = {
+        name: dataclasses.replace(
+            configs[name], **{p: getattr(configs[name], p) + offset for p in REPLICA_PORTS[name]}
+        )
+        for name in REPLICA_SERVICES
+    }
+    moved["scheduler"] = dataclasses.replace(
+        moved["scheduler"], worker_addr=f"{LOCAL_HOST}:{moved['worker'].worker_port}"
+    )
+    moved["detokenizer"] = dataclasses.replace(
+        moved["detokenizer"], scheduler_addr=f"{LOCAL_HOST}:{moved['scheduler'].scheduler_port}"
+    )
+    return {f"{name}-{i}": config for name, config in moved.items()}
+
+
+def service_of(child: str) -> str:
+    """The service a child runs: ``scheduler-1`` and ``prefill_scheduler`` run ``scheduler``."""
+    return PREFILL_REPLICA.get(child, child.split("-")[0])
+
+
+def replica_names(configs: dict[str, Any]) -> list[str]:
+    """Replica 0 (``""``: the plain service names) and each further one's suffix."""
+    return ["", *sorted({n.split("-")[1] for n in configs if "-" in n}, key=int)]
+
+
+def replica_addresses(configs: dict[str, Any]) -> list[ReplicaAddress]:
+    """What the gateway reaches of each engine replica."""
+    replicas = []
+    for suffix in replica_names(configs):
+        tail = f"-{suffix}" if suffix else ""
+        replicas.append(
+            ReplicaAddress(
+                name=f"replica-{suffix or 0}",
+                scheduler_addr=f"{LOCAL_HOST}:{configs['scheduler' + tail].scheduler_port}",
+                detokenizer_addr=f"{LOCAL_HOST}:{configs['detokenizer' + tail].detokenizer_port}",
+            )
+        )
+    return replicas
+
+
 def child_order(configs: dict[str, Any]) -> list[str]:
-    """The processes to start, in order: each prefill process after its decode twin."""
+    """The processes to start, in order: each replica's and prefill process after its twin."""
     order = []
     for name in START_ORDER:
         order.append(name)
+        order.extend(n for n in configs if n.startswith(f"{name}-"))
         order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
     return order
 
@@ -228,13 +289,20 @@ def _http_ready(url: str, timeout: float = 5.0) -> bool:
 
 
 class Stack:
-    def __init__(self, launcher: LauncherConfig, configs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        launcher: LauncherConfig,
+        configs: dict[str, Any],
+        replica_set_file: Path | None = None,
+    ) -> None:
         self.launcher = launcher
+        # Where the gateway reads the replicas from (written at start).
+        self.replica_set_file = replica_set_file
         self.configs = configs
         self.order = child_order(configs)
         self.children: dict[str, _Child] = {}
         for name in self.order:
-            service = PREFILL_REPLICA.get(name, name)
+            service = service_of(name)
             env = environment_without_options()
             for service_name in START_ORDER:  # one shared environment; twins differ by flags
                 env.update(config_to_env(self.configs[service_name]))
@@ -253,7 +321,7 @@ class Stack:
 
     def _address(self, name: str) -> str:
         """host:port of a gRPC service process (the prefill replica's on its own port)."""
-        service = PREFILL_REPLICA.get(name, name)
+        service = service_of(name)
         return f"{LOCAL_HOST}:{getattr(self.configs[name], f'{service}_port')}"
 
     def _ready(self, name: str) -> bool:
@@ -270,6 +338,8 @@ class Stack:
         return _grpc_serving(self._address(name), LIVENESS_SERVICE, _LIVENESS_TIMEOUT_S)
 
     def start(self) -> None:
+        if self.replica_set_file is not None:
+            write_replica_set(self.replica_set_file, replica_addresses(self.configs))
         for name in self.order:
             self.children[name].start()
 
@@ -352,7 +422,14 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s"
     )
-    stack = Stack(config_from_namespace(LauncherConfig, args), stack_configs(args))
+    # The replica set lives as long as this launcher: a private folder, removed at exit.
+    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-"))
+    replica_set_file = run_dir / "replicas.json"
+    stack = Stack(
+        config_from_namespace(LauncherConfig, args),
+        stack_configs(args, str(replica_set_file)),
+        replica_set_file,
+    )
     stopping: list[bool] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -379,3 +456,4 @@ def run_up(args: argparse.Namespace) -> int:
         return stack.supervise(stopping)
     finally:
         stack.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -20,8 +20,10 @@ import dataclasses
 from services.config.choices import (
     ATTENTION_BACKENDS,
     DTYPES,
+    REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    ReplicaDiscoveryName,
     RoutingPolicyName,
     SchedulingPolicyName,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "ENV_PREFIX",
     "ENV_SETTINGS",
     "PROCESS_SETTINGS",
+    "REPLICA_DISCOVERIES",
     "ROUTING_POLICIES",
     "SCHEDULING_POLICIES",
     "SERVICE_CONFIGS",
@@ -87,6 +90,7 @@ __all__ = [
     "KVStoreConfig",
     "LauncherConfig",
     "Options",
+    "ReplicaDiscoveryName",
     "RoutingPolicyName",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",
