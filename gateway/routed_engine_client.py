@@ -67,10 +67,12 @@ class RoutedEngineClient:
         make_client: Callable[[ReplicaAddress], GrpcEngineClient],
         routing_policy: str,
         probe_period_s: float,
+        overlap_weight: float = 1.0,
     ) -> None:
         self._discovery = discovery
         self._make_client = make_client
         self._policy = routing_policy
+        self._overlap_weight = overlap_weight
         self._probe_period_s = probe_period_s
         # Created when the first replica joins: it needs the engine's block size.
         self.router: Router | None = None
@@ -142,7 +144,13 @@ class RoutedEngineClient:
         if self.router is None:
             if info.kv_block_size is None:
                 raise RuntimeError(f"replica {address.name} reports no KV block size")
-            self.router = Router(RouterConfig(block_size=info.kv_block_size, policy=self._policy))
+            self.router = Router(
+                RouterConfig(
+                    block_size=info.kv_block_size,
+                    policy=self._policy,
+                    overlap_weight=self._overlap_weight,
+                )
+            )
             # The gateway's bound on calls in flight is sized for the replicas listed.
             capacity = (info.capacity or 0) * max(1, self._num_listed_at_start) or None
             self._model_info = replace(info, capacity=capacity)

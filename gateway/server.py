@@ -54,7 +54,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         )
 
     engine = RoutedEngineClient(
-        discovery, replica_client, config.routing_policy, config.replica_poll_period_s
+        discovery,
+        replica_client,
+        config.routing_policy,
+        config.replica_poll_period_s,
+        config.routing_overlap_weight,
     )
     logger.info(
         "engine replicas by %s discovery, routed by policy %s%s",

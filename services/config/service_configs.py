@@ -232,6 +232,13 @@ class GatewayConfig(CommonConfig):
         "load (least loaded), round-robin",
         choices=ROUTING_POLICIES,
     )
+    routing_overlap_weight: float = opt(
+        1.0,
+        "kv policy: how many blocks held by a replica's running requests one block of "
+        "prompt to prefill is worth (Dynamo's kv-overlap-score-weight); higher favours "
+        "cache hits (TTFT), lower spreads decode load (ITL)",
+        minimum=0,
+    )
     max_inflight_requests: int = opt(
         0,
         "generation calls (HTTP and gRPC) this gateway serves at once; past it, 429 before "
