@@ -39,6 +39,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from services.config import RoutingPolicyName  # noqa: E402
 from services.local_stack import LocalStack  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -174,10 +175,11 @@ def main() -> None:
         flush=True,
     )
     results: dict[str, dict[str, Result]] = {}
-    for policy in ("kv", "round-robin", "load"):
+    for policy in (RoutingPolicyName.KV, RoutingPolicyName.ROUND_ROBIN, RoutingPolicyName.LOAD):
+        # Round-robin is a baseline for shared prefixes only; load is kv's in both.
         chosen = (
             workloads
-            if policy != "round-robin"
+            if policy != RoutingPolicyName.ROUND_ROBIN
             else {"shared prefixes": workloads["shared prefixes"]}
         )
         results[policy] = _measure(policy, stack_args, chosen)
@@ -185,7 +187,7 @@ def main() -> None:
             _report(workload, policy, result, None)
     print("summary (kv measured in the same run):")
     for workload in workloads:
-        kv = results["kv"][workload]
+        kv = results[RoutingPolicyName.KV][workload]
         for policy, by_workload in results.items():
             if workload in by_workload:
                 _report(workload, policy, by_workload[workload], kv)
