@@ -103,6 +103,9 @@ class ModelInfo:
     # Requests the engine holds at once, running plus waiting (None: unknown);
     # the default bound of a gateway's calls in flight (gateway/admission.py).
     capacity: int | None = None
+    # Tokens per KV block of the engine's prefix cache (None: unknown); a
+    # router must hash prompts in blocks of this size to match its cache.
+    kv_block_size: int | None = None
 
 
 @runtime_checkable

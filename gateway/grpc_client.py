@@ -159,6 +159,7 @@ class GrpcEngineClient:
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             capacity=info.max_num_seqs + info.max_waiting_requests,
+            kv_block_size=info.block_size,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(
@@ -279,6 +280,10 @@ class GrpcEngineClient:
             # A full queue: its reader is failing for being too far behind anyway.
             with contextlib.suppress(asyncio.QueueFull):
                 live.queue.put_nowait(_Resubmit(engine_id, reason))
+
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request in flight with an error, and abort them on the scheduler."""
+        self._fail_all(reason)
 
     def _deliver(self, out: detokenizer_pb2.DetokenizedOutput) -> None:
         live = self._by_engine_id.get(out.request_id)

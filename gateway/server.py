@@ -15,6 +15,8 @@ from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
+from gateway.routed_engine_client import RoutedEngineClient
+from gateway.routing.discovery import make_discovery
 from gateway.tokenizer import Tokenizer
 from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
 from protos import generation_pb2, generation_pb2_grpc
@@ -23,6 +25,7 @@ from services.grpc_security import InternalSecurity, PublicTLS
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
+from services.replica_set import ReplicaAddress
 from services.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
@@ -44,31 +47,43 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     scheduler_interceptors = (
         tracing.client_interceptors(TRACED_SCHEDULER_METHODS) if tracing is not None else ()
     )
-    prefill = (
-        PrefillClient(
-            config.prefill_scheduler_addr,
-            config.prefill_timeout_s,
-            security,
-            scheduler_interceptors,
+    discovery = make_discovery(config)
+
+    def replica_client(replica: ReplicaAddress) -> GrpcEngineClient:
+        prefill = (
+            PrefillClient(
+                config.prefill_scheduler_addr,
+                config.prefill_timeout_s,
+                security,
+                scheduler_interceptors,
+            )
+            if config.prefill_scheduler_addr
+            else None
         )
-        if config.prefill_scheduler_addr
-        else None
-    )
-    engine = GrpcEngineClient(
-        config.scheduler_addr,
-        config.detokenizer_addr,
-        token_text=tokenizer.token_to_text,
-        prefill=prefill,
-        security=security,
-        tracing=tracing,
-        max_migrations=config.max_migrations,
-        migration_timeout_s=config.migration_timeout_s,
+        return GrpcEngineClient(
+            replica.scheduler_addr,
+            replica.detokenizer_addr,
+            token_text=tokenizer.token_to_text,
+            prefill=prefill,
+            security=security,
+            tracing=tracing,
+            max_migrations=config.max_migrations,
+            migration_timeout_s=config.migration_timeout_s,
+        )
+
+    engine = RoutedEngineClient(
+        discovery,
+        replica_client,
+        config.routing_policy,
+        config.replica_poll_period_s,
+        config.routing_overlap_weight,
+        security,
     )
     logger.info(
-        "connecting to scheduler %s and detokenizer %s%s",
-        config.scheduler_addr,
-        config.detokenizer_addr,
-        f"; prefills on {config.prefill_scheduler_addr}" if prefill else "",
+        "engine replicas by %s discovery, routed by policy %s%s",
+        config.replica_discovery,
+        config.routing_policy,
+        f"; prefills on {config.prefill_scheduler_addr}" if config.prefill_scheduler_addr else "",
     )
     stop_task = asyncio.create_task(stop.wait())
     start_task = asyncio.create_task(engine.start())

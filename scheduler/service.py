@@ -527,6 +527,10 @@ class SchedulerEngine:
             while not stop.is_set():
                 # Each turn of the loop, the worker down included.
                 self.transfer_leases.release_settled(self.core)
+                if self.healthy and not self.worker.connected:
+                    # The step stream ended between steps (the worker died idle).
+                    self.healthy = False
+                    self._fail_all("worker unavailable: its step stream ended")
                 if not self.healthy:
                     # Shutdown must not wait for a worker that may never return.
                     reconnect = asyncio.ensure_future(self._reconnect(stop))
@@ -541,8 +545,10 @@ class SchedulerEngine:
                     self.metrics.record(self.core.make_stats())
                     self._wakeup.clear()
                     wake = asyncio.ensure_future(self._wakeup.wait())
-                    await asyncio.wait({wake, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                    lost = asyncio.ensure_future(self.worker.stream_ended.wait())
+                    await asyncio.wait({wake, lost, stop_task}, return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
+                    lost.cancel()
                     continue
                 try:
                     await self._step()

@@ -7,6 +7,7 @@ engine loop can fail the affected requests instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -28,6 +29,10 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        # Set when the step stream ends, also between steps: a worker that dies
+        # idle must not wait for the next request to be found out (whose step
+        # would be written into a dead stream).
+        self.stream_ended = asyncio.Event()
 
     async def connect(self, timeout: float) -> worker_pb2.WorkerInfo:
         """Wait for the worker to be SERVING, open the step stream, return its info."""
@@ -37,12 +42,14 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         info = await self._stub.GetInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
         self._call = self._stub.Execute()
+        self.stream_ended.clear()
+        self._call.add_done_callback(lambda _: self.stream_ended.set())
         logger.info("attached to worker at %s", self.address)
         return info
 
     @property
     def connected(self) -> bool:
-        return self._call is not None
+        return self._call is not None and not self._call.done()
 
     async def get_info(self, timeout: float = 5.0) -> worker_pb2.WorkerInfo:
         if self._stub is None:

@@ -71,6 +71,7 @@ from services.config import (
 )
 from services.grpc_security import InternalSecurity
 from services.grpc_server import LIVENESS_SERVICE, probe_channel
+from services.replica_set import ReplicaAddress, write_replica_set
 from services.stack_credentials import make_stack_certificates, new_token
 from services.supervision import LivenessWatch, RestartBudget
 
@@ -86,6 +87,10 @@ PREFILL_REPLICA = {"prefill_worker": "worker", "prefill_scheduler": "scheduler"}
 # (the driver the scheduler dials) and ranks 1..T*P-1 are its siblings, each
 # ``serve worker --rank R``. They live and die together.
 WORKER_RANK_PREFIX = "worker_rank"
+# Each replica of ``--data-parallel-size`` beyond the first is these three,
+# named ``<service>-<i>`` and moved by ``i * --replica-port-offset``.
+REPLICA_SERVICES = ("worker", "scheduler", "detokenizer")
+REPLICA_PORTS = {name: (f"{name}_port", f"{name}_metrics_port") for name in REPLICA_SERVICES}
 # Set (never read) for every child but the worker; see the module docstring.
 _SINGLE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -118,11 +123,14 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         seen.update(f.name for f in dataclasses.fields(cls))
 
 
-def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
+def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[str, Any]:
     """Each process's config for one machine: addresses follow ports, one model for all.
 
-    Keyed by service name, plus ``prefill_worker`` and ``prefill_scheduler``
-    with ``--disaggregated``: their twins' configs on the prefill ports.
+    Keyed by service name (replica 0's), plus ``worker-<i>``, ``scheduler-<i>``
+    and ``detokenizer-<i>`` for each further replica of ``--data-parallel-size``,
+    plus ``prefill_worker`` and ``prefill_scheduler`` with ``--disaggregated``:
+    their twins' configs on the prefill ports. The gateway learns the replicas
+    from ``replica_set_file`` (the launcher writes it, ``services/replica_set.py``).
     """
     launcher = config_from_namespace(LauncherConfig, args)
     configs = {name: config_from_namespace(SERVICE_CONFIGS[name], args) for name in START_ORDER}
@@ -130,23 +138,28 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
         f"{name}_addr": f"{LOCAL_HOST}:{getattr(configs[name], f'{name}_port')}"
         for name in DIALED_SERVICES
     }
+    if replica_set_file:
+        local["replica_discovery"] = "file"
+        local["replica_set_file"] = replica_set_file
     # The gateway prefills on the prefill replica only under --disaggregated.
     local["prefill_scheduler_addr"] = ""
     if launcher.disaggregated:
         local["prefill_scheduler_addr"] = f"{LOCAL_HOST}:{launcher.prefill_scheduler_port}"
         local["kv_offload"] = True  # KV travels between the replicas through the store
-        if configs["worker"].num_threads == 0:
-            # Two workers on one machine: each owns half the cores (two OpenMP
-            # teams over the same cores stall each other at every barrier).
-            local["num_threads"] = max(1, (os.cpu_count() or 2) // 2)
     worker = configs["worker"]
     world_size = worker.tensor_parallel_size * worker.pipeline_parallel_size
-    if world_size > 1:
-        if launcher.disaggregated:
-            raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
-        if worker.num_threads == 0:
-            # One machine's cores shared by the ranks (see --disaggregated).
-            local["num_threads"] = max(1, (os.cpu_count() or 2) // world_size)
+    if world_size > 1 and launcher.disaggregated:
+        raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
+    if world_size > 1 and launcher.data_parallel_size > 1:
+        # Replica i's ranks would need their own rendezvous ports and restart group.
+        raise ValueError(
+            "--data-parallel-size does not combine with tensor/pipeline parallelism yet"
+        )
+    num_workers = (launcher.data_parallel_size + launcher.disaggregated) * world_size
+    if num_workers > 1 and worker.num_threads == 0:
+        # Several workers on one machine: each owns its share of the cores (two
+        # OpenMP teams over the same cores stall each other at every barrier).
+        local["num_threads"] = max(1, (os.cpu_count() or 2) // num_workers)
     if not configs["worker"].model:
         # Prepare the default model once here, not racing in three services.
         from services.model_prep import prepare_default_model
@@ -156,6 +169,8 @@ def stack_configs(args: argparse.Namespace) -> dict[str, Any]:
         name: dataclasses.replace(config, **{k: v for k, v in local.items() if hasattr(config, k)})
         for name, config in configs.items()
     }
+    for i in range(1, launcher.data_parallel_size):
+        configs.update(replica_configs(configs, i, i * launcher.replica_port_offset))
     if launcher.disaggregated:
         configs["prefill_worker"] = dataclasses.replace(
             configs["worker"],
@@ -191,11 +206,30 @@ def secure_stack(
     return {name: dataclasses.replace(c, **credentials) for name, c in configs.items()}
 
 
+def replica_configs(configs: dict[str, Any], i: int, offset: int) -> dict[str, Any]:
+    """Replica ``i``'s worker, scheduler and detokenizer: replica 0's, each port
+    moved by ``offset``, each dialing its own replica's processes."""
+    moved = {
+        name: dataclasses.replace(
+            configs[name], **{p: getattr(configs[name], p) + offset for p in REPLICA_PORTS[name]}
+        )
+        for name in REPLICA_SERVICES
+    }
+    moved["scheduler"] = dataclasses.replace(
+        moved["scheduler"], worker_addr=f"{LOCAL_HOST}:{moved['worker'].worker_port}"
+    )
+    moved["detokenizer"] = dataclasses.replace(
+        moved["detokenizer"], scheduler_addr=f"{LOCAL_HOST}:{moved['scheduler'].scheduler_port}"
+    )
+    return {f"{name}-{i}": config for name, config in moved.items()}
+
+
 def service_of(name: str) -> str:
-    """The service a child process runs (its name, but for twins and worker ranks)."""
+    """The service a child process runs: ``scheduler-1`` and ``prefill_scheduler`` run
+    ``scheduler``, ``worker_rank1`` runs ``worker``."""
     if name.startswith(WORKER_RANK_PREFIX):
         return "worker"
-    return PREFILL_REPLICA.get(name, name)
+    return PREFILL_REPLICA.get(name, name.split("-")[0])
 
 
 def replica_of(name: str) -> str:
@@ -204,8 +238,28 @@ def replica_of(name: str) -> str:
     return "worker" if name.startswith(WORKER_RANK_PREFIX) else name
 
 
+def replica_names(configs: dict[str, Any]) -> list[str]:
+    """Replica 0 (``""``: the plain service names) and each further one's suffix."""
+    return ["", *sorted({n.split("-")[1] for n in configs if "-" in n}, key=int)]
+
+
+def replica_addresses(configs: dict[str, Any]) -> list[ReplicaAddress]:
+    """What the gateway reaches of each engine replica."""
+    replicas = []
+    for suffix in replica_names(configs):
+        tail = f"-{suffix}" if suffix else ""
+        replicas.append(
+            ReplicaAddress(
+                name=f"replica-{suffix or 0}",
+                scheduler_addr=f"{LOCAL_HOST}:{configs['scheduler' + tail].scheduler_port}",
+                detokenizer_addr=f"{LOCAL_HOST}:{configs['detokenizer' + tail].detokenizer_port}",
+            )
+        )
+    return replicas
+
+
 def child_order(configs: dict[str, Any]) -> list[str]:
-    """The processes to start, in order: each prefill process after its decode twin."""
+    """The processes to start, in order: each replica's and prefill process after its twin."""
     order = []
     for name in START_ORDER:
         if name == "worker":
@@ -214,6 +268,7 @@ def child_order(configs: dict[str, Any]) -> list[str]:
             # broadcast to ranks already gone.
             order.extend(sorted(n for n in configs if n.startswith(WORKER_RANK_PREFIX)))
         order.append(name)
+        order.extend(n for n in configs if n.startswith(f"{name}-"))
         order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
     return order
 
@@ -300,8 +355,15 @@ def _http_ready(url: str, timeout: float = 5.0) -> bool:
 
 
 class Stack:
-    def __init__(self, launcher: LauncherConfig, configs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        launcher: LauncherConfig,
+        configs: dict[str, Any],
+        replica_set_file: Path | None = None,
+    ) -> None:
         self.launcher = launcher
+        # Where the gateway reads the replicas from (written at start).
+        self.replica_set_file = replica_set_file
         self.configs = configs
         self.order = child_order(configs)
         self.security = InternalSecurity.from_config(configs["gateway"])
@@ -351,6 +413,8 @@ class Stack:
         )
 
     def start(self) -> None:
+        if self.replica_set_file is not None:
+            write_replica_set(self.replica_set_file, replica_addresses(self.configs))
         for name in self.order:
             self.children[name].start()
 
@@ -447,8 +511,11 @@ def run_up(args: argparse.Namespace) -> int:
     )
     launcher = config_from_namespace(LauncherConfig, args)
     with contextlib.ExitStack() as scratch:
-        stack = Stack(launcher, secure_stack(stack_configs(args), launcher, scratch))
-        return _run_stack(stack)
+        # The replica set lives as long as this launcher: a private folder, removed at exit.
+        run_dir = scratch.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-"))
+        replica_set_file = Path(run_dir) / "replicas.json"
+        configs = secure_stack(stack_configs(args, str(replica_set_file)), launcher, scratch)
+        return _run_stack(Stack(launcher, configs, replica_set_file))
 
 
 def _internal_auth_words(security: InternalSecurity) -> str:

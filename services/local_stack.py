@@ -16,7 +16,12 @@ import threading
 import time
 from pathlib import Path
 
-from services.config import CommonConfig, config_from_namespace, environment_without_options
+from services.config import (
+    CommonConfig,
+    LauncherConfig,
+    config_from_namespace,
+    environment_without_options,
+)
 from services.grpc_security import InternalSecurity
 from services.launcher import READY_MARKER
 
@@ -126,8 +131,27 @@ class LocalStack:
             config_from_namespace(CommonConfig, argparse.Namespace(), environ)
         )
 
-    def metrics_url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.ports[service + '_metrics_port']}/metrics"
+    def metrics_url(self, service: str, replica: int = 0) -> str:
+        """Prometheus URL of ``service`` (of engine ``replica`` with --data-parallel-size)."""
+        return f"http://127.0.0.1:{self.replica_port(service + '_metrics_port', replica)}/metrics"
+
+    def replica_port(self, port_name: str, replica: int) -> int:
+        """Engine ``replica``'s port ``port_name``: replica 0's, moved as ``kvmesh up`` moves it."""
+        return self.ports[port_name] + replica * LauncherConfig.replica_port_offset
+
+    def replica_pid(self, service: str, replica: int) -> int:
+        """Process id of engine ``replica``'s worker, scheduler or detokenizer."""
+        port_flag = f"--{service}-port "
+        moved = f"{port_flag}{self.replica_port(f'{service}_port', replica)} "
+        pids = [
+            pid
+            for pid, cmdline in _children_of(self.process.pid).items()
+            if f"serve {service} " in f"{cmdline} "
+            and (moved in cmdline if replica else port_flag not in cmdline)
+        ]
+        if len(pids) != 1:
+            raise LookupError(f"{len(pids)} processes serve {service!r} of replica {replica}")
+        return pids[0]
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -14,9 +14,9 @@ class RouterConfig:
 
     block_size: int
     policy: str = RoutingPolicyName.KV
-    # Dynamo's kv-overlap-score-weight: how many active blocks one block of
-    # prefill is worth. Higher favours cache hits (TTFT), lower spreads decode
-    # load (ITL).
+    # Dynamo's kv-overlap-score-weight (--routing-overlap-weight): how many
+    # active blocks one block of prefill is worth. Higher favours cache hits
+    # (TTFT), lower spreads decode load (ITL).
     overlap_weight: float = 1.0
     # SGLang's balance thresholds: loads count as imbalanced when the busiest
     # replica has more than ``balance_abs_threshold`` requests more than the

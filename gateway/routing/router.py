@@ -88,6 +88,11 @@ class Router:
             self._refresh_candidates()
             logger.info("replica %s %s", name, "routable again" if routable else "not routable")
 
+    @property
+    def num_routable(self) -> int:
+        """Replicas a request may be sent to now."""
+        return len(self._candidates)
+
     def has_replica(self, name: str) -> bool:
         return name in self._replicas
 

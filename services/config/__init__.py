@@ -20,8 +20,10 @@ import dataclasses
 from services.config.choices import (
     ATTENTION_BACKENDS,
     DTYPES,
+    REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    ReplicaDiscoveryName,
     RoutingPolicyName,
     SchedulingPolicyName,
 )
@@ -78,6 +80,7 @@ __all__ = [
     "ENV_SETTINGS",
     "INTERNAL_TLS_SERVER_NAME",
     "PROCESS_SETTINGS",
+    "REPLICA_DISCOVERIES",
     "ROUTING_POLICIES",
     "SCHEDULING_POLICIES",
     "SERVICE_CONFIGS",
@@ -89,6 +92,7 @@ __all__ = [
     "KVStoreConfig",
     "LauncherConfig",
     "Options",
+    "ReplicaDiscoveryName",
     "RoutingPolicyName",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",

@@ -2,6 +2,7 @@
 
 ``scheduler.policy`` maps each scheduling policy name to its class,
 ``gateway.routing.policies`` each routing policy name,
+``gateway.routing.discovery`` each replica discovery name,
 ``kernels.registry`` each attention backend name, ``worker.config`` each
 dtype name to a torch dtype; tests check that each of them covers exactly the
 names declared here.
@@ -29,6 +30,17 @@ class RoutingPolicyName(StrEnum):
 
 
 ROUTING_POLICIES: tuple[str, ...] = tuple(p.value for p in RoutingPolicyName)
+
+
+class ReplicaDiscoveryName(StrEnum):
+    """Where the gateway learns which engine replicas exist (gateway.routing.discovery)."""
+
+    STATIC = "static"
+    FILE = "file"
+    DNS = "dns"
+
+
+REPLICA_DISCOVERIES: tuple[str, ...] = tuple(d.value for d in ReplicaDiscoveryName)
 
 # In the order the worker tries them on CPU; "triton" is CUDA's (or Triton's
 # interpreter when forced by name).

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from services.config.choices import (
     ATTENTION_BACKENDS,
     DTYPES,
+    REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
 )
@@ -327,14 +328,45 @@ class GatewayConfig(MigrationOptions):
         maximum=2,
     )
     grpc_port: int = port(50051, "public gRPC port (kvmesh.v1.Generation)")
-    scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
-    detokenizer_addr: str = opt("127.0.0.1:50054", "host:port of the detokenizer")
+    scheduler_addr: str = opt(
+        "127.0.0.1:50052",
+        "host:port of the scheduler (static discovery); with dns discovery, the name "
+        "whose A records are the replicas (a headless Service) and their scheduler port",
+    )
+    detokenizer_addr: str = opt(
+        "127.0.0.1:50054",
+        "host:port of the detokenizer (static discovery); with dns discovery only its port "
+        "counts: each replica's detokenizer listens on its scheduler's address",
+    )
+    replica_discovery: str = opt(
+        "static",
+        "how the gateway learns its engine replicas: static (the one at --scheduler-addr), "
+        "file (the replica set `kvmesh up` writes to --replica-set-file), dns (every A record "
+        "of --scheduler-addr's host, e.g. a Kubernetes headless Service)",
+        choices=REPLICA_DISCOVERIES,
+    )
+    replica_set_file: str = opt(
+        "", "JSON file listing the replicas (file discovery; `kvmesh up` writes it)"
+    )
+    replica_poll_period_s: float = opt(
+        1.0,
+        "seconds between two looks at the replica set (file or DNS) and between readiness "
+        "probes of each replica",
+        minimum=0.05,
+    )
     api_key: str = opt("", "if set, require 'Authorization: Bearer <key>' on /v1 routes")
     routing_policy: str = opt(
         "kv",
         "how a request picks an engine replica: kv (prefix overlap weighed against load), "
         "load (least loaded), round-robin",
         choices=ROUTING_POLICIES,
+    )
+    routing_overlap_weight: float = opt(
+        1.0,
+        "kv policy: how many blocks held by a replica's running requests one block of "
+        "prompt to prefill is worth (Dynamo's kv-overlap-score-weight); higher favours "
+        "cache hits (TTFT), lower spreads decode load (ITL)",
+        minimum=0,
     )
     max_inflight_requests: int = opt(
         0,
@@ -396,6 +428,17 @@ class LauncherConfig(Options):
         "compute each prompt, whose KV reaches the decode replica through the kvstore "
         "(implies --kv-offload)",
     )
+    data_parallel_size: int = opt(
+        1,
+        "engine replicas (each a scheduler, a worker and a detokenizer with its own KV pool) "
+        "behind the gateway, which routes by --routing-policy; the workers split the cores",
+        minimum=1,
+    )
+    replica_port_offset: int = opt(
+        100,
+        "replica i (from 0) listens on each of its ports plus i times this offset",
+        minimum=1,
+    )
     prefill_worker_port: int = port(50056, "gRPC port of the prefill replica's worker")
     prefill_worker_metrics_port: int = port(9105, "Prometheus port of the prefill replica's worker")
     prefill_scheduler_port: int = port(50057, "gRPC port of the prefill replica's scheduler")
@@ -412,6 +455,11 @@ class LauncherConfig(Options):
         "make a throwaway CA and certificate for this stack (openssl on PATH) and run every "
         "internal call over mutual TLS, unless --internal-tls-* files are given",
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.disaggregated and self.data_parallel_size > 1:
+            raise ValueError("--disaggregated runs one decode replica: use --data-parallel-size 1")
 
 
 SERVICE_CONFIGS: dict[str, type] = {

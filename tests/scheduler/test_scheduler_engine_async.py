@@ -25,6 +25,9 @@ class InMemoryWorkerClient:
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
         self.max_outstanding = 0
+        # What the scheduler reads of the step stream between steps (WorkerClient's).
+        self.connected = True
+        self.stream_ended = asyncio.Event()
 
     async def submit(self, scheduler_output: SchedulerOutput) -> None:
         self.queue.append(scheduler_output)

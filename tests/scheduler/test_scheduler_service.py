@@ -350,3 +350,47 @@ async def test_a_continuation_resumes_with_its_tokens_and_original_budget() -> N
     assert list(outputs[0].header.output_token_ids) == undisturbed[:5]
     assert _tokens_by_request(outputs)["a~m1"] == undisturbed[5:]
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+class IdleDeathWorkerClient(InMemoryWorkerClient):
+    """A worker that dies between steps and comes back when reconnected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reconnects = 0
+
+    def die(self) -> None:
+        self.connected = False
+        self.stream_ended.set()
+
+    async def connect(self, timeout: float):
+        self.reconnects += 1
+        self.connected = True
+        self.stream_ended.clear()
+        return worker_pb2.WorkerInfo(num_kv_blocks=32)
+
+
+async def test_a_worker_dying_between_steps_is_found_out_without_a_request() -> None:
+    """Its step stream ended while the scheduler idled: the scheduler must reconnect
+    now, not write the next request's step into the dead stream (where it hung)."""
+    worker = IdleDeathWorkerClient()
+    engine = _engine(worker)
+    _, queue = engine.subscribe()
+    stop = asyncio.Event()
+    task = asyncio.create_task(engine.run(stop))
+    try:
+        await asyncio.sleep(0.05)  # idle: nothing to step
+        worker.die()
+        async with asyncio.timeout(5):
+            while not worker.reconnects:
+                await asyncio.sleep(0.01)
+        assert engine.healthy
+        _add(engine, "after", max_tokens=3)
+        outputs: list[scheduler_pb2.RequestOutput] = []
+        async with asyncio.timeout(5):
+            while not any(o.finish_reason for o in outputs):
+                outputs.extend((await queue.get()).outputs)
+        assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)

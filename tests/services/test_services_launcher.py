@@ -10,10 +10,12 @@ from services.launcher import (
     add_up_arguments,
     child_order,
     flags_differing,
+    replica_addresses,
     replica_of,
     service_of,
     stack_configs,
 )
+from services.replica_set import ReplicaAddress
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -109,3 +111,56 @@ def test_parallel_sizes_are_checked_against_rank_and_world_size() -> None:
         stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--rank", "2"]))
     with pytest.raises(ValueError, match="disaggregated"):
         stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--disaggregated"]))
+
+
+def test_data_parallel_replicas_get_their_own_ports_and_dial_each_other() -> None:
+    argv = ["--model", "/m", "--data-parallel-size", "2", "--replica-port-offset", "50"]
+    ports = ["--worker-port", "6001", "--scheduler-port", "6002", "--detokenizer-port", "6003"]
+    configs = stack_configs(_args([*argv, *ports]), replica_set_file="/run/replicas.json")
+    assert child_order(configs) == [
+        "kvstore",
+        "worker",
+        "worker-1",
+        "scheduler",
+        "scheduler-1",
+        "detokenizer",
+        "detokenizer-1",
+        "gateway",
+    ]
+    assert configs["scheduler-1"].worker_addr == "127.0.0.1:6051"
+    assert configs["detokenizer-1"].scheduler_addr == "127.0.0.1:6052"
+    assert (
+        configs["scheduler-1"].scheduler_metrics_port
+        == configs["scheduler"].scheduler_metrics_port + 50
+    )
+    assert replica_addresses(configs) == [
+        ReplicaAddress("replica-0", "127.0.0.1:6002", "127.0.0.1:6003"),
+        ReplicaAddress("replica-1", "127.0.0.1:6052", "127.0.0.1:6053"),
+    ]
+    # The gateway reads the replicas from the launcher's file, not from addresses.
+    assert configs["gateway"].replica_discovery == "file"
+    assert configs["gateway"].replica_set_file == "/run/replicas.json"
+    assert flags_differing(configs["detokenizer"], configs["detokenizer-1"]) == [
+        "--detokenizer-port",
+        "6053",
+        "--detokenizer-metrics-port",
+        str(configs["detokenizer"].detokenizer_metrics_port + 50),
+        "--scheduler-addr",
+        "127.0.0.1:6052",
+    ]
+    assert [service_of(n) for n in ("worker-1", "prefill_scheduler", "gateway")] == [
+        "worker",
+        "scheduler",
+        "gateway",
+    ]
+
+
+def test_data_parallel_workers_split_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    configs = stack_configs(_args(["--model", "/m", "--data-parallel-size", "4"]))
+    assert {configs[n].num_threads for n in ("worker", "worker-1", "worker-3")} == {2}
+
+
+def test_data_parallel_and_disaggregated_do_not_mix() -> None:
+    with pytest.raises(ValueError, match="data-parallel-size 1"):
+        stack_configs(_args(["--model", "/m", "--data-parallel-size", "2", "--disaggregated"]))

@@ -1,0 +1,294 @@
+"""The gateway's EngineClient over a set of engine replicas: route, then delegate.
+
+Each replica (a scheduler, its worker and its detokenizer) gets its own
+``GrpcEngineClient``, so submitting, streaming, aborting and failing
+requests stay exactly what they are with one replica. On top:
+
+- membership from a ``ReplicaDiscovery``: a listed replica joins once its
+  scheduler answers (GetInfo) and its detokenizer stream is open; an unlisted
+  one leaves, failing its requests in flight;
+- readiness: each replica's scheduler is probed every poll period; a failed
+  or slow probe takes the replica out of the picks at once, a good one puts it
+  back (``Router.set_routable``). Its requests in flight are left to it: a
+  replica whose scheduler dies has its detokenizer fail them, one whose worker
+  dies has its scheduler fail (or migrate) them, so neither waits for a probe;
+- the prefix index and loads from each replica's KV event stream;
+- ``generate`` picks a replica by the routing policy and remembers it, so an
+  abort reaches the replica that has the request; a replica that refuses
+  with UNAVAILABLE before admitting the request leaves the picks and the
+  request is routed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from gateway.engine_client import GenerationDelta, GenerationRequest, ModelInfo
+from gateway.grpc_client import GrpcEngineClient
+from gateway.routing.config import RouterConfig
+from gateway.routing.discovery import ReplicaDiscovery, ReplicaSet
+from gateway.routing.kv_event_subscriber import follow_kv_events
+from gateway.routing.metrics import ROUTABLE_REPLICAS, ROUTER_DECISIONS
+from gateway.routing.router import Router, RoutingDecision
+from protos import scheduler_pb2_grpc
+from services.errors import UnavailableError
+from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from services.grpc_server import internal_channel
+from services.replica_set import ReplicaAddress
+
+logger = logging.getLogger(__name__)
+
+# A readiness probe slower than this counts as failed.
+PROBE_TIMEOUT_S = 3.0
+
+
+@dataclass(eq=False)
+class ReplicaHandle:
+    """One joined replica: its client, and the tasks that follow it."""
+
+    address: ReplicaAddress
+    client: GrpcEngineClient
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.address.name
+
+
+class RoutedEngineClient:
+    def __init__(
+        self,
+        discovery: ReplicaDiscovery,
+        make_client: Callable[[ReplicaAddress], GrpcEngineClient],
+        routing_policy: str,
+        probe_period_s: float,
+        overlap_weight: float = 1.0,
+        security: InternalSecurity = NO_INTERNAL_AUTH,
+    ) -> None:
+        self._discovery = discovery
+        # What the KV event streams present to the schedulers (the stack's token).
+        self._security = security
+        self._make_client = make_client
+        self._policy = routing_policy
+        self._overlap_weight = overlap_weight
+        self._probe_period_s = probe_period_s
+        # Created when the first replica joins: it needs the engine's block size.
+        self.router: Router | None = None
+        self._model_info: ModelInfo | None = None
+        self._replicas: dict[str, ReplicaHandle] = {}
+        self._joining: dict[str, asyncio.Task[None]] = {}
+        # The replica serving each request in flight.
+        self._owner: dict[str, ReplicaHandle] = {}
+        self._watcher: asyncio.Task[None] | None = None
+        self._first_ready = asyncio.Event()
+        self._num_listed_at_start = 0
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0) -> None:
+        """Follow the discovery; return once one replica is ready (UnavailableError if none)."""
+        self._watcher = asyncio.create_task(self._watch(), name="replica-discovery")
+        ready = asyncio.create_task(self._first_ready.wait())
+        await asyncio.wait({ready, self._watcher}, timeout=timeout, return_when="FIRST_COMPLETED")
+        if not ready.done():
+            ready.cancel()
+            if self._watcher.done():
+                self._watcher.result()  # the discovery's own error, if it failed
+            raise UnavailableError(f"no engine replica was ready within {timeout:.0f}s")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in self._joining.values():
+            task.cancel()
+        for name in list(self._replicas):
+            await self._leave(name, "the gateway is stopping")
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            raise UnavailableError("no engine replica joined yet")
+        return self._model_info
+
+    # ---- membership ------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        async for replicas in self._discovery.watch():
+            self._num_listed_at_start = self._num_listed_at_start or len(replicas)
+            await self._apply(replicas)
+
+    async def _apply(self, replicas: ReplicaSet) -> None:
+        listed = {r.name: r for r in replicas}
+        for name in [*self._replicas, *self._joining]:
+            known = self._replicas.get(name)
+            if name not in listed or (known is not None and known.address != listed[name]):
+                await self._leave(name, "the replica left the replica set")
+        for name, address in listed.items():
+            if name not in self._replicas and name not in self._joining:
+                logger.info("replica %s listed: scheduler %s", name, address.scheduler_addr)
+                self._joining[name] = asyncio.create_task(self._join(address), name=f"join {name}")
+
+    async def _join(self, address: ReplicaAddress) -> None:
+        client = self._make_client(address)
+        try:
+            await client.start(timeout=float("inf"))  # cancelled if the replica is unlisted
+        except BaseException:
+            await client.close()
+            raise
+        finally:
+            self._joining.pop(address.name, None)
+        info = client.model_info
+        if self.router is None:
+            if info.kv_block_size is None:
+                raise RuntimeError(f"replica {address.name} reports no KV block size")
+            self.router = Router(
+                RouterConfig(
+                    block_size=info.kv_block_size,
+                    policy=self._policy,
+                    overlap_weight=self._overlap_weight,
+                )
+            )
+            # The gateway's bound on calls in flight is sized for the replicas listed.
+            capacity = (info.capacity or 0) * max(1, self._num_listed_at_start) or None
+            self._model_info = replace(info, capacity=capacity)
+        elif info.kv_block_size != self.router.config.block_size:
+            logger.error(
+                "replica %s uses KV blocks of %s tokens, the others %d: not routing to it",
+                address.name,
+                info.kv_block_size,
+                self.router.config.block_size,
+            )
+            await client.close()
+            return
+        handle = ReplicaHandle(address, client)
+        self._replicas[address.name] = handle
+        self.router.add_replica(address.name)
+        self.router.set_routable(address.name, False)  # until its first probe passes
+        channel = internal_channel(address.scheduler_addr, self._security)
+        events = follow_kv_events(
+            self.router, address.name, scheduler_pb2_grpc.KVEventsStub(channel)
+        )
+        handle.tasks = [
+            asyncio.create_task(self._probe_forever(handle), name=f"probe {address.name}"),
+            asyncio.create_task(_closing(events, channel), name=f"kv events {address.name}"),
+        ]
+
+    async def _leave(self, name: str, reason: str) -> None:
+        joining = self._joining.pop(name, None)
+        if joining is not None:
+            joining.cancel()
+        handle = self._replicas.pop(name, None)
+        if handle is None:
+            return
+        for task in handle.tasks:
+            task.cancel()
+        if self.router is not None:
+            self.router.remove_replica(name)
+            ROUTABLE_REPLICAS.set(self.router.num_routable)
+        handle.client.fail_in_flight(f"engine replica {name} is gone: {reason}")
+        logger.warning("replica %s left: %s", name, reason)
+        # Let the aborts of its requests go out before its channel closes.
+        self._in_background(_close_later(handle.client))
+
+    # ---- readiness -------------------------------------------------------------
+
+    async def _probe_forever(self, handle: ReplicaHandle) -> None:
+        assert self.router is not None
+        while True:
+            ready = True
+            try:
+                await asyncio.wait_for(handle.client.check_ready(), PROBE_TIMEOUT_S)
+            except (UnavailableError, TimeoutError) as error:
+                ready = False
+                if self.router.replica(handle.name).routable:
+                    logger.warning("replica %s not ready: %s", handle.name, error)
+            self._set_routable(handle.name, ready)
+            if ready:
+                self._first_ready.set()
+            await asyncio.sleep(self._probe_period_s)
+
+    def _set_routable(self, name: str, routable: bool) -> None:
+        assert self.router is not None
+        if self.router.has_replica(name):
+            self.router.set_routable(name, routable)
+        ROUTABLE_REPLICAS.set(self.router.num_routable)
+
+    async def check_ready(self) -> None:
+        if self.router is None or not self.router.num_routable:
+            raise UnavailableError("no engine replica is ready")
+
+    # ---- requests --------------------------------------------------------------
+
+    def _route(self, request: GenerationRequest) -> tuple[ReplicaHandle, RoutingDecision]:
+        if self.router is None:
+            raise UnavailableError("no engine replica is ready")
+        decision = self.router.pick(request.prompt_token_ids, request.cache_salt)
+        ROUTER_DECISIONS.labels(decision.replica, self._policy, decision.reason.value).inc()
+        return self._replicas[decision.replica], decision
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        rid = request.request_id
+        # Each refusal takes one replica out of the picks, so this ends.
+        for _ in range(len(self._replicas) + 1):
+            handle, decision = self._route(request)
+            stream = handle.client.generate(request)
+            self._owner[rid] = handle
+            try:
+                first = await anext(stream)
+            except UnavailableError as error:
+                self._owner.pop(rid, None)
+                logger.warning("request %s: replica %s refused it (%s)", rid, handle.name, error)
+                self._set_routable(handle.name, False)
+                continue
+            except BaseException:
+                self._owner.pop(rid, None)
+                await stream.aclose()
+                raise
+            logger.debug(
+                "request %s -> %s (%s, %d/%d blocks cached)",
+                rid,
+                decision.replica,
+                decision.reason.value,
+                decision.num_overlap_blocks,
+                decision.num_cacheable_blocks,
+            )
+            try:
+                yield first
+                async for delta in stream:
+                    yield delta
+            finally:
+                self._owner.pop(rid, None)
+                await stream.aclose()
+            return
+        raise UnavailableError("every engine replica refused the request")
+
+    async def abort(self, request_id: str) -> None:
+        handle = self._owner.get(request_id)
+        if handle is not None:
+            await handle.client.abort(request_id)
+
+    def _in_background(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _closing(follow: Coroutine[object, object, None], channel: grpc.aio.Channel) -> None:
+    """Run ``follow``, closing ``channel`` however it ends."""
+    try:
+        await follow
+    finally:
+        await channel.close()
+
+
+async def _close_later(client: GrpcEngineClient, grace_s: float = 1.0) -> None:
+    await asyncio.sleep(grace_s)
+    with contextlib.suppress(Exception):
+        await client.close()
