@@ -530,7 +530,7 @@ class SchedulerEngine:
                 if self.healthy and not self.worker.connected:
                     # The step stream ended between steps (the worker died idle).
                     self.healthy = False
-                    self._fail_all("worker unavailable: its step stream ended")
+                    self._migrate_all("worker unavailable: its step stream ended")
                 if not self.healthy:
                     # Shutdown must not wait for a worker that may never return.
                     reconnect = asyncio.ensure_future(self._reconnect(stop))

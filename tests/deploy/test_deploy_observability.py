@@ -25,9 +25,6 @@ PROVISIONING = REPO_ROOT / "deploy" / "grafana" / "provisioning"
 PROMETHEUS_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 METRIC_PACKAGES = ("gateway", "scheduler", "worker", "detokenizer", "kvstore", "services")
 METRIC_CONSTRUCTORS = {"Counter", "Gauge", "Histogram", "Summary", "counter", "gauge", "histogram"}
-# The gateway router's metrics, defined by the data-parallel routing work
-# (issue 12, items 1-4) that lands beside this dashboard.
-ROUTER_METRICS = {"kvmesh_router_decisions_total", "kvmesh_router_routable_replicas"}
 METRIC_TOKEN = re.compile(r"\b(?:vllm|kvmesh)[:_][A-Za-z0-9_:]*")
 GRID_COLUMNS = 24
 
@@ -151,7 +148,7 @@ def test_panels_do_not_overlap(dashboard: dict[str, Any]) -> None:
 def test_every_query_is_balanced_and_references_only_defined_metrics(
     dashboard: dict[str, Any],
 ) -> None:
-    series = _exposed_series(_metric_definitions()) | ROUTER_METRICS
+    series = _exposed_series(_metric_definitions())
     for expr in _exprs(dashboard):
         for open_, close in ("()", "[]", "{}"):
             assert expr.count(open_) == expr.count(close), expr
