@@ -127,9 +127,11 @@ class Speculator:
         backoff = self._backoff.get(request_id)
         if backoff is None:
             backoff = self._backoff[request_id] = _Backoff()
-        backoff.acceptance_ema += EMA_WEIGHT * (num_accepted / num_drafts - backoff.acceptance_ema)
-        if backoff.acceptance_ema >= self.config.min_acceptance_rate:
+        rate = num_accepted / num_drafts
+        backoff.acceptance_ema += EMA_WEIGHT * (rate - backoff.acceptance_ema)
+        if rate >= self.config.min_acceptance_rate:  # this one paid: shorter pauses
             backoff.pause_steps = max(MIN_PAUSE_STEPS // 2, backoff.pause_steps // 2)
+        if backoff.acceptance_ema >= self.config.min_acceptance_rate:
             return
         backoff.pause_steps = min(MAX_PAUSE_STEPS, backoff.pause_steps * 2)
         backoff.resume_step = step + backoff.pause_steps
