@@ -1,24 +1,29 @@
 """Speculative decoding vs plain decoding: where drafts pay and where they do not.
 
-Usage: .venv/bin/python benchmarks/spec_decode_bench.py [--max-tokens 128]
-                                                        [--stack-args "--num-threads 2"]
+Usage: .venv/bin/python benchmarks/spec_decode_bench.py [--max-tokens 96] [--rounds 2]
+           [--configs plain,ngram,suffix] [--threads 0] [--stack]
 
-One stack per configuration, one after the other: plain (the defaults, async
-scheduling on), ``--speculative-config`` n-gram, and suffix decoding. On each,
-two workloads at concurrency 1 and 16:
+Two workloads, each at concurrency 1 and 16:
 
 - repetitive: chat requests to repeat a paragraph word for word, and to rename
   an identifier in a short function (the answer copies most of the prompt);
-  greedy, as such edits are usually run;
-- random: prompts of random token ids sampled at temperature 1 (nothing to
-  copy, nothing repeats: the drafts' worst case).
+  greedy, as such edits are usually run, each answer ending at its EOS;
+- random: prompts of random token ids sampled at temperature 1, all
+  ``--max-tokens`` of them (nothing to copy, nothing repeats: the drafts'
+  worst case).
+
+Configurations: plain, ``--speculative-config`` n-gram, and suffix decoding.
+By default the engine runs in process (the real Scheduler driving a
+ModelRunner, ``inprocess_engine.py``) and the configurations alternate cell by
+cell, ``--rounds`` times, so that a shared machine's load drifts over all of
+them alike; ``--stack`` runs one full stack per configuration instead (HTTP,
+plain with its default async scheduling), which needs a quiet machine.
 
 Each cell prints output tok/s (all tokens / wall time), TPOT (mean over
 requests of the time between their first and last token per further token)
 and, with speculation, the mean acceptance length (tokens per verifying step:
-accepted drafts + 1, from the scheduler's vllm:spec_decode_* counters); then
-the ratios against plain in the same run, and the load average, since the
-machine is shared and noisy.
+accepted drafts + 1) and drafts per output token; then the ratios against
+plain in the same run, and the load average.
 """
 
 from __future__ import annotations
@@ -42,23 +47,15 @@ sys.path.insert(0, str(REPO_ROOT))
 from services.local_stack import LocalStack  # noqa: E402
 
 STACK_ARGS = ["--num-kv-blocks", "1024", "--max-model-len", "1024"]
-CONFIGS = {
-    "plain": [],
-    "ngram": [
-        "--speculative-config",
-        json.dumps(
-            {
-                "method": "ngram",
-                "num_speculative_tokens": 5,
-                "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4,
-            }
-        ),
-    ],
-    "suffix": [
-        "--speculative-config",
-        json.dumps({"method": "suffix", "num_speculative_tokens": 5}),
-    ],
+SPECULATIVE = {
+    "plain": None,
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 8,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    },
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
 }
 CONCURRENCIES = (1, 16)
 PARAGRAPHS = [
@@ -107,7 +104,7 @@ async def _one(
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": temperature,
-        "ignore_eos": True,
+        "ignore_eos": _ignore_eos(temperature),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -164,63 +161,158 @@ async def _cell(
     }
 
 
-def _workloads() -> dict[int, dict[str, tuple[list, float]]]:
+def _ignore_eos(temperature: float) -> bool:
+    """Random prompts run to their length; greedy copies end where the model ends them."""
+    return temperature > 0
+
+
+def _workloads(repetitive: list) -> dict[int, dict[str, tuple[list, float]]]:
     """concurrency -> workload -> (prompts, temperature)."""
-    repetitive = repetitive_prompts()
     return {
         1: {"repetitive": (repetitive[:3], 0.0), "random": (random_prompts(3), 1.0)},
         16: {"repetitive": ((repetitive * 3)[:16], 0.0), "random": (random_prompts(16), 1.0)},
     }
 
 
-def _measure(extra: list[str], max_tokens: int) -> dict[tuple[str, int], dict[str, float]]:
-    stack = LocalStack(STACK_ARGS + extra)
-    try:
-        stack.wait_ready(900)
-        # Warm-up: first steps, lazy inits, grammar of nothing.
-        asyncio.run(_cell(stack, random_prompts(2), 2, 16, 0.0))
-        results = {}
-        for concurrency, workloads in _workloads().items():
+def _print_cell(name: str, concurrency: int, r: dict[str, float]) -> None:
+    print(
+        f"    {name:>10} x{concurrency:<2}: {r['tok_s']:6.1f} tok/s, TPOT "
+        f"{r['tpot_ms']:6.1f} ms, acceptance length {r['acceptance_length']:.2f}, "
+        f"drafts per token {r['drafts_per_token']:.2f}",
+        flush=True,
+    )
+
+
+def _stack_args(config: str) -> list[str]:
+    spec = SPECULATIVE[config]
+    return [] if spec is None else ["--speculative-config", json.dumps(spec)]
+
+
+def measure_stack(
+    configs: list[str], extra: list[str], max_tokens: int
+) -> dict[str, dict[tuple[str, int], dict[str, float]]]:
+    """One full stack per configuration, one after the other."""
+    results: dict[str, dict[tuple[str, int], dict[str, float]]] = {}
+    for config in configs:
+        print(f"{config}:", flush=True)
+        stack = LocalStack(STACK_ARGS + extra + _stack_args(config))
+        try:
+            stack.wait_ready(900)
+            asyncio.run(_cell(stack, random_prompts(2), 2, 16, 0.0))  # warm-up
+            cells = results[config] = {}
+            for concurrency, workloads in _workloads(repetitive_prompts()).items():
+                for name, (prompts, temperature) in workloads.items():
+                    cells[name, concurrency] = r = asyncio.run(
+                        _cell(stack, prompts, concurrency, max_tokens, temperature)
+                    )
+                    _print_cell(name, concurrency, r)
+        finally:
+            stack.stop()
+    return results
+
+
+def _inprocess_cell(
+    runner: object, config: str, prompts: list[list[int]], concurrency: int, params: object
+) -> dict[str, float]:
+    from benchmarks.inprocess_engine import InProcessEngine
+    from services.config import SpeculativeConfig
+
+    spec = SPECULATIVE[config]
+    engine = InProcessEngine(
+        runner,  # type: ignore[arg-type]
+        speculative=None if spec is None else SpeculativeConfig(**spec),
+    )
+    started = time.perf_counter()
+    results = engine.generate(prompts, params, concurrency)  # type: ignore[arg-type]
+    wall = time.perf_counter() - started
+    num_tokens = sum(len(r.output_token_ids) for r in results)
+    tpots = [
+        (r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+        for r in results
+        if r.finish_time and r.first_token_time and len(r.output_token_ids) > 1
+    ]
+    stats = engine.scheduler.make_stats().spec_decoding
+    return {
+        "tok_s": num_tokens / wall,
+        "tpot_ms": statistics.mean(tpots) * 1e3,
+        "acceptance_length": stats.mean_acceptance_length if stats else 0.0,
+        "drafts_per_token": stats.num_drafts / num_tokens if stats else 0.0,
+    }
+
+
+def measure_inprocess(
+    configs: list[str], max_tokens: int, rounds: int, threads: int
+) -> dict[str, dict[tuple[str, int], dict[str, float]]]:
+    """Every cell, configurations alternating, ``rounds`` times; the mean of each."""
+    from dataclasses import replace
+
+    from tokenizers import Tokenizer
+
+    from services.model_prep import default_model_path
+    from services.sampling_params import SamplingParams
+    from worker.config import CacheConfig, ModelConfig
+    from worker.model_runner import ModelRunner
+
+    path = default_model_path()
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(path, dtype="float32", max_model_len=1024),
+        CacheConfig(block_size=16, num_kv_blocks=2048),
+        num_threads=threads or None,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    repetitive = [tokenizer.encode(p).ids for p in repetitive_prompts()]
+    _inprocess_cell(runner, "plain", random_prompts(2), 2, replace(greedy, max_tokens=16))
+    samples: dict[str, dict[tuple[str, int], list[dict[str, float]]]] = {c: {} for c in configs}
+    for round_index in range(rounds):
+        print(f"round {round_index + 1}:", flush=True)
+        for concurrency, workloads in _workloads(repetitive).items():
             for name, (prompts, temperature) in workloads.items():
-                results[name, concurrency] = r = asyncio.run(
-                    _cell(stack, prompts, concurrency, max_tokens, temperature)
+                params = replace(
+                    greedy, temperature=temperature, ignore_eos=_ignore_eos(temperature)
                 )
-                print(
-                    f"    {name:>10} x{concurrency:<2}: {r['tok_s']:6.1f} tok/s, TPOT "
-                    f"{r['tpot_ms']:6.1f} ms, acceptance length {r['acceptance_length']:.2f}, "
-                    f"drafts per token {r['drafts_per_token']:.2f}",
-                    flush=True,
-                )
-        return results
-    finally:
-        stack.stop()
+                for config in configs:
+                    r = _inprocess_cell(runner, config, prompts, concurrency, params)
+                    samples[config].setdefault((name, concurrency), []).append(r)
+                    _print_cell(f"{config} {name}", concurrency, r)
+    return {
+        config: {
+            key: {m: statistics.mean(r[m] for r in runs) for m in runs[0]}
+            for key, runs in cells.items()
+        }
+        for config, cells in samples.items()
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="in-process rounds")
+    parser.add_argument("--threads", type=int, default=0, help="in-process torch threads (0: all)")
+    parser.add_argument("--configs", default=",".join(SPECULATIVE), help="subset of these")
+    parser.add_argument("--stack", action="store_true", help="full stacks over HTTP instead")
     parser.add_argument("--stack-args", default="", help="extra flags for every stack")
-    parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help="which of " + ",".join(CONFIGS)
-    )
     args = parser.parse_args()
-    extra = args.stack_args.split()
+    configs = args.configs.split(",")
     print(f"load average before: {os.getloadavg()}", flush=True)
-    results = {}
-    for name in args.configs.split(","):
-        print(f"{name}:", flush=True)
-        results[name] = _measure(extra + CONFIGS[name], args.max_tokens)
+    if args.stack:
+        results = measure_stack(configs, args.stack_args.split(), args.max_tokens)
+    else:
+        results = measure_inprocess(configs, args.max_tokens, args.rounds, args.threads)
+    print("means:")
+    for config, cells in results.items():
+        for (name, concurrency), r in cells.items():
+            _print_cell(f"{config} {name}", concurrency, r)
     plain = results.get("plain")
-    if plain is not None:
-        for name, cells in results.items():
-            if name == "plain":
-                continue
-            for key, r in cells.items():
-                base = plain[key]
-                print(
-                    f"{name} / plain, {key[0]} x{key[1]}: tok/s {r['tok_s'] / base['tok_s']:.2f}x, "
-                    f"TPOT {r['tpot_ms'] / base['tpot_ms']:.2f}x"
-                )
+    for config, cells in results.items():
+        if plain is None or config == "plain":
+            continue
+        for key, r in cells.items():
+            base = plain[key]
+            print(
+                f"{config} / plain, {key[0]} x{key[1]}: tok/s {r['tok_s'] / base['tok_s']:.2f}x, "
+                f"TPOT {r['tpot_ms'] / base['tpot_ms']:.2f}x"
+            )
     print(f"load average after: {os.getloadavg()}")
 
 

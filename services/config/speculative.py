@@ -28,8 +28,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     # No drafts in a step whose running batch is larger: verification costs
-    # compute the big batch no longer has spare (vLLM's key). 0: never.
-    disable_by_batch_size: int = 0
+    # compute the big batch no longer has spare (vLLM's key; vLLM never turns
+    # drafts off by default, kvmesh does past 8 running requests, where the
+    # CPU measurement in benchmarks/README.md stopped seeing a gain). 0: never.
+    disable_by_batch_size: int = 8
     # suffix: how many recent requests' outputs the shared corpus keeps.
     suffix_decoding_max_cached_requests: int = 64
     # suffix: longest context suffix matched (bounds the work per proposal).
@@ -37,8 +39,10 @@ class SpeculativeConfig:
     # suffix: drafts allowed per matched token (a short match earns few drafts).
     suffix_decoding_max_spec_factor: float = 1.0
     # Back-off per request: an acceptance-rate EMA below this pauses its drafts
-    # (kvmesh's key; vLLM has no per-request back-off).
-    min_acceptance_rate: float = 0.25
+    # (kvmesh's key; vLLM has no per-request back-off). Low, because a draft
+    # costs little at small batches: verifying k more tokens costs a fraction
+    # of a step, so even 1 accepted draft in 10 about pays for itself.
+    min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

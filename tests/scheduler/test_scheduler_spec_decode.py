@@ -171,7 +171,9 @@ def test_speculation_pauses_for_a_large_batch() -> None:
 
 
 def test_a_request_whose_drafts_keep_failing_pauses_then_tries_again() -> None:
-    sched = _scheduler(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+    sched = _scheduler(
+        num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1, min_acceptance_rate=0.25
+    )
     request = _prefill(sched, make_request(0, max_tokens=60, prompt_token_ids=[5, 6, 5, 6]))
     drafted_steps = []
     for _ in range(30):
