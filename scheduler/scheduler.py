@@ -30,6 +30,14 @@ loaded blocks join the local prefix cache and the request goes back to the
 front of the waiting queue, where admission finds them as ordinary hits.
 Blocks that become full and computed are saved to the store through the
 ``KVCacheManager`` hook. A load that comes back short only means fewer hits.
+
+With speculative decoding (``config.speculative``, synchronous mode only) a
+running request about to decode one token may also carry draft tokens from
+the ``Speculator`` (scheduler/spec_decode/): they count in its scheduled tokens
+and get KV slots (above the watermark only). The worker answers the accepted
+drafts plus one token; ``num_computed_tokens`` then counts only the accepted
+ones, blocks are cached only up to them, and the tail only rejected drafts
+needed is freed.
 """
 
 from __future__ import annotations

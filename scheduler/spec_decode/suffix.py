@@ -15,6 +15,10 @@ from collections.abc import Iterator, Sequence
 
 from scheduler.spec_decode.suffix_automaton import SuffixAutomaton
 
+# A one-token match is a unigram guess: on text that does not repeat (measured
+# on random prompts) such drafts are almost never accepted.
+MIN_MATCH_LENGTH = 2
+
 
 class RecentOutputs:
     """The outputs of about the last ``max_requests`` requests, with bounded memory.
@@ -78,6 +82,8 @@ class SuffixProposer:
             length, end = corpus.longest_suffix_match(query)
             if length > best_length:
                 best_length, best_end, best_tokens = length, end, corpus.tokens
+        if best_length < MIN_MATCH_LENGTH:
+            return []
         num_drafts = min(max_drafts, int(self.max_spec_factor * min(best_length, self.max_depth)))
         if num_drafts <= 0:
             return []

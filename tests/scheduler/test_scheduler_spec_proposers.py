@@ -104,3 +104,9 @@ def test_recent_outputs_keep_two_generations_only() -> None:
     held = [t for corpus in recent.automata() for t in corpus.tokens if t >= 0]
     assert sorted(held) == [104, 105, 106, 204, 205, 206]
     assert all(corpus.longest_suffix_match([100, 200])[0] < 2 for corpus in corpora)
+
+
+def test_suffix_proposer_ignores_one_token_matches() -> None:
+    proposer = SuffixProposer(max_depth=8, max_spec_factor=4.0, max_cached_requests=4)
+    assert proposer.propose("a", [1, 2, 3, 9, 1], 4) == []  # only "1" repeats
+    assert proposer.propose("a", [1, 2, 3, 9, 1, 2], 4) == [3, 9, 1, 2]
