@@ -22,8 +22,9 @@ plain with its default async scheduling), which needs a quiet machine.
 Each cell prints output tok/s (all tokens / wall time), TPOT (mean over
 requests of the time between their first and last token per further token)
 and, with speculation, the mean acceptance length (tokens per verifying step:
-accepted drafts + 1) and drafts per output token; then the ratios against
-plain in the same run, and the load average.
+accepted drafts + 1) and drafts per output token; in process also engine steps
+(forward passes) per output token, which a shared machine's load cannot blur;
+then the ratios against plain in the same run, and the load average.
 """
 
 from __future__ import annotations
@@ -175,10 +176,11 @@ def _workloads(repetitive: list) -> dict[int, dict[str, tuple[list, float]]]:
 
 
 def _print_cell(name: str, concurrency: int, r: dict[str, float]) -> None:
+    steps = f", steps per token {r['steps_per_token']:.3f}" if "steps_per_token" in r else ""
     print(
         f"    {name:>10} x{concurrency:<2}: {r['tok_s']:6.1f} tok/s, TPOT "
         f"{r['tpot_ms']:6.1f} ms, acceptance length {r['acceptance_length']:.2f}, "
-        f"drafts per token {r['drafts_per_token']:.2f}",
+        f"drafts per token {r['drafts_per_token']:.2f}{steps}",
         flush=True,
     )
 
@@ -222,9 +224,11 @@ def _inprocess_cell(
         runner,  # type: ignore[arg-type]
         speculative=None if spec is None else SpeculativeConfig(**spec),
     )
+    steps_before = runner.timings.num_steps  # type: ignore[attr-defined]
     started = time.perf_counter()
     results = engine.generate(prompts, params, concurrency)  # type: ignore[arg-type]
     wall = time.perf_counter() - started
+    num_steps = runner.timings.num_steps - steps_before  # type: ignore[attr-defined]
     num_tokens = sum(len(r.output_token_ids) for r in results)
     tpots = [
         (r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
@@ -237,6 +241,7 @@ def _inprocess_cell(
         "tpot_ms": statistics.mean(tpots) * 1e3,
         "acceptance_length": stats.mean_acceptance_length if stats else 0.0,
         "drafts_per_token": stats.num_drafts / num_tokens if stats else 0.0,
+        "steps_per_token": num_steps / num_tokens,
     }
 
 

@@ -29,9 +29,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # No drafts in a step whose running batch is larger: verification costs
     # compute the big batch no longer has spare (vLLM's key; vLLM never turns
-    # drafts off by default, kvmesh does past 8 running requests, where the
-    # CPU measurement in benchmarks/README.md stopped seeing a gain). 0: never.
-    disable_by_batch_size: int = 8
+    # drafts off by default, kvmesh does past 4 running requests: on the CPU
+    # benchmark, 8 requests verifying 8 drafts each cost more than they saved;
+    # benchmarks/README.md). 0: never.
+    disable_by_batch_size: int = 4
     # suffix: how many recent requests' outputs the shared corpus keeps.
     suffix_decoding_max_cached_requests: int = 64
     # suffix: longest context suffix matched (bounds the work per proposal).
