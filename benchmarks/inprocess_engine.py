@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from services.config import SpeculativeConfig
 from services.sampling_params import SamplingParams
 from worker.model_runner import ModelRunner
 
@@ -41,6 +42,7 @@ class InProcessEngine:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         model_config, cache_config = runner.model_config, runner.cache_config
@@ -54,6 +56,7 @@ class InProcessEngine:
                 block_size=cache_config.block_size,
                 num_kv_blocks=runner.num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                speculative=speculative,
             )
         )
         self.eos_token_ids = runner.model_config.eos_token_ids

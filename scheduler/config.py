@@ -8,6 +8,7 @@ from services.config import (
     DEFAULT_MAX_MODEL_LEN,
     SCHEDULING_POLICIES,
     SchedulerServiceConfig,
+    SpeculativeConfig,
     check_choice,
 )
 
@@ -51,6 +52,10 @@ class SchedulerConfig:
     # prefix caching with the process-independent sha256 hashes (the store
     # keys blocks by them).
     enable_kv_connector: bool = False
+    # Speculative decoding (scheduler/spec_decode): drafts proposed here and
+    # verified by the worker. Needs synchronous scheduling: a draft is proposed
+    # from the request's latest tokens, which async mode has not seen yet.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -79,6 +84,8 @@ class SchedulerConfig:
             self.enable_prefix_caching and self.prefix_hash == "sha256"
         ):
             raise ValueError("the KV connector needs prefix caching with sha256 block hashes")
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs synchronous scheduling")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             # A request that grew to max_model_len could never fit even alone and
             # would preempt itself forever.

@@ -190,6 +190,26 @@ class KVCacheManager:
         if self._on_blocks_cached is not None:
             self._on_blocks_cached(request, blocks, num_cached, num_full_blocks)
 
+    def free_excess_blocks(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past the first ``cdiv(num_tokens, block_size)``.
+
+        Speculative decoding: slots allocated for drafts the worker rejected
+        hold KV nobody will read; the worker drops the same tail (the step
+        contract's rule). Those blocks were never cached: ``cache_full_blocks``
+        only registers blocks whose tokens are all computed and accepted.
+        Returns how many blocks went back.
+        """
+        blocks = self._req_to_blocks.get(request.request_id)
+        num_keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= num_keep:
+            return 0
+        if num_keep < self._num_cached_blocks[request.request_id]:
+            raise KVCacheIntegrityError(f"{request}: would free cached blocks past {num_keep}")
+        excess = blocks[num_keep:]
+        del blocks[num_keep:]
+        self.block_pool.free_blocks(reversed(excess))
+        return len(excess)
+
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks, tail first; a no-op if it holds none."""
         blocks = self._req_to_blocks.pop(request.request_id, None)

@@ -77,6 +77,19 @@ class SchedulerMetrics:
             "kvmesh:kv_connector_lookup_failures",
             "kvstore lookups that failed or timed out (treated as misses)",
         )
+        # Speculative decoding, vLLM's names: one draft = one request verifying
+        # its draft tokens in one step.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "verifications of draft tokens")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "tokens proposed")
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "draft tokens the model accepted"
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted at each position of the draft (0-based)",
+            ["model_name", "position"],
+            registry=registry,
+        )
         self.model_name = model_name
 
     def record(self, stats: SchedulerStats) -> None:
@@ -96,6 +109,12 @@ class SchedulerMetrics:
             self.connector_saves.labels(m).inc(c.blocks_saved_planned)
             self.connector_saves_confirmed.labels(m).inc(c.blocks_saved_confirmed)
             self.connector_failed_saves.labels(m).inc(c.failed_saves)
+        if (spec := stats.spec_decoding) is not None:
+            self.spec_drafts.labels(m).inc(spec.num_drafts)
+            self.spec_draft_tokens.labels(m).inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.labels(m).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(count)
         for finished in stats.finished_requests:
             if finished.queue_time is not None:
                 self.queue_time.labels(m).observe(finished.queue_time)

@@ -10,6 +10,7 @@ from services.step import Logprobs
 
 if TYPE_CHECKING:  # kv_connector imports request, which imports this module
     from scheduler.kv_connector import KVConnectorStats
+    from scheduler.spec_decode.speculator import SpecDecodingStats
 
 
 class FinishReason(enum.Enum):
@@ -79,3 +80,5 @@ class SchedulerStats:
     # the connector's counters since the previous snapshot.
     num_waiting_for_remote_kvs: int = 0
     kv_connector: KVConnectorStats | None = None
+    # Speculative decoding's counters since the previous snapshot (None when off).
+    spec_decoding: SpecDecodingStats | None = None

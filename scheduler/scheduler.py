@@ -30,6 +30,14 @@ loaded blocks join the local prefix cache and the request goes back to the
 front of the waiting queue, where admission finds them as ordinary hits.
 Blocks that become full and computed are saved to the store through the
 ``KVCacheManager`` hook. A load that comes back short only means fewer hits.
+
+With speculative decoding (``config.speculative``, synchronous mode only) a
+running request about to decode one token may also carry draft tokens from
+the ``Speculator`` (scheduler/spec_decode/): they count in its scheduled tokens
+and get KV slots (above the watermark only). The worker answers the accepted
+drafts plus one token; ``num_computed_tokens`` then counts only the accepted
+ones, blocks are cached only up to them, and the tail only rejected drafts
+needed is freed.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
 from scheduler.policy import make_policy
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
+from scheduler.spec_decode.speculator import Speculator
 from services.step import (
     CachedRequestData,
     KVConnectorOutput,
@@ -109,6 +118,11 @@ class Scheduler:
         self._finished_stats: list[FinishedRequestStats] = []
         # parallel_group -> the sibling admitted first (until it finishes).
         self._group_leaders: dict[str, Request] = {}
+        self.speculator = (
+            Speculator(config.speculative, config.max_model_len)
+            if config.speculative is not None
+            else None
+        )
 
     # ---- requests in and out ------------------------------------------------
 
@@ -182,6 +196,8 @@ class Scheduler:
             del self._group_leaders[group]
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.finish(request)
         del self.requests[request.request_id]
         now = request.finished_time = self.clock()
         scheduled, first_token = request.first_scheduled_time, request.first_token_time
@@ -260,18 +276,29 @@ class Scheduler:
         """
         num_scheduled_tokens: dict[str, int] = {}
         cached = CachedRequestData()
-        token_budget, preempted = self._schedule_running(num_scheduled_tokens, cached)
+        drafts: dict[str, list[int]] = {}
+        token_budget, preempted = self._schedule_running(num_scheduled_tokens, cached, drafts)
         # Waiting requests only if blocks were not just too short to keep everyone.
         new_reqs = [] if preempted else self._schedule_waiting(token_budget, num_scheduled_tokens)
-        return self._make_scheduler_output(new_reqs, cached, num_scheduled_tokens)
+        output = self._make_scheduler_output(new_reqs, cached, num_scheduled_tokens)
+        if drafts:
+            # A request preempted later in the pass left the step with its drafts.
+            output.scheduled_spec_decode_tokens = {
+                req_id: d for req_id, d in drafts.items() if req_id in num_scheduled_tokens
+            }
+        return output
 
     def _schedule_running(
-        self, num_scheduled_tokens: dict[str, int], cached: CachedRequestData
+        self,
+        num_scheduled_tokens: dict[str, int],
+        cached: CachedRequestData,
+        drafts: dict[str, list[int]],
     ) -> tuple[int, bool]:
         """Advance running requests in admission order, preempting when blocks run out.
 
-        Fills ``num_scheduled_tokens`` and ``cached``; returns the token budget
-        left and whether any request was preempted.
+        Fills ``num_scheduled_tokens``, ``cached`` and ``drafts`` (speculative
+        decoding); returns the token budget left and whether any request was
+        preempted.
         """
         config = self.config
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -284,6 +311,9 @@ class Scheduler:
         cached_new_block_ids = cached.new_block_ids
         cached_num_computed = cached.num_computed_tokens
         preempted = False
+        speculator = self.speculator
+        if speculator is not None and speculator.batch_too_large(len(running)):
+            speculator = None
 
         index = 0
         while index < len(running) and token_budget > 0:
@@ -300,7 +330,20 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens)
+            new_blocks = None
+            if num_new_tokens == 1 and speculator is not None:
+                # Drafts only where blocks are plentiful (the watermark): they
+                # must never be the reason someone gets preempted.
+                request_drafts = speculator.propose(request, token_budget, self._step_id)
+                if request_drafts:
+                    new_blocks = allocate_slots(
+                        request, 1 + len(request_drafts), (), self._num_watermark_blocks
+                    )
+                    if new_blocks is not None:
+                        num_new_tokens += len(request_drafts)
+                        drafts[request.request_id] = request_drafts
+            if new_blocks is None:
+                new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
                 preempted = True
                 new_blocks, index = self._preempt_for(
@@ -576,6 +619,7 @@ class Scheduler:
         cache_full_blocks = self.kv_cache_manager.cache_full_blocks
         max_model_len = self.config.max_model_len
         errors = model_runner_output.errors
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         req_ids = model_runner_output.req_ids
         sampled_by_id = dict(zip(req_ids, model_runner_output.sampled_token_ids, strict=True))
         logprobs_by_id = (
@@ -600,17 +644,27 @@ class Scheduler:
                 continue
             if errors and request_id in errors:
                 continue  # _fail_in_worker
+            token_ids = sampled_by_id.get(request_id)
+            request_drafts = drafts.get(request_id) if drafts else None
+            if request_drafts:
+                # Rejected drafts were computed but hold KV of wrong tokens:
+                # they do not count, and their blocks are cached only once the
+                # accepted tokens are appended (below).
+                num_tokens -= self._record_verification(request_id, request_drafts, token_ids)
             if computed_before is None:
                 num_computed = request.num_computed_tokens = (
                     request.num_computed_tokens + num_tokens
                 )
             else:
                 num_computed = computed_before[request_id] + num_tokens
-            cache_full_blocks(request, num_computed)
-            token_ids = sampled_by_id.get(request_id)
+            if not request_drafts:
+                cache_full_blocks(request, num_computed)
             if not token_ids:
                 continue
-            if num_computed != len(request.all_token_ids):
+            # The last known token (and the accepted drafts) are computed; the
+            # token sampled after them is not.
+            num_accepted = len(token_ids) - 1 if request_drafts else 0
+            if num_computed != len(request.all_token_ids) + num_accepted:
                 self._log_early_sample(request, num_computed)
                 continue
             if computed_before is not None:
@@ -619,6 +673,8 @@ class Scheduler:
             if num_appended < len(token_ids):
                 token_ids = token_ids[:num_appended]
             stopped = request.status is not _RUNNING  # a token finished it
+            if request_drafts:
+                self._settle_drafted_blocks(request, num_computed, stopped)
             if request.first_token_time is None:
                 if now is None:
                     now = self.clock()
@@ -643,6 +699,32 @@ class Scheduler:
             outputs.append(output)
             if stopped:
                 finished.append(request)
+
+    def _record_verification(
+        self, request_id: str, request_drafts: list[int], token_ids: list[int] | None
+    ) -> int:
+        """Count a verification's outcome; returns how many drafts were rejected.
+
+        The worker answers the accepted drafts plus one token: all drafts
+        rejected when it answered nothing (its contract broken, logged later).
+        """
+        num_drafts = len(request_drafts)
+        num_accepted = min(max(len(token_ids) - 1, 0), num_drafts) if token_ids else 0
+        assert self.speculator is not None
+        self.speculator.record(request_id, num_drafts, num_accepted, self._step_id)
+        return num_drafts - num_accepted
+
+    def _settle_drafted_blocks(self, request: Request, num_computed: int, stopped: bool) -> None:
+        """After a verification: cache the blocks the accepted tokens fill, free the
+        tail that only rejected drafts needed (the worker drops the same tail).
+
+        Tokens after a stop were dropped: their KV is never cached.
+        """
+        kv = self.kv_cache_manager
+        kv.cache_full_blocks(request, min(num_computed, request.num_tokens))
+        if not stopped:
+            # Room for the known tokens, i.e. up to the one sampled this step.
+            kv.free_excess_blocks(request, request.num_tokens)
 
     def _collect_prompt_logprobs(self, runs: list[PromptLogprobs]) -> None:
         """Store the prompt positions the worker scored until the first token takes them.
@@ -851,6 +933,7 @@ class Scheduler:
             finished_requests=self._finished_stats,
             num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
             kv_connector=self.connector.make_stats() if self.connector is not None else None,
+            spec_decoding=self.speculator.make_stats() if self.speculator is not None else None,
         )
         self._prefix_cache_queries = self._prefix_cache_hits = self._num_preemptions = 0
         self._finished_stats = []

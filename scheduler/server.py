@@ -50,6 +50,13 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
             max_model_len,
             max_model_len,
         )
+    speculative = config.speculative
+    async_scheduling = config.async_scheduling and speculative is None
+    if speculative is not None and config.async_scheduling:
+        logger.info(
+            "speculative decoding on: async scheduling turned off (drafts need the "
+            "latest tokens at schedule time)"
+        )
     core_config = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
@@ -59,8 +66,9 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
         enable_prefix_caching=config.prefix_caching,
-        async_scheduling=config.async_scheduling,
+        async_scheduling=async_scheduling,
         enable_kv_connector=config.kv_offload,
+        speculative=speculative,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None

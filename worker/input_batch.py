@@ -162,6 +162,30 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def write_draft_tokens(self, row: int, draft_token_ids: list[int]) -> None:
+        """Place a step's draft tokens after the row's known tokens (not counted in
+        ``num_tokens``): the step's input reads them from there. ValueError if
+        they leave the vocabulary or the row."""
+        start = int(self.num_tokens[row])
+        if start + len(draft_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{len(draft_token_ids)} drafts after {start} tokens pass max_model_len"
+            )
+        if min(draft_token_ids) < 0 or max(draft_token_ids) >= self.vocab_size:
+            raise ValueError(f"draft token id outside the vocabulary [0, {self.vocab_size})")
+        self.token_ids[row, start : start + len(draft_token_ids)] = draft_token_ids
+
+    def append_verified_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Extend a row by its accepted drafts and the token sampled after them, and
+        drop the blocks past its known tokens: they held only rejected drafts, and
+        the scheduler frees the same tail (the step contract's rule)."""
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        num_tokens = self.num_tokens[row] = start + len(token_ids)
+        self.num_blocks[row] = min(
+            int(self.num_blocks[row]), cdiv(int(num_tokens), self.block_size)
+        )
+
     def output_token_ids(self, req_id: str) -> list[int]:
         row = self.row_of[req_id]
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()

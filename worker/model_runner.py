@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kernels.registry import select_attention_backend
-from services.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from services.step import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
@@ -31,7 +31,8 @@ from worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
-from worker.sampler import Sampler
+from worker.rejection_sampler import verify_drafts
+from worker.sampler import Sampler, SamplerOutput
 from worker.sampling_metadata import build_sampling_metadata
 from worker.step_inputs import StepInputs, check_schedulable, prepare_step_inputs
 from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
@@ -199,8 +200,10 @@ class ModelRunner:
 
     def _scheduled_requests(
         self, scheduler_output: SchedulerOutput, errors: dict[str, str]
-    ) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """(req_ids, rows, num_scheduled) of the requests that can run this step."""
+    ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None]:
+        """(req_ids, rows, num_scheduled, num_drafts) of the requests that can run this
+        step; num_drafts is None when the step has no drafts (which are written
+        into the batch here)."""
         batch = self.input_batch
         req_ids: list[str] = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -216,7 +219,12 @@ class ModelRunner:
             dtype=np.int64,
             count=len(req_ids),
         )
-        reasons = check_schedulable(batch, rows, num_scheduled)
+        num_drafts, draft_errors = self._write_drafts(
+            scheduler_output.scheduled_spec_decode_tokens, req_ids, rows
+        )
+        reasons = check_schedulable(batch, rows, num_scheduled, num_drafts)
+        for i, message in draft_errors.items():
+            reasons[i] = reasons[i] or message
         if any(reasons):
             keep = np.array([not reason for reason in reasons], dtype=bool)
             for req_id, reason in zip(req_ids, reasons, strict=True):
@@ -226,7 +234,30 @@ class ModelRunner:
                     batch.remove_request(req_id)
             req_ids = [r for r, ok in zip(req_ids, keep, strict=True) if ok]
             rows, num_scheduled = rows[keep], num_scheduled[keep]
-        return req_ids, rows, num_scheduled
+            if num_drafts is not None:
+                num_drafts = num_drafts[keep]
+        return req_ids, rows, num_scheduled, num_drafts
+
+    def _write_drafts(
+        self, drafts: dict[str, list[int]], req_ids: list[str], rows: np.ndarray
+    ) -> tuple[np.ndarray | None, dict[int, str]]:
+        """Place each request's drafts after its known tokens: (drafts per request,
+        or None without any; why a request's drafts are invalid, by index)."""
+        if not drafts:
+            return None, {}
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        errors: dict[int, str] = {}
+        for i, req_id in enumerate(req_ids):
+            request_drafts = drafts.get(req_id)
+            if not request_drafts:
+                continue
+            try:
+                self.input_batch.write_draft_tokens(int(rows[i]), request_drafts)
+            except ValueError as exc:
+                errors[i] = f"invalid drafts: {exc}"
+                continue
+            num_drafts[i] = len(request_drafts)
+        return num_drafts, errors
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -244,18 +275,30 @@ class ModelRunner:
         output = ModelRunnerOutput.make_empty(scheduler_output.step_id)
         started = time.perf_counter()
         output.errors = self._apply_scheduler_deltas(scheduler_output)
-        req_ids, rows, num_scheduled = self._scheduled_requests(scheduler_output, output.errors)
+        req_ids, rows, num_scheduled, num_drafts = self._scheduled_requests(
+            scheduler_output, output.errors
+        )
         if not req_ids:
             return output
         inputs = prepare_step_inputs(
-            self.input_batch, rows, num_scheduled, self.backend, self.device
+            self.input_batch, rows, num_scheduled, self.backend, self.device, num_drafts
         )
         prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
         prepared = time.perf_counter()
         try:
-            sampled, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
-                inputs, prompt_spans
-            )
+            if inputs.num_logits is None:
+                tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
+                    inputs, prompt_spans
+                )
+            else:
+                if self.layout.is_parallel:
+                    # The driver would broadcast a variable number of tokens per row.
+                    raise ValueError(
+                        "speculative decoding does not combine with tensor/pipeline parallelism yet"
+                    )
+                tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_verify(
+                    inputs, prompt_spans
+                )
         except Exception as exc:
             if self.layout.is_parallel:
                 # The other ranks may be waiting in a collective this rank never
@@ -270,10 +313,6 @@ class ModelRunner:
                 self.input_batch.remove_request(req_id)
             return output
 
-        sample_rows = rows[inputs.sample_mask]
-        token_array = sampled.cpu().numpy()
-        self.input_batch.append_sampled_tokens(sample_rows, token_array)
-        token_list = token_array.tolist()
         output.req_ids = req_ids
         output.sampled_token_ids = [[] for _ in req_ids]
         output.logprobs = [[] for _ in req_ids]
@@ -281,9 +320,8 @@ class ModelRunner:
             if position in failed_rows:
                 self._fail_request(req_ids[index], failed_rows[position], output)
                 continue
-            output.sampled_token_ids[index] = [token_list[position]]
-            if (sampled_logprobs := logprobs[position]) is not None:
-                output.logprobs[index] = [sampled_logprobs]
+            output.sampled_token_ids[index] = tokens[position]
+            output.logprobs[index] = logprobs[position]
         output.errors.update(self.structured_output.pop_errors())
         self.timings.prepare += prepared - started
         self.timings.num_steps += 1
@@ -296,29 +334,122 @@ class ModelRunner:
 
     def _forward_and_sample(
         self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
-    ) -> tuple[torch.Tensor, list, list[PromptLogprobs], dict[int, str]]:
-        """(sampled token per sampling row, their logprobs, prompt logprobs, failed
-        sampling rows by position)."""
+    ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
+        """Per sampling request (in step order): its token and their logprobs; plus
+        prompt logprobs and failed sampling requests by position. The tokens are
+        appended to the batch."""
+        logits, prompt_logprobs = self._forward(inputs, prompt_spans)
+        sample_rows = inputs.rows[inputs.sample_mask]
+        if not self.samples:
+            # A rank other than the driver: the driver samples and broadcasts.
+            return self._receive_sampled(sample_rows)
+        if logits is None:
+            return [], [], prompt_logprobs, {}
+        result = self._sample(logits, sample_rows)
+        token_array = result.token_ids.cpu().numpy()
+        self.input_batch.append_sampled_tokens(sample_rows, token_array)
+        tokens = [[token] for token in token_array.tolist()]
+        logprobs = [[] if lp is None else [lp] for lp in result.logprobs]
+        return tokens, logprobs, prompt_logprobs, result.failed_rows
+
+    def _forward_and_verify(
+        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+    ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
+        """``_forward_and_sample`` for a step with drafts: requests without drafts
+        sample as usual; those with drafts keep their accepted drafts plus one token."""
+        logits, prompt_logprobs = self._forward(inputs, prompt_spans)
+        num_logits = inputs.num_logits
+        if logits is None or num_logits is None:
+            return [], [], prompt_logprobs, {}
+        batch = self.input_batch
+        sample_rows = inputs.rows[inputs.sample_mask]
+        tokens: list[list[int]] = [[] for _ in sample_rows]
+        logprobs: list[list[Logprobs]] = [[] for _ in sample_rows]
+        failed: dict[int, str] = {}
+        starts = np.cumsum(num_logits) - num_logits
+        plain = np.flatnonzero(num_logits == 1)
+        if plain.size:
+            self._collect_plain_samples(
+                logits[torch.from_numpy(starts[plain])],
+                sample_rows,
+                plain,
+                tokens,
+                logprobs,
+                failed,
+            )
+        drafted = np.flatnonzero(num_logits > 1)
+        if drafted.size:
+            sample_started = time.perf_counter()
+            logits_rows = np.concatenate(
+                [np.arange(starts[i], starts[i] + num_logits[i]) for i in drafted]
+            )
+            verified = verify_drafts(
+                logits[torch.from_numpy(logits_rows)],
+                batch,
+                sample_rows[drafted],
+                num_logits[drafted],
+                self.model_config.eos_token_ids,
+            )
+            for j, position in enumerate(drafted.tolist()):
+                if j in verified.failed:
+                    failed[position] = verified.failed[j]
+                    continue
+                tokens[position], logprobs[position] = verified.token_ids[j], verified.logprobs[j]
+                batch.append_verified_tokens(int(sample_rows[position]), tokens[position])
+            self.timings.sample += time.perf_counter() - sample_started
+        return tokens, logprobs, prompt_logprobs, failed
+
+    def _collect_plain_samples(
+        self,
+        logits: torch.Tensor,
+        sample_rows: np.ndarray,
+        positions: np.ndarray,
+        tokens: list[list[int]],
+        logprobs: list[list[Logprobs]],
+        failed: dict[int, str],
+    ) -> None:
+        """Sample the requests at ``positions`` (no drafts) into the per-position lists."""
+        rows = sample_rows[positions]
+        result = self._sample(logits, rows)
+        token_array = result.token_ids.cpu().numpy()
+        self.input_batch.append_sampled_tokens(rows, token_array)
+        for j, (position, token) in enumerate(
+            zip(positions.tolist(), token_array.tolist(), strict=True)
+        ):
+            if j in result.failed_rows:
+                failed[position] = result.failed_rows[j]
+                continue
+            tokens[position] = [token]
+            if (lp := result.logprobs[j]) is not None:
+                logprobs[position] = [lp]
+
+    def _forward(
+        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+    ) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
+        """The forward pass: logits at ``inputs.logits_indices`` (None if there are
+        none) and the prompt logprobs."""
         forward_started = time.perf_counter()
         hidden = self._run_layers(inputs)
-        if hidden is None:  # a later pipeline stage: the driver's stage samples
+        if hidden is None:  # a later pipeline stage: the first stage computes logits
             self.timings.forward += time.perf_counter() - forward_started
-            return self._receive_sampled(inputs)
+            return None, []
         prompt_logprobs = (
             compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_spans)
             if prompt_spans
             else []
         )
-        if inputs.logits_indices.shape[0] == 0:
-            self.timings.forward += time.perf_counter() - forward_started
-            return torch.empty(0, dtype=torch.int64), [], prompt_logprobs, {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = (
+            self.model.compute_logits(hidden[inputs.logits_indices])
+            if inputs.logits_indices.shape[0]
+            else None
+        )
+        self.timings.forward += time.perf_counter() - forward_started
+        return logits, prompt_logprobs
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> SamplerOutput:
+        """One token per row of ``logits`` (batch rows ``sample_rows``), grammars applied."""
         sample_started = time.perf_counter()
-        self.timings.forward += sample_started - forward_started
-        if not self.samples:
-            return self._receive_sampled(inputs)
         batch = self.input_batch
-        sample_rows = inputs.rows[inputs.sample_mask]
         params = [batch.sampling_params[row] for row in sample_rows]
         generators = {
             i: batch.generators[row] for i, row in enumerate(sample_rows) if row in batch.generators
@@ -343,7 +474,7 @@ class ModelRunner:
         if self.layout.is_parallel:
             self._send_sampled(result.token_ids, result.failed_rows)
         self.timings.sample += time.perf_counter() - sample_started
-        return result.token_ids, result.logprobs, prompt_logprobs, result.failed_rows
+        return result
 
     def _run_layers(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states on the first pipeline stage, None on the others.
@@ -381,13 +512,16 @@ class ModelRunner:
         self.collectives.broadcast_sampled(tokens)
 
     def _receive_sampled(
-        self, inputs: StepInputs
-    ) -> tuple[torch.Tensor, list, list[PromptLogprobs], dict[int, str]]:
-        """The driver's sampled tokens (-1: that row failed there, so it fails here)."""
+        self, sample_rows: np.ndarray
+    ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
+        """The driver's sampled tokens, appended to this rank's batch (-1: that row
+        failed there, so it fails here). Logprobs stay with the driver."""
         assert self.collectives is not None
-        num_rows = int(inputs.sample_mask.sum())
+        num_rows = len(sample_rows)
         if num_rows == 0:  # the driver samples nothing either, and sends nothing
-            return torch.empty(0, dtype=torch.int64), [], [], {}
+            return [], [], [], {}
         tokens = self.collectives.broadcast_sampled(torch.empty(num_rows, dtype=torch.int64))
         failed = {int(p): "failed on the driver" for p in torch.nonzero(tokens < 0).flatten()}
-        return tokens, [None] * num_rows, [], failed
+        token_array = tokens.numpy()
+        self.input_batch.append_sampled_tokens(sample_rows, token_array)
+        return [[t] for t in token_array.tolist()], [[] for _ in range(num_rows)], [], failed

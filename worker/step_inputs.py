@@ -18,15 +18,27 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    # Requests that reach the end of their known tokens this step sample.
+    # Requests that reach the end of their known tokens (and drafts) this step sample.
     sample_mask: np.ndarray  # [num_reqs] bool
-    logits_indices: torch.Tensor  # [num_sampling_reqs] int64, last token row of each
+    # Token rows whose logits are computed: per sampling request, its drafts'
+    # rows and its last one (only the last one without drafts), in step order.
+    logits_indices: torch.Tensor  # [sum(num_logits)] int64
+    # Per sampling request: 1 + its drafts. None when the step has no drafts.
+    num_logits: np.ndarray | None = None
 
 
-def check_schedulable(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray) -> list[str]:
-    """Per request, '' if the step fits its known tokens and blocks, else why not."""
+def check_schedulable(
+    batch: InputBatch,
+    rows: np.ndarray,
+    num_scheduled: np.ndarray,
+    num_drafts: np.ndarray | None = None,
+) -> list[str]:
+    """Per request, '' if the step fits its known tokens (plus drafts) and blocks, else why not."""
     context_lens = batch.num_computed_tokens[rows] + num_scheduled
-    too_many = context_lens > batch.num_tokens[rows]
+    num_known = (
+        batch.num_tokens[rows] if num_drafts is None else batch.num_tokens[rows] + num_drafts
+    )
+    too_many = context_lens > num_known
     no_blocks = context_lens > batch.num_blocks[rows] * batch.block_size
     nothing = num_scheduled <= 0
     reasons = [""] * len(rows)
@@ -35,8 +47,7 @@ def check_schedulable(batch: InputBatch, rows: np.ndarray, num_scheduled: np.nda
             reasons[i] = f"scheduled {num_scheduled[i]} tokens"
         elif too_many[i]:
             reasons[i] = (
-                f"scheduled up to token {context_lens[i]} but only "
-                f"{batch.num_tokens[rows[i]]} tokens are known"
+                f"scheduled up to token {context_lens[i]} but only {num_known[i]} tokens are known"
             )
         else:
             reasons[i] = (
@@ -52,8 +63,13 @@ def prepare_step_inputs(
     num_scheduled: np.ndarray,
     backend: AttentionBackend,
     device: torch.device,
+    num_drafts: np.ndarray | None = None,
 ) -> StepInputs:
-    """Flatten the scheduled tokens of ``rows`` (in order) into one batch."""
+    """Flatten the scheduled tokens of ``rows`` (in order) into one batch.
+
+    ``num_drafts`` (per request, None when the step has none): the request's
+    input ends with that many draft tokens, written after its known tokens.
+    """
     num_reqs = len(rows)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -74,8 +90,20 @@ def prepare_step_inputs(
     max_context_len = int(context_lens.max())
     max_blocks = cdiv(max_context_len, batch.block_size)
     block_tables = batch.block_table[rows, :max_blocks]
-    sample_mask = context_lens == batch.num_tokens[rows]
-    logits_indices = query_start_loc[1:][sample_mask].astype(np.int64) - 1
+    num_known = batch.num_tokens[rows]
+    if num_drafts is not None:
+        num_known = num_known + num_drafts
+    sample_mask = context_lens == num_known
+    last_rows = query_start_loc[1:][sample_mask].astype(np.int64) - 1
+    num_logits = None
+    if num_drafts is None:
+        logits_indices = last_rows
+    else:
+        # Each sampling request's last 1 + drafts rows, in order.
+        num_logits = num_drafts[sample_mask].astype(np.int64) + 1
+        group_start = np.cumsum(num_logits) - num_logits
+        offset = np.arange(int(num_logits.sum())) - np.repeat(group_start, num_logits)
+        logits_indices = np.repeat(last_rows - num_logits + 1, num_logits) + offset
 
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
@@ -95,4 +123,5 @@ def prepare_step_inputs(
         metadata=metadata,
         sample_mask=sample_mask,
         logits_indices=to_device(logits_indices, torch.int64),
+        num_logits=num_logits,
     )

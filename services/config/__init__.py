@@ -6,6 +6,7 @@
   flags and variables become a config.
 - ``choices``: enumerations a flag accepts (scheduling policies, attention
   backends, dtypes, routing policies), imported by the code that acts on them.
+- ``speculative``: ``--speculative-config`` (vLLM's JSON) as a frozen dataclass.
 - ``process``: variables that are not per-service flags (cache folders, kernel
   switches, tool defaults), each read through one typed accessor.
 
@@ -59,6 +60,11 @@ from services.config.service_configs import (
     StepDeadlineOptions,
     WorkerConfig,
 )
+from services.config.speculative import (
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
 
 
 def declared_env_names() -> set[str]:
@@ -84,6 +90,7 @@ __all__ = [
     "ROUTING_POLICIES",
     "SCHEDULING_POLICIES",
     "SERVICE_CONFIGS",
+    "SPECULATIVE_METHODS",
     "TOOL_SETTINGS",
     "CommonConfig",
     "DetokenizerConfig",
@@ -96,6 +103,7 @@ __all__ = [
     "RoutingPolicyName",
     "SchedulerServiceConfig",
     "SchedulingPolicyName",
+    "SpeculativeConfig",
     "StepDeadlineOptions",
     "WorkerConfig",
     "add_config_arguments",
@@ -107,4 +115,5 @@ __all__ = [
     "env_name",
     "environment_without_options",
     "opt",
+    "parse_speculative_config",
 ]

@@ -18,6 +18,7 @@ from services.config.choices import (
     SCHEDULING_POLICIES,
 )
 from services.config.options import Options, opt
+from services.config.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_HOST = "127.0.0.1"
 # The longest context served when --max-model-len is 0: the model may allow
@@ -289,6 +290,20 @@ class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions, MigrationO
         "decode replica (which ends the lease sooner, once its request ran)",
         minimum=0.001,
     )
+    speculative_config: str = opt(
+        "",
+        'speculative decoding as vLLM\'s JSON, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
+        '{"method": "suffix"}; turns async scheduling off (empty: off)',
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_speculative_config(self.speculative_config)  # refuse a bad flag at start-up
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def make_output(
     sampled: list[list[int]] = []
     for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
-        reaches_end = request.num_computed_tokens + num_scheduled == request.num_tokens
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
+        reaches_end = request.num_computed_tokens + num_scheduled == request.num_tokens + num_drafts
         req_ids.append(request_id)
         sampled.append([tokens.get(request_id, DEFAULT_SAMPLED_TOKEN)] if reaches_end else [])
     return ModelRunnerOutput(
@@ -86,6 +87,26 @@ def make_output(
         sampled_token_ids=sampled,
         errors=dict(errors or {}),
     )
+
+
+def make_spec_output(
+    scheduler_output: SchedulerOutput,
+    num_accepted: Mapping[str, int],
+    bonus_token: int = DEFAULT_SAMPLED_TOKEN,
+    *,
+    scheduler: Scheduler,
+) -> ModelRunnerOutput:
+    """``make_output`` for a step with drafts: request r keeps its first
+    ``num_accepted[r]`` drafts (all when absent) and then samples ``bonus_token``
+    (as every sampling request without drafts does)."""
+    output = make_output(scheduler_output, scheduler=scheduler)
+    for index, request_id in enumerate(output.req_ids):
+        if not output.sampled_token_ids[index]:
+            continue
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
+        kept = drafts[: num_accepted.get(request_id, len(drafts))]
+        output.sampled_token_ids[index] = [*kept, bonus_token]
+    return output
 
 
 def run_step(
