@@ -23,10 +23,16 @@ pytestmark = pytest.mark.model
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# The batches here hold 6 requests: above the default disable_by_batch_size,
+# which would switch drafting off.
 NGRAM = SpeculativeConfig(
-    method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3
+    method="ngram",
+    num_speculative_tokens=4,
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    disable_by_batch_size=16,
 )
-SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4, disable_by_batch_size=16)
 # A text the model is asked to copy (it does, with SmolLM2's chat template):
 # prompt lookup drafts most of the copy.
 REPEAT_TEXT = (
