@@ -21,6 +21,9 @@ from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.kv_connector import KVConnectorWorker
+from worker.lora.setup import attach_lora_slots
+from worker.lora.slots import LoRASlots
+from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 from worker.model_loader import load_model
 from worker.prompt_logprobs import (
     PromptLogprobsSpan,
@@ -55,6 +58,8 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str | None = None,
         num_threads: int | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         # Decode matmuls are memory-bandwidth bound and torch parallelizes each
         # one across its intra-op threads, so a worker that owns the machine
@@ -75,6 +80,12 @@ class ModelRunner:
         self.cache_config = cache_config
         self.num_kv_blocks = cache_config.resolve_num_kv_blocks(model_config)
         self.model = load_model(model_config, self.device)
+        # --enable-lora: adapter slots in every layer (0 slots: LoRA off).
+        self.lora_slots: LoRASlots | None = (
+            attach_lora_slots(self.model, max_loras, max_lora_rank, self.device)
+            if max_loras
+            else None
+        )
         self.backend = select_attention_backend(self.device, attention_backend)
         self.kv_caches = allocate_kv_caches(
             model_config, self.num_kv_blocks, cache_config.block_size, self.device
@@ -121,6 +132,8 @@ class ModelRunner:
             self.structured_output.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             try:
+                if new.lora_request is not None and self.lora_slots is None:
+                    raise ValueError("LoRA adapters are not enabled on this worker")
                 batch.add_request(new)
                 spec = new.sampling_params.structured_output
                 if spec is not None:
@@ -193,6 +206,11 @@ class ModelRunner:
         started = time.perf_counter()
         output.errors = self._apply_scheduler_deltas(scheduler_output)
         req_ids, rows, num_scheduled = self._scheduled_requests(scheduler_output, output.errors)
+        lora = None
+        if self.lora_slots is not None and req_ids:
+            req_ids, rows, num_scheduled, lora = self._group_by_adapter(
+                req_ids, rows, num_scheduled, output.errors
+            )
         if not req_ids:
             return output
         inputs = prepare_step_inputs(
@@ -202,7 +220,7 @@ class ModelRunner:
         prepared = time.perf_counter()
         try:
             sampled, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
-                inputs, prompt_spans
+                inputs, prompt_spans, lora
             )
         except Exception as exc:
             # A failure in the forward pass belongs to the whole step (the
@@ -238,14 +256,57 @@ class ModelRunner:
         self.input_batch.remove_request(req_id)
         self.structured_output.remove_request(req_id)
 
+    def _group_by_adapter(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        errors: dict[str, str],
+    ) -> tuple[list[str], np.ndarray, np.ndarray, LoRABatch | None]:
+        """Slot the step's adapters and order its requests by slot.
+
+        A request whose adapter cannot be loaded fails alone. Returns the
+        requests that run, in their new order, and the step's adapter layout
+        (None when every request runs the base model).
+        """
+        assert self.lora_slots is not None
+        loras = [self.input_batch.lora_requests[row] for row in rows]
+        wanted = {lora.lora_id: lora for lora in loras if lora is not None}
+        if not wanted:
+            return req_ids, rows, num_scheduled, None
+        slot_of, failures = self.lora_slots.activate(wanted)
+        keep = np.ones(len(req_ids), dtype=bool)
+        for index, (req_id, lora) in enumerate(zip(req_ids, loras, strict=True)):
+            if lora is not None and lora.lora_id in failures:
+                errors[req_id] = failures[lora.lora_id]
+                self.input_batch.remove_request(req_id)
+                keep[index] = False
+        slots = np.fromiter(
+            (
+                NO_ADAPTER if lora is None else slot_of.get(lora.lora_id, NO_ADAPTER)
+                for lora in loras
+            ),
+            dtype=np.int64,
+            count=len(loras),
+        )[keep]
+        req_ids = [r for r, ok in zip(req_ids, keep, strict=True) if ok]
+        rows, num_scheduled = rows[keep], num_scheduled[keep]
+        order = order_by_slot(slots)
+        req_ids = [req_ids[i] for i in order]
+        rows, num_scheduled, slots = rows[order], num_scheduled[order], slots[order]
+        return req_ids, rows, num_scheduled, plan_lora_batch(slots, num_scheduled, self.device)
+
     def _forward_and_sample(
-        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+        self,
+        inputs: StepInputs,
+        prompt_spans: list[PromptLogprobsSpan],
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, list, list[PromptLogprobs], dict[int, str]]:
         """(sampled token per sampling row, their logprobs, prompt logprobs, failed
         sampling rows by position)."""
         forward_started = time.perf_counter()
         hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend, lora
         )
         prompt_logprobs = (
             compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_spans)
