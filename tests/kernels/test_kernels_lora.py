@@ -24,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not triton_interpret_enabled():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 at import", allow_module_level=True)
 
-from kernels.triton_lora import add_lora_triton
+from kernels.triton_lora import add_lora_triton  # noqa: E402 - after the interpreter check
 
 
 def _case(num_tokens: int, in_features: int, out_features: int, rank: int, slots: list[int]):
