@@ -53,6 +53,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         enable_prefix_caching=config.prefix_caching,
         async_scheduling=config.async_scheduling,
         enable_kv_connector=config.kv_offload,
+        max_loras=info.max_loras,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr) if config.kv_offload else None
