@@ -160,6 +160,8 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         device=config.device,
         attention_backend=config.attention_backend or None,
         num_threads=config.num_threads or None,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
     )
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,
@@ -170,6 +172,8 @@ def build_runner(config: WorkerConfig) -> tuple[ModelRunner, worker_pb2.WorkerIn
         eos_token_ids=list(model_config.eos_token_ids),
         attention_backend=runner.attention_backend_name,
         device=config.device,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
     )
     return runner, info
 
