@@ -5,10 +5,9 @@ its default, help text and limits (``choices``, ``minimum``, ``maximum``) live
 in the field's metadata, so the flag's help, argparse's ``choices`` and the
 check in ``__post_init__`` all read the same declaration. An option
 ``foo_bar`` is the flag ``--foo-bar`` and the variable ``KVMESH_FOO_BAR``; the
-flag wins over the variable, the variable over the default. A ``tuple[str, ...]``
-option takes several
-values (``--lora-modules a=/x b=/y``), and its variable holds them
-shell-quoted and space-separated.
+flag wins over the variable, the variable over the default. A
+``tuple[str, ...]`` option takes several values (``--lora-modules a=/x b=/y``),
+and its variable holds them shell-quoted and space-separated.
 """
 
 from __future__ import annotations
