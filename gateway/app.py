@@ -26,6 +26,7 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
 from gateway.limits import GatewayLimits
+from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
 from gateway.protocol import (
@@ -45,10 +46,11 @@ from gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from gateway.served_models import ServedModels
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
-from gateway.validation import check_model, check_token_ids, render_chat
+from gateway.validation import check_token_ids, render_chat
 from services.errors import (
     KvmeshError,
     UnauthenticatedError,
@@ -200,13 +202,16 @@ def build_app(
     api_key: str | None = None,
     limits: GatewayLimits | None = None,
     admission: AdmissionGate | None = None,
+    models: ServedModels | None = None,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
     ``admission`` bounds the generation calls in flight (shared with the public
-    gRPC API); without it, the engine's own 429 is the only bound.
+    gRPC API); without it, the engine's own 429 is the only bound. ``models``:
+    the LoRA adapters served besides ``served_model_name`` (none by default).
     """
     limits = limits or GatewayLimits()
+    models = models or ServedModels(served_model_name)
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
     schema: dict[str, Any] = {}
@@ -231,8 +236,8 @@ def build_app(
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits)
+    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits, models)
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits, models)
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 
@@ -256,8 +261,21 @@ def build_app(
 
     @app.get("/v1/models", responses=_only_auth(errors))
     async def list_models() -> ModelList:
-        card = ModelCard(id=served_model_name, max_model_len=engine.model_info.max_model_len)
-        return ModelList(data=[card])
+        max_model_len = engine.model_info.max_model_len
+        cards = [ModelCard(id=served_model_name, max_model_len=max_model_len)]
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=served_model_name,
+                max_model_len=max_model_len,
+            )
+            for lora in models.adapters.values()
+        ]
+        return ModelList(data=cards)
+
+    if models.lora_enabled:
+        add_lora_routes(app, models, errors)
 
     @app.get("/health")
     async def health() -> HealthResponse:
@@ -309,12 +327,12 @@ def build_app(
         responses={**errors, 404: _MODEL_NOT_FOUND},
     )
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        check_model(request.model, served_model_name)
+        models.resolve(request.model)
         return await tokenizer.offload(tokenize_in_thread, request)
 
     @app.post("/detokenize", responses={**errors, 404: _MODEL_NOT_FOUND})
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(request.model, served_model_name)
+        models.resolve(request.model)
         check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
         return DetokenizeResponse(prompt=await tokenizer.offload(tokenizer.decode, request.tokens))
 

@@ -43,7 +43,11 @@ from protos import (
 )
 from services.errors import InvalidRequestError, UnavailableError, error_from_rpc
 from services.grpc_server import insecure_channel
-from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
+from services.step_codec import (
+    detokenize_params_to_proto,
+    lora_request_to_proto,
+    sampling_params_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +265,11 @@ class GrpcEngineClient:
                 msg.cache_salt = request.cache_salt
             if request.parallel_group is not None:
                 msg.parallel_group = request.parallel_group
-            if self._prefill is not None:
+            if request.lora_request is not None:
+                msg.lora_request.CopyFrom(lora_request_to_proto(request.lora_request))
+            # The prefill replica runs the base model only: adapter prompts are
+            # computed where they decode.
+            if self._prefill is not None and request.lora_request is None:
                 transfer = await self._prefill.prefill(msg)
                 if transfer is not None:
                     msg.kv_transfer.CopyFrom(transfer)

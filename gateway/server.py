@@ -15,6 +15,7 @@ from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
+from gateway.served_models import ServedModels, read_lora_request
 from gateway.tokenizer import Tokenizer
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
@@ -30,6 +31,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def served_models(config: GatewayConfig, served_name: str) -> ServedModels:
+    """The base model and the ``--lora-modules`` adapters; a bad adapter stops the start."""
+    models = ServedModels(served_name, lora_enabled=config.enable_lora)
+    for name, path in config.lora_module_paths.items():
+        models.add(read_lora_request(name, path))
+    return models
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
@@ -87,7 +96,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await grpc_service.start(config.bind_host, config.grpc_port)
     await grpc_service.set_serving(True)
 
-    app = build_app(*surface, **surface_options)
+    app = build_app(*surface, **surface_options, models=served_models(config, served_name))
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,

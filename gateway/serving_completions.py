@@ -41,7 +41,6 @@ from gateway.serving_common import (
 from gateway.tokenizer import Tokenizer
 from gateway.validation import (
     Prompt,
-    check_model,
     check_unsupported,
     completion_prompts,
     truncate_prompts,
@@ -71,7 +70,7 @@ def _tokenized_prompts(
 
 class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        check_model(request.model, self._model_name)
+        lora_request = self._models.resolve(request.model)
         check_unsupported(request)
         model_info = self._engine.model_info
         prompts = await self._tokenizer.offload(
@@ -79,7 +78,7 @@ class CompletionServing(Serving):
         )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
-            request_id, prompts, request, model_info, self._tokenizer
+            request_id, prompts, request, model_info, self._tokenizer, lora_request=lora_request
         )
         logger.info(
             "request %s: %d prompt(s) x n=%d, stream=%s",
