@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from worker.model_runner import ModelRunner
 
@@ -42,6 +43,7 @@ class InProcessEngine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
     ) -> None:
+        lora_slots = runner.lora_slots
         self.runner = runner
         model_config, cache_config = runner.model_config, runner.cache_config
         self.scheduler = Scheduler(
@@ -54,13 +56,18 @@ class InProcessEngine:
                 block_size=cache_config.block_size,
                 num_kv_blocks=runner.num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                max_loras=lora_slots.max_loras if lora_slots is not None else 0,
             )
         )
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.results: dict[str, GenerationResult] = {}
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         now = time.monotonic()
         self.scheduler.add_request(
@@ -70,6 +77,7 @@ class InProcessEngine:
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
+                lora_request=lora_request,
             )
         )
         self.results[request_id] = GenerationResult(request_id, [], now)
