@@ -143,7 +143,7 @@ class ChatServing(Serving):
         prompt_logprobs = results[0].prompt_logprobs
         response = ChatCompletionResponse(
             id=request_id,
-            model=self._model_name,
+            model=request.model or self._model_name,
             choices=choices,
             usage=usage,
             prompt_logprobs=(
@@ -217,7 +217,10 @@ class ChatServing(Serving):
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self._model_name, choices=[choice]
+                id=request_id,
+                created=created,
+                model=request.model or self._model_name,
+                choices=[choice],
             )
             return sse_event(body, exclude=exclude)
 
@@ -261,7 +264,7 @@ class ChatServing(Serving):
                     final = ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self._model_name,
+                        model=request.model or self._model_name,
                         choices=[],
                         usage=usage,
                     )

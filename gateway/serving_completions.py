@@ -130,7 +130,7 @@ class CompletionServing(Serving):
             [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
-            id=request_id, model=self._model_name, choices=choices, usage=usage
+            id=request_id, model=request.model or self._model_name, choices=choices, usage=usage
         )
         return JSONResponse(response.model_dump())
 
@@ -213,7 +213,7 @@ class CompletionServing(Serving):
                 chunk = CompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self._model_name,
+                    model=request.model or self._model_name,
                     choices=[
                         CompletionChoice(
                             index=index,
@@ -235,7 +235,7 @@ class CompletionServing(Serving):
                     final = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self._model_name,
+                        model=request.model or self._model_name,
                         choices=[],
                         usage=usage,
                     )

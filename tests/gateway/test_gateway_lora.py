@@ -80,7 +80,9 @@ async def _complete(client: httpx.AsyncClient, model: str) -> httpx.Response:
 
 
 async def test_model_name_selects_the_adapter(lora_client, engine, adapters) -> None:
-    assert (await _complete(lora_client, "sql")).status_code == 200
+    answer = await _complete(lora_client, "sql")
+    assert answer.status_code == 200
+    assert answer.json()["model"] == "sql"  # vLLM answers with the adapter's name
     assert (await _complete(lora_client, MODEL_NAME)).status_code == 200
     adapter_request, base_request = engine.requests
     lora = adapter_request.lora_request
