@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from services.local_stack import LocalStack
 from services.model_prep import default_model_path
@@ -35,23 +34,13 @@ ADAPTERS = {
 LONG_PROMPT = PROMPTS[3] * 2
 
 
-@torch.inference_mode()
-def _greedy(model: torch.nn.Module, prompt_ids: list[int]) -> list[int]:
-    ids = list(prompt_ids)
-    for _ in range(MAX_TOKENS):
-        logits = model(input_ids=torch.tensor([ids])).logits
-        ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt_ids) :]
-
-
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory: pytest.TempPathFactory):
     """(adapter folders, prompts as ids, expected tokens by model name then prompt)."""
     root = tmp_path_factory.mktemp("adapters")
     tok = hf_oracle.tokenizer()
     prompts = [tok(p)["input_ids"] for p in [*PROMPTS[:3], LONG_PROMPT]]
-    base, _ = hf_oracle._model_and_tokenizer()
-    expected = {None: [_greedy(base, p) for p in prompts]}
+    expected = {None: [hf_oracle.greedy(p, MAX_TOKENS) for p in prompts]}
     folders: dict[str, Path] = {}
     for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         folders[name] = root / name
@@ -64,7 +53,7 @@ def lora_setup(tmp_path_factory: pytest.TempPathFactory):
             seed=seed,
             scale=0.02,
         )
-        expected[name] = [_greedy(model, p) for p in prompts]
+        expected[name] = [hf_oracle.greedy(p, MAX_TOKENS, model=model) for p in prompts]
         del model
         gc.collect()
     return folders, prompts, expected
