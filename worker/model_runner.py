@@ -280,6 +280,7 @@ class ModelRunner:
             if lora is not None and lora.lora_id in failures:
                 errors[req_id] = failures[lora.lora_id]
                 self.input_batch.remove_request(req_id)
+                self.structured_output.remove_request(req_id)
                 keep[index] = False
         slots = np.fromiter(
             (
