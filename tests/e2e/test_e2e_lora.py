@@ -36,7 +36,10 @@ LONG_PROMPT = PROMPTS[3] * 2
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory: pytest.TempPathFactory):
-    """(adapter folders, prompts as ids, expected tokens by model name then prompt)."""
+    """(adapter folders, prompts as ids, expected tokens by model name then prompt).
+
+    The last prompt is the long one only the prefix-cache test sends first.
+    """
     root = tmp_path_factory.mktemp("adapters")
     tok = hf_oracle.tokenizer()
     prompts = [tok(p)["input_ids"] for p in [*PROMPTS[:3], LONG_PROMPT]]
@@ -110,6 +113,7 @@ def _model_name(stack: LocalStack) -> str:
 
 def test_every_adapter_and_the_base_mixed_in_one_batch_equal_peft(lora_stack, lora_setup) -> None:
     _, prompts, expected = lora_setup
+    prompts = prompts[:-1]
     base_name = _model_name(lora_stack)
     names = [None, "all16", "attn8", "mlp4"]
     for name in names[1:]:
@@ -154,8 +158,9 @@ def test_prefix_cache_is_never_shared_across_adapters(lora_stack, lora_setup) ->
         (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         for body in bodies
     ]
-    # The repeats hit their own blocks; each first use of an adapter hits nothing.
-    assert cached[1] == 0 and cached[2] == 0
+    # The repeats hit their own blocks; each first use of an adapter (and the
+    # base model's, first of all) hits nothing though the same prompt is cached.
+    assert cached[:3] == [0, 0, 0]
     assert cached[3] > 0 and cached[4] > 0
 
 
