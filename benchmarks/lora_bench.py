@@ -1,6 +1,6 @@
 """Multi-LoRA throughput: requests spread over 1, 4 and 8 adapters vs the base model alone.
 
-Usage: .venv/bin/python benchmarks/lora_bench.py [--model PATH] [--num-requests N]
+Usage: .venv/bin/python -m benchmarks.lora_bench [--model PATH] [--num-requests N]
 
 The real Scheduler drives a ModelRunner in one process (benchmarks/inprocess_engine.py),
 with ``--max-loras 8 --max-lora-rank 16``. Each run submits the same prompts at once
@@ -114,6 +114,7 @@ def main() -> None:
             for name, adapters in runs.items():
                 rate = run_once(runner, prompts, params, adapters, f"{name}-{round_index}")
                 best[name] = max(best[name], rate)
+                print(f"round {round_index + 1}: {name} {rate:.1f} tok/s", flush=True)
     print(
         f"{args.num_requests} requests at once, {args.prompt_len} prompt + {args.output_len} "
         f"output tokens, rank {RANK} on q/k/v/o/gate/up/down, best of {args.rounds} rounds"
