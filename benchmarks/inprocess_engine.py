@@ -18,6 +18,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from services.config import SpeculativeConfig
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from worker.model_runner import ModelRunner
 
@@ -44,6 +45,7 @@ class InProcessEngine:
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
+        lora_slots = runner.lora_slots
         self.runner = runner
         model_config, cache_config = runner.model_config, runner.cache_config
         self.scheduler = Scheduler(
@@ -57,13 +59,18 @@ class InProcessEngine:
                 num_kv_blocks=runner.num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 speculative=speculative,
+                max_loras=lora_slots.max_loras if lora_slots is not None else 0,
             )
         )
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.results: dict[str, GenerationResult] = {}
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         now = time.monotonic()
         self.scheduler.add_request(
@@ -73,6 +80,7 @@ class InProcessEngine:
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
+                lora_request=lora_request,
             )
         )
         self.results[request_id] = GenerationResult(request_id, [], now)

@@ -26,6 +26,7 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
 from gateway.limits import GatewayLimits
+from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
 from gateway.protocol import (
@@ -45,11 +46,12 @@ from gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from gateway.served_models import ServedModels
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
 from gateway.tokenizer import Tokenizer
 from gateway.tracing import HttpTracingMiddleware
-from gateway.validation import check_model, check_token_ids, render_chat
+from gateway.validation import check_token_ids, render_chat
 from services.errors import (
     KvmeshError,
     UnauthenticatedError,
@@ -204,15 +206,18 @@ def build_app(
     admission: AdmissionGate | None = None,
     serve_metrics: bool = True,
     tracing: Tracing | None = None,
+    models: ServedModels | None = None,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
     ``admission`` bounds the generation calls in flight (shared with the public
     gRPC API); without it, the engine's own 429 is the only bound.
     ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
-    With ``tracing``, each /v1 call is a server span (gateway/tracing.py).
+    With ``tracing``, each /v1 call is a server span (gateway/tracing.py). ``models``:
+    the LoRA adapters served besides ``served_model_name`` (none by default).
     """
     limits = limits or GatewayLimits()
+    models = models or ServedModels(served_model_name)
     app = FastAPI(title="kvmesh gateway", version=_package_version())
     install_exception_handlers(app)
     schema: dict[str, Any] = {}
@@ -240,8 +245,10 @@ def build_app(
         app.add_middleware(HttpTracingMiddleware, tracing=tracing)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(engine, tokenizer, served_model_name, metrics, limits, tracing)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits, tracing)
+    completions = CompletionServing(
+        engine, tokenizer, served_model_name, metrics, limits, models, tracing
+    )
+    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 
@@ -265,8 +272,21 @@ def build_app(
 
     @app.get("/v1/models", responses=_only_auth(errors))
     async def list_models() -> ModelList:
-        card = ModelCard(id=served_model_name, max_model_len=engine.model_info.max_model_len)
-        return ModelList(data=[card])
+        max_model_len = engine.model_info.max_model_len
+        cards = [ModelCard(id=served_model_name, max_model_len=max_model_len)]
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=served_model_name,
+                max_model_len=max_model_len,
+            )
+            for lora in models.adapters.values()
+        ]
+        return ModelList(data=cards)
+
+    if models.lora_enabled:
+        add_lora_routes(app, models, errors)
 
     @app.get("/health")
     async def health() -> HealthResponse:
@@ -320,12 +340,12 @@ def build_app(
         responses={**errors, 404: _MODEL_NOT_FOUND},
     )
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        check_model(request.model, served_model_name)
+        models.resolve(request.model)
         return await tokenizer.offload(tokenize_in_thread, request)
 
     @app.post("/detokenize", responses={**errors, 404: _MODEL_NOT_FOUND})
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(request.model, served_model_name)
+        models.resolve(request.model)
         check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
         return DetokenizeResponse(prompt=await tokenizer.offload(tokenizer.decode, request.tokens))
 

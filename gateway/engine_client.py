@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from services.lora_request import LoRARequest
 from services.sampling_params import DetokenizeParams, SamplingParams
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
@@ -45,6 +46,8 @@ class GenerationRequest:
     # Shared by the n > 1 samples of one prompt: the scheduler computes the
     # prompt once for the first of them and lets the others hit its cached KV.
     parallel_group: str | None = None
+    # The LoRA adapter ``model`` named (gateway/served_models.py); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,11 @@ from protos import (
 from services.errors import InvalidRequestError, UnavailableError, error_from_rpc
 from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
 from services.grpc_server import internal_channel
-from services.step_codec import detokenize_params_to_proto, sampling_params_to_proto
+from services.step_codec import (
+    detokenize_params_to_proto,
+    lora_request_to_proto,
+    sampling_params_to_proto,
+)
 from services.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -380,6 +384,8 @@ class GrpcEngineClient:
             msg.cache_salt = request.cache_salt
         if request.parallel_group is not None:
             msg.parallel_group = request.parallel_group
+        if request.lora_request is not None:
+            msg.lora_request.CopyFrom(lora_request_to_proto(request.lora_request))
         # Two slots more than the bound: room for the error that ends an
         # overflow and for a resubmission marker.
         live = _LiveRequest(msg, asyncio.Queue(maxsize=_MAX_UNREAD_DELTAS + 2), rid)
@@ -388,7 +394,9 @@ class GrpcEngineClient:
             try:
                 # The calls that carry the request on carry its trace too.
                 with current(span):
-                    if self._prefill is not None:
+                    # The prefill replica runs the base model only: adapter
+                    # prompts are computed where they decode.
+                    if self._prefill is not None and request.lora_request is None:
                         transfer = await self._prefill.prefill(msg)
                         if transfer is not None:
                             msg.kv_transfer.CopyFrom(transfer)

@@ -507,8 +507,23 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvmesh"
+    # A LoRA adapter's folder; its parent is the base model (vLLM's card).
     root: str | None = None
+    parent: str | None = None
     max_model_len: int
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/unload_lora_adapter."""
+
+    lora_name: str
 
 
 class ModelList(BaseModel):

@@ -17,6 +17,7 @@ from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
 from gateway.routed_engine_client import RoutedEngineClient
 from gateway.routing.discovery import make_discovery
+from gateway.served_models import ServedModels, read_lora_request
 from gateway.tokenizer import Tokenizer
 from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
 from protos import generation_pb2, generation_pb2_grpc
@@ -37,6 +38,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def served_models(config: GatewayConfig, served_name: str) -> ServedModels:
+    """The base model and the ``--lora-modules`` adapters; a bad adapter stops the start."""
+    models = ServedModels(served_name, lora_enabled=config.enable_lora)
+    for name, path in config.lora_module_paths.items():
+        models.add(read_lora_request(name, path))
+    return models
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
@@ -130,7 +139,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     metrics_on_http = config.expose_metrics and not config.gateway_metrics_port
     if config.gateway_metrics_port:
         start_metrics_server(config, config.gateway_metrics_port)
-    app = build_app(*surface, **surface_options, serve_metrics=metrics_on_http)
+    app = build_app(
+        *surface,
+        **surface_options,
+        serve_metrics=metrics_on_http,
+        models=served_models(config, served_name),
+    )
     http = _EmbeddedUvicorn(
         uvicorn.Config(
             app,

@@ -45,7 +45,6 @@ from gateway.tool_calling import ToolPlan, plan_tools, tool_call_models
 from gateway.validation import (
     Prompt,
     chat_prompt,
-    check_model,
     check_unsupported,
     truncate_prompts,
 )
@@ -56,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 class ChatServing(Serving):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        check_model(request.model, self._model_name)
+        lora_request = self._models.resolve(request.model)
         check_unsupported(request)
         plan = plan_tools(request)
         prompt = await self._tokenize(
@@ -78,6 +77,7 @@ class ChatServing(Serving):
             self._engine.model_info,
             self._tokenizer,
             structured_output=constraint,
+            lora_request=lora_request,
         )
         logger.info(
             "request %s: chat, %d prompt tokens, n=%d, stream=%s",
@@ -143,7 +143,7 @@ class ChatServing(Serving):
         prompt_logprobs = results[0].prompt_logprobs
         response = ChatCompletionResponse(
             id=request_id,
-            model=self._model_name,
+            model=request.model or self._model_name,
             choices=choices,
             usage=usage,
             prompt_logprobs=(
@@ -217,7 +217,10 @@ class ChatServing(Serving):
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self._model_name, choices=[choice]
+                id=request_id,
+                created=created,
+                model=request.model or self._model_name,
+                choices=[choice],
             )
             return sse_event(body, exclude=exclude)
 
@@ -261,7 +264,7 @@ class ChatServing(Serving):
                     final = ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self._model_name,
+                        model=request.model or self._model_name,
                         choices=[],
                         usage=usage,
                     )

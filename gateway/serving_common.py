@@ -27,9 +27,11 @@ from gateway.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from gateway.served_models import ServedModels
 from gateway.tokenizer import Tokenizer
 from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
 from services.errors import UnavailableError
+from services.lora_request import LoRARequest
 from services.sampling_params import StructuredOutputSpec
 from services.tracing import Tracing, span_or_nothing
 
@@ -48,9 +50,11 @@ class Serving:
         served_model_name: str,
         metrics: GatewayMetrics,
         limits: GatewayLimits,
+        models: ServedModels,
         tracing: Tracing | None = None,
     ) -> None:
         self._engine = engine
+        self._models = models
         self._tokenizer = tokenizer
         self._model_name = served_model_name
         self._metrics = metrics
@@ -83,6 +87,7 @@ def build_engine_requests(
     model: ModelInfo,
     tokenizer: Tokenizer,
     structured_output: StructuredOutputSpec | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per choice: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
 
@@ -109,6 +114,7 @@ def build_engine_requests(
                     priority=request.priority,
                     cache_salt=request.cache_salt,
                     parallel_group=group,
+                    lora_request=lora_request,
                 )
             )
     return engine_requests

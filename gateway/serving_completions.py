@@ -41,7 +41,6 @@ from gateway.serving_common import (
 from gateway.tokenizer import Tokenizer
 from gateway.validation import (
     Prompt,
-    check_model,
     check_unsupported,
     completion_prompts,
     truncate_prompts,
@@ -71,7 +70,7 @@ def _tokenized_prompts(
 
 class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        check_model(request.model, self._model_name)
+        lora_request = self._models.resolve(request.model)
         check_unsupported(request)
         model_info = self._engine.model_info
         prompts = await self._tokenize(
@@ -79,7 +78,7 @@ class CompletionServing(Serving):
         )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
-            request_id, prompts, request, model_info, self._tokenizer
+            request_id, prompts, request, model_info, self._tokenizer, lora_request=lora_request
         )
         logger.info(
             "request %s: %d prompt(s) x n=%d, stream=%s",
@@ -131,7 +130,7 @@ class CompletionServing(Serving):
             [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
-            id=request_id, model=self._model_name, choices=choices, usage=usage
+            id=request_id, model=request.model or self._model_name, choices=choices, usage=usage
         )
         return JSONResponse(response.model_dump())
 
@@ -214,7 +213,7 @@ class CompletionServing(Serving):
                 chunk = CompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self._model_name,
+                    model=request.model or self._model_name,
                     choices=[
                         CompletionChoice(
                             index=index,
@@ -236,7 +235,7 @@ class CompletionServing(Serving):
                     final = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self._model_name,
+                        model=request.model or self._model_name,
                         choices=[],
                         usage=usage,
                     )

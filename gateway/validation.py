@@ -23,7 +23,7 @@ from gateway.protocol import (
 from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
 from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
-from services.errors import InvalidRequestError, NotFoundError
+from services.errors import InvalidRequestError
 from services.sampling_params import DetokenizeParams, SamplingParams
 
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
@@ -36,14 +36,6 @@ class Prompt:
 
     token_ids: list[int]
     text: str
-
-
-def check_model(requested: str | None, served_model_name: str) -> None:
-    # An absent model means "the one you serve", as vLLM allows.
-    if requested is not None and requested != served_model_name:
-        raise NotFoundError(
-            f"The model `{requested}` does not exist.", param="model", code="model_not_found"
-        )
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

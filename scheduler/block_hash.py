@@ -1,8 +1,9 @@
 """Content hashes of full KV blocks, chained so a hash names the whole prefix.
 
 A block's hash covers its parent's hash, its token ids and extra keys (the
-cache salt; later adapter ids), so two blocks with equal tokens but different
-prefixes, or different salts, never share KV. Only full blocks are hashed: a
+cache salt and the LoRA adapter id), so two blocks with equal tokens but
+different prefixes, salts or adapters never share KV (an adapter changes every
+layer's K and V). Only full blocks are hashed: a
 partial block's content is still changing.
 
 The default ``sha256`` runs over a fixed little-endian serialization, so the
@@ -68,18 +69,32 @@ def get_block_hasher(name: str) -> BlockHasher:
         raise ValueError(f"unknown prefix hash {name!r}; choose from {choices}") from None
 
 
+def first_block_extra_keys(cache_salt: str | None, lora_id: str | None) -> ExtraKeys:
+    """The extra keys of a prompt's first block.
+
+    A salt alone is ``(salt,)`` (hashes from before adapters existed stay
+    valid); an adapter makes it ``("lora", id)`` or ``("lora", id, salt)``,
+    never one key long, so no salt can pose as an adapter.
+    """
+    if lora_id is None:
+        return (cache_salt,) if cache_salt is not None else ()
+    return ("lora", lora_id) if cache_salt is None else ("lora", lora_id, cache_salt)
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
     hasher: BlockHasher,
+    lora_id: str | None = None,
 ) -> None:
     """Append the hashes of full blocks of ``token_ids`` not hashed yet."""
     num_full_blocks = len(token_ids) // block_size
+    first_extra = first_block_extra_keys(cache_salt, lora_id)
     for index in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[-1] if block_hashes else None
-        # The salt goes into the first block only: chaining carries it onwards.
-        extra: ExtraKeys = (cache_salt,) if index == 0 and cache_salt is not None else ()
+        # Salt and adapter go into the first block only: chaining carries them onwards.
+        extra: ExtraKeys = first_extra if index == 0 else ()
         start = index * block_size
         block_hashes.append(hasher(parent, token_ids[start : start + block_size], extra))

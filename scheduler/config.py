@@ -56,6 +56,9 @@ class SchedulerConfig:
     # verified by the worker. Needs synchronous scheduling: a draft is proposed
     # from the request's latest tokens, which async mode has not seen yet.
     speculative: SpeculativeConfig | None = None
+    # Distinct LoRA adapters the worker can hold in one step (WorkerInfo.max_loras);
+    # 0: the worker serves no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -74,6 +77,8 @@ class SchedulerConfig:
                 f"got {self.long_prefill_token_threshold}"
             )
         check_choice("policy", self.policy, SCHEDULING_POLICIES)
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.prefix_hash not in PREFIX_HASHES:

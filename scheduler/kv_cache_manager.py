@@ -91,6 +91,7 @@ class KVCacheManager:
                 self.block_size,
                 request.cache_salt,
                 self._hasher,
+                request.lora_request.lora_id if request.lora_request is not None else None,
             )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -41,11 +41,13 @@ class StorePrefixLookup:
         self.timeout_s = timeout_s
         self._failing = False
 
-    async def lookup(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
+    async def lookup(
+        self, token_ids: Sequence[int], cache_salt: str | None, lora_id: str | None = None
+    ) -> list[bytes] | None:
         """Hashes of the leading full blocks of ``token_ids`` that the store holds
         (under every layout); None when the store did not answer (a miss)."""
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, self.hasher)
+        extend_block_hashes(hashes, token_ids, self.block_size, cache_salt, self.hasher, lora_id)
         if not hashes:
             return []
         try:

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from scheduler.request_status import RequestStatus
 from scheduler.stopping import check_stop
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from services.step import Logprobs
 
@@ -28,6 +29,7 @@ class Request:
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
+        "lora_request",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_migrations",
@@ -57,6 +59,7 @@ class Request:
         parallel_group: str | None = None,
         resumed_output_token_ids: Sequence[int] = (),
         num_migrations: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +72,9 @@ class Request:
         self.cache_salt = cache_salt
         # Shared by the n > 1 samples of one prompt; see Scheduler._defer_sibling.
         self.parallel_group = parallel_group
+        # The adapter it runs with (None: the base model): part of its block
+        # hashes, and counted against SchedulerConfig.max_loras per step.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -50,6 +50,7 @@ from scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_connector import KVConnectorScheduler
+from scheduler.lora_admission import AdapterAdmission
 from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
 from scheduler.policy import make_policy
 from scheduler.request import Request
@@ -405,10 +406,14 @@ class Scheduler:
         if not waiting:
             return new_reqs
         now = self.clock()  # one timestamp for every request scheduled here for the first time
+        adapters = AdapterAdmission(config.max_loras, running)
         while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request.parallel_group is not None and self._defer_sibling(request):
                 break  # head-of-line, as when blocks are short: its turn comes in a step or two
+            if not adapters.admits(request):
+                adapters.skip(waiting.pop())  # its adapter waits for a free slot; others go on
+                continue
             # Prompt logprobs come from the logits of every prompt position, which
             # a cache hit (local, or loaded by the connector) never computes: such
             # a request computes its whole prompt (vLLM's rule).
@@ -438,8 +443,10 @@ class Scheduler:
                 break  # head-of-line: later requests wait too, keeping the order fair
             waiting.pop()
             new_reqs.append(self._admit(request, num_cached_tokens, num_new_tokens, now))
+            adapters.add(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        adapters.requeue_skipped(waiting)
         return new_reqs
 
     def _start_remote_load(
@@ -495,6 +502,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=num_cached_tokens,
+            lora_request=request.lora_request,
         )
         if self.config.async_scheduling:
             self._advance_at_schedule(request, num_new_tokens)
@@ -920,6 +928,11 @@ class Scheduler:
         for request in self.waiting:
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise KVCacheIntegrityError(f"{request} is waiting with a wrong status")
+        adapters = {r.lora_request.lora_id for r in self.running if r.lora_request is not None}
+        if len(adapters) > self.config.max_loras:
+            raise KVCacheIntegrityError(
+                f"{len(adapters)} adapters running, the worker has {self.config.max_loras} slots"
+            )
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now, counters since the previous call."""

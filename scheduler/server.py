@@ -69,6 +69,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         async_scheduling=async_scheduling,
         enable_kv_connector=config.kv_offload,
         speculative=speculative,
+        max_loras=info.max_loras,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None

@@ -22,6 +22,7 @@ from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.kv_leases import HeldLeases, StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
+from scheduler.lora_admission import request_lora
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output import FinishReason, RequestOutput
 from scheduler.prefill import PrefillRunner
@@ -129,6 +130,7 @@ class SchedulerEngine:
         if not msg.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids is empty")
         params = sampling_params_from_proto(msg.sampling_params)
+        lora = request_lora(msg, self.core.config.max_loras)
         request = Request(
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
@@ -140,6 +142,7 @@ class SchedulerEngine:
             parallel_group=msg.parallel_group if msg.HasField("parallel_group") else None,
             resumed_output_token_ids=msg.resumed_output_token_ids,
             num_migrations=msg.num_migrations,
+            lora_request=lora,
         )
         try:
             self.core.add_request(request)
@@ -173,7 +176,8 @@ class SchedulerEngine:
         if self.kv_lookup is None or self.core.connector is None:
             return
         salt = msg.cache_salt if msg.HasField("cache_salt") else None
-        hashes = await self.kv_lookup.lookup(msg.prompt_token_ids, salt)
+        lora = msg.lora_request.lora_id if msg.HasField("lora_request") else None
+        hashes = await self.kv_lookup.lookup(msg.prompt_token_ids, salt, lora)
         model_name = self.metrics.model_name
         self.metrics.external_queries.labels(model_name).inc(len(msg.prompt_token_ids))
         if hashes is None:

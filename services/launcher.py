@@ -289,6 +289,8 @@ def flags_differing(base: Any, config: Any) -> list[str]:
         name = f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(f"--{name}" if value else f"--no-{name}")
+        elif isinstance(value, tuple):
+            flags += [f"--{name}", *value]
         else:
             flags += [f"--{name}", as_env_text(value)]
     return flags

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from services.lora_request import LoRARequest
 from services.math_utils import cdiv
 from services.sampling_params import SamplingParams
 from services.step import NewRequestData
@@ -48,6 +49,8 @@ class InputBatch:
         self.block_table = np.zeros((0, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = []
+        # The adapter each row runs with (None: the base model).
+        self.lora_requests: list[LoRARequest | None] = []
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -72,6 +75,7 @@ class InputBatch:
         self.block_table = pad(self.block_table)
         self.num_blocks = pad(self.num_blocks)
         self.sampling_params.extend([None] * extra)
+        self.lora_requests.extend([None] * extra)
         # Lowest rows first, so a small batch stays in the first rows.
         self._free_rows = sorted(
             [*self._free_rows, *range(self.capacity, new_capacity)], reverse=True
@@ -121,6 +125,7 @@ class InputBatch:
         self.num_blocks[row] = len(new.block_ids)
         params = new.sampling_params
         self.sampling_params[row] = params
+        self.lora_requests[row] = new.lora_request
         if params.seed is not None:
             self.generators[row] = self._seeded_generator(params.seed, len(new.output_token_ids))
         self.row_of[new.req_id] = row
@@ -153,6 +158,7 @@ class InputBatch:
         if row is None:
             return
         self.sampling_params[row] = None
+        self.lora_requests[row] = None
         self.generators.pop(row, None)
         self.num_blocks[row] = 0
         self._free_rows.append(row)

@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.lora_request import LoRARequest
 from services.math_utils import cdiv
 from services.sampling_params import SamplingParams
 from services.step import (
@@ -41,6 +42,7 @@ class DriverRequest:
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
     sent: bool = False
     error: str | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +77,7 @@ class LocalDriver:
         max_new_tokens: int = 16,
         prefix_block_ids: list[int] | None = None,
         num_computed_tokens: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> DriverRequest:
         """Queue a request; ``prefix_block_ids`` are already-filled blocks it reuses."""
         prefix = list(prefix_block_ids or [])
@@ -88,6 +91,7 @@ class LocalDriver:
             max_new_tokens=max_new_tokens,
             block_ids=prefix,
             num_computed_tokens=num_computed_tokens,
+            lora_request=lora_request,
         )
         self.requests[req_id] = request
         return request
@@ -119,6 +123,7 @@ class LocalDriver:
                         sampling_params=request.sampling_params,
                         block_ids=list(request.block_ids),
                         num_computed_tokens=request.num_computed_tokens,
+                        lora_request=request.lora_request,
                     )
                 )
                 request.sent = True

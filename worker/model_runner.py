@@ -21,6 +21,9 @@ from worker.config import CacheConfig, ModelConfig
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.kv_connector import KVConnectorWorker
+from worker.lora.setup import attach_lora_slots
+from worker.lora.slots import LoRASlots
+from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 from worker.model_loader import load_model
 from worker.parallel.collectives import Collectives
 from worker.parallel.layout import RankLayout
@@ -82,6 +85,8 @@ class ModelRunner:
         attention_backend: str | None = None,
         num_threads: int | None = None,
         collectives: Collectives | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         # Decode matmuls are memory-bandwidth bound and torch parallelizes each
         # one across its intra-op threads, so a worker that owns the machine
@@ -116,6 +121,15 @@ class ModelRunner:
             )
             if collectives is not None and self.layout.tp_size > 1
             else load_model(model_config, self.device, self.plan)
+        )
+        if max_loras and self.layout.is_parallel:
+            # Adapter weights would need sharding like the projections they adapt.
+            raise ValueError("LoRA does not combine with tensor/pipeline parallelism yet")
+        # --enable-lora: adapter slots in every layer (0 slots: LoRA off).
+        self.lora_slots: LoRASlots | None = (
+            attach_lora_slots(self.model, max_loras, max_lora_rank, self.device)
+            if max_loras
+            else None
         )
         self.backend = select_attention_backend(self.device, attention_backend)
         self.kv_caches = allocate_kv_caches(
@@ -174,6 +188,8 @@ class ModelRunner:
             self.structured_output.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             try:
+                if new.lora_request is not None and self.lora_slots is None:
+                    raise ValueError("LoRA adapters are not enabled on this worker")
                 batch.add_request(new)
                 spec = new.sampling_params.structured_output
                 if spec is not None and self.samples:
@@ -278,6 +294,11 @@ class ModelRunner:
         req_ids, rows, num_scheduled, num_drafts = self._scheduled_requests(
             scheduler_output, output.errors
         )
+        lora = None
+        if self.lora_slots is not None and req_ids:
+            req_ids, rows, num_scheduled, num_drafts, lora = self._group_by_adapter(
+                req_ids, rows, num_scheduled, num_drafts, output.errors
+            )
         if not req_ids:
             return output
         inputs = prepare_step_inputs(
@@ -288,7 +309,7 @@ class ModelRunner:
         try:
             if inputs.num_logits is None:
                 tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
-                    inputs, prompt_spans
+                    inputs, prompt_spans, lora
                 )
             else:
                 if self.layout.is_parallel:
@@ -297,7 +318,7 @@ class ModelRunner:
                         "speculative decoding does not combine with tensor/pipeline parallelism yet"
                     )
                 tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_verify(
-                    inputs, prompt_spans
+                    inputs, prompt_spans, lora
                 )
         except Exception as exc:
             if self.layout.is_parallel:
@@ -332,13 +353,61 @@ class ModelRunner:
         self.input_batch.remove_request(req_id)
         self.structured_output.remove_request(req_id)
 
+    def _group_by_adapter(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        num_drafts: np.ndarray | None,
+        errors: dict[str, str],
+    ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray | None, LoRABatch | None]:
+        """Slot the step's adapters and order its requests by slot.
+
+        A request whose adapter cannot be loaded fails alone. Returns the
+        requests that run, in their new order, and the step's adapter layout
+        (None when every request runs the base model).
+        """
+        assert self.lora_slots is not None
+        loras = [self.input_batch.lora_requests[row] for row in rows]
+        wanted = {lora.lora_id: lora for lora in loras if lora is not None}
+        if not wanted:
+            return req_ids, rows, num_scheduled, num_drafts, None
+        slot_of, failures = self.lora_slots.activate(wanted)
+        keep = np.ones(len(req_ids), dtype=bool)
+        for index, (req_id, lora) in enumerate(zip(req_ids, loras, strict=True)):
+            if lora is not None and lora.lora_id in failures:
+                errors[req_id] = failures[lora.lora_id]
+                self.input_batch.remove_request(req_id)
+                self.structured_output.remove_request(req_id)
+                keep[index] = False
+        slots = np.fromiter(
+            (
+                NO_ADAPTER if lora is None else slot_of.get(lora.lora_id, NO_ADAPTER)
+                for lora in loras
+            ),
+            dtype=np.int64,
+            count=len(loras),
+        )[keep]
+        req_ids = [r for r, ok in zip(req_ids, keep, strict=True) if ok]
+        rows, num_scheduled = rows[keep], num_scheduled[keep]
+        order = order_by_slot(slots)
+        req_ids = [req_ids[i] for i in order]
+        rows, num_scheduled, slots = rows[order], num_scheduled[order], slots[order]
+        if num_drafts is not None:
+            num_drafts = num_drafts[keep][order]
+        lora = plan_lora_batch(slots, num_scheduled, self.device)
+        return req_ids, rows, num_scheduled, num_drafts, lora
+
     def _forward_and_sample(
-        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+        self,
+        inputs: StepInputs,
+        prompt_spans: list[PromptLogprobsSpan],
+        lora: LoRABatch | None = None,
     ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
         """Per sampling request (in step order): its token and their logprobs; plus
         prompt logprobs and failed sampling requests by position. The tokens are
         appended to the batch."""
-        logits, prompt_logprobs = self._forward(inputs, prompt_spans)
+        logits, prompt_logprobs = self._forward(inputs, prompt_spans, lora)
         sample_rows = inputs.rows[inputs.sample_mask]
         if not self.samples:
             # A rank other than the driver: the driver samples and broadcasts.
@@ -353,11 +422,14 @@ class ModelRunner:
         return tokens, logprobs, prompt_logprobs, result.failed_rows
 
     def _forward_and_verify(
-        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+        self,
+        inputs: StepInputs,
+        prompt_spans: list[PromptLogprobsSpan],
+        lora: LoRABatch | None = None,
     ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
         """``_forward_and_sample`` for a step with drafts: requests without drafts
         sample as usual; those with drafts keep their accepted drafts plus one token."""
-        logits, prompt_logprobs = self._forward(inputs, prompt_spans)
+        logits, prompt_logprobs = self._forward(inputs, prompt_spans, lora)
         num_logits = inputs.num_logits
         if logits is None or num_logits is None:
             return [], [], prompt_logprobs, {}
@@ -424,12 +496,15 @@ class ModelRunner:
                 logprobs[position] = [lp]
 
     def _forward(
-        self, inputs: StepInputs, prompt_spans: list[PromptLogprobsSpan]
+        self,
+        inputs: StepInputs,
+        prompt_spans: list[PromptLogprobsSpan],
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
         """The forward pass: logits at ``inputs.logits_indices`` (None if there are
         none) and the prompt logprobs."""
         forward_started = time.perf_counter()
-        hidden = self._run_layers(inputs)
+        hidden = self._run_layers(inputs, lora)
         if hidden is None:  # a later pipeline stage: the first stage computes logits
             self.timings.forward += time.perf_counter() - forward_started
             return None, []
@@ -476,7 +551,7 @@ class ModelRunner:
         self.timings.sample += time.perf_counter() - sample_started
         return result
 
-    def _run_layers(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _run_layers(self, inputs: StepInputs, lora: LoRABatch | None = None) -> torch.Tensor | None:
         """The final hidden states on the first pipeline stage, None on the others.
 
         Stages pass activations around a ring: stage 0 embeds and runs its
@@ -485,7 +560,12 @@ class ModelRunner:
         """
         if self.layout.pp_size == 1:
             return self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.metadata,
+                self.backend,
+                lora=lora,
             )
         collectives = self.collectives
         assert collectives is not None

@@ -228,6 +228,8 @@ def build_runner(
         attention_backend=config.attention_backend or None,
         num_threads=config.num_threads or None,
         collectives=collectives,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
     )
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,
@@ -240,6 +242,8 @@ def build_runner(
         device=config.device,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
     )
     return runner, info
 

@@ -5,7 +5,9 @@ its default, help text and limits (``choices``, ``minimum``, ``maximum``) live
 in the field's metadata, so the flag's help, argparse's ``choices`` and the
 check in ``__post_init__`` all read the same declaration. An option
 ``foo_bar`` is the flag ``--foo-bar`` and the variable ``KVMESH_FOO_BAR``; the
-flag wins over the variable, the variable over the default.
+flag wins over the variable, the variable over the default. A
+``tuple[str, ...]`` option takes several values (``--lora-modules a=/x b=/y``),
+and its variable holds them shell-quoted and space-separated.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,12 +61,16 @@ def converter(tp: Any) -> Callable[[str], Any]:
         return converter(inner[0])
     if tp is bool:
         return parse_bool
+    if origin is tuple:
+        return lambda text: tuple(shlex.split(text))
     if tp is Path:
         return lambda text: Path(text).expanduser()
     return tp
 
 
 def as_env_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return shlex.join(value)
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -136,6 +143,9 @@ def add_config_arguments(
                 help=_help(f),
             )
             continue
+        if typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, dest=f.name, nargs="*", default=None, help=_help(f))
+            continue
         choices = f.metadata.get("choices")
         extra: dict[str, Any] = {}
         if choices is not None:
@@ -162,7 +172,7 @@ def config_from_namespace(
     for f in dataclasses.fields(cls):
         flag_value = getattr(namespace, f.name, None)
         if flag_value is not None:
-            values[f.name] = flag_value
+            values[f.name] = tuple(flag_value) if isinstance(flag_value, list) else flag_value
             continue
         raw = environ.get(env_name(f.name))
         if raw is not None and raw != "":

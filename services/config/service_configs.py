@@ -218,7 +218,39 @@ class MigrationOptions(CommonConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions):
+class LoRAOptions(CommonConfig):
+    """Multi-LoRA serving (vLLM's flags), shared by the gateway and the worker (one flag each)."""
+
+    enable_lora: bool = opt(
+        False, "serve PEFT LoRA adapters next to the base model (gateway and worker)"
+    )
+    lora_modules: tuple[str, ...] = opt(
+        (),
+        "adapters served from the start, as name=path (a folder with adapter_config.json and "
+        "adapter_model.safetensors); clients pick one with model=name (gateway)",
+    )
+    max_loras: int = opt(
+        1, "adapter slots: the most distinct adapters one step mixes (worker)", minimum=1
+    )
+    max_lora_rank: int = opt(16, "the highest adapter rank served (worker)", minimum=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            if not (sep and name and path):
+                raise ValueError(f"lora_modules entries are name=path, got {module!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """Adapter name -> folder, in the order given."""
+        return dict(module.partition("=")[::2] for module in self.lora_modules)
+
+
+@dataclass(frozen=True)
+class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoRAOptions):
     """The model worker service."""
 
     model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")
@@ -317,7 +349,7 @@ class DetokenizerConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class GatewayConfig(MigrationOptions):
+class GatewayConfig(MigrationOptions, LoRAOptions):
     """The gateway service (OpenAI HTTP API + public gRPC API)."""
 
     model: str = opt("", "Hugging Face checkpoint folder whose tokenizer and template are used")

@@ -24,9 +24,19 @@ def tokenizer():
 
 
 @torch.inference_mode()
-def greedy(prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
-    """Argmax decoding with HF's own KV cache; never stops early unless asked."""
-    model, tok = _model_and_tokenizer()
+def greedy(
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_at_eos: bool = False,
+    model: torch.nn.Module | None = None,
+) -> list[int]:
+    """Argmax decoding with HF's own KV cache; never stops early unless asked.
+
+    ``model``: another float32 model to decode with (a PEFT adapter on the
+    default model); the default model when None.
+    """
+    default_model, tok = _model_and_tokenizer()
+    model = default_model if model is None else model
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     past = out.past_key_values
     tokens: list[int] = []

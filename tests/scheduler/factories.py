@@ -14,6 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from services.step import ModelRunnerOutput, SchedulerOutput
 
@@ -43,6 +44,7 @@ def make_request(
     priority: int = 0,
     cache_salt: str | None = None,
     parallel_group: str | None = None,
+    lora_request: LoRARequest | None = None,
     **sampling: object,
 ) -> Request:
     """A request with ``n_prompt`` prompt tokens, unique to it unless given (so
@@ -60,6 +62,7 @@ def make_request(
         priority=priority,
         cache_salt=cache_salt,
         parallel_group=parallel_group,
+        lora_request=lora_request,
     )
 
 

@@ -19,6 +19,8 @@ from torch import nn
 from kernels import native
 from kernels.backend import AttentionBackend, AttentionMetadata
 from worker.config import ModelConfig
+from worker.lora.slots import ProjectionShape, ProjectionSlots
+from worker.lora.step_batch import LoRABatch
 from worker.models.linear import PackedLinear
 from worker.models.rotary import RotaryEmbedding
 from worker.parallel.sharding import ShardPlan
@@ -92,6 +94,26 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _empty(config.hidden_size, self.intermediate_size, dtype=dtype)
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
+        # Adapter slots of this layer's projections (worker/lora), when LoRA is on.
+        self.lora: dict[str, ProjectionSlots] | None = None
+
+    def lora_shapes(self, intermediate_size: int) -> dict[str, ProjectionShape]:
+        """Each fused projection's input width and the PEFT modules its output rows hold."""
+        q, kv, hidden = self.q_size, self.kv_size, self.o_proj.shape[0]
+        return {
+            "qkv": ProjectionShape(
+                hidden, (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
+            ),
+            "o": ProjectionShape(q, (("o_proj", 0, hidden),)),
+            "gate_up": ProjectionShape(
+                hidden,
+                (
+                    ("gate_proj", 0, intermediate_size),
+                    ("up_proj", intermediate_size, intermediate_size),
+                ),
+            ),
+            "down": ProjectionShape(intermediate_size, (("down_proj", 0, hidden),)),
+        }
 
     def pack_weights(self, use_onednn: bool, use_native: bool = False) -> None:
         """Freeze the projections into inference layouts (after load_weights).
@@ -110,10 +132,18 @@ class LlamaDecoderLayer(nn.Module):
             )
         }
 
-    def _linear(self, name: str, weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
-        if self._packed is None:
-            return F.linear(x, weight, bias)
-        return self._packed[name](x)
+    def _linear(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        lora: LoRABatch | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        y = F.linear(x, weight, bias) if self._packed is None else self._packed[name](x)
+        if lora is not None and self.lora is not None:
+            self.lora[name].add_delta(y, x, lora.segments, lora.token_slots)
+        return y
 
     def forward(
         self,
@@ -123,6 +153,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         residual = hidden
@@ -130,7 +161,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = torch.ops.kvmesh.rms_norm(hidden, self.input_norm, self.eps)
         else:
             hidden = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self._linear("qkv", self.qkv_proj, hidden, self.qkv_bias)
+        qkv = self._linear("qkv", self.qkv_proj, hidden, lora, self.qkv_bias)
         # Query and key heads rotate together: one set of elementwise ops per
         # layer instead of two (the same float ops, so the same results).
         query_key = qkv[:, : self.q_size + self.kv_size].view(
@@ -146,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
         attn_out = self.all_reduce(
-            self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size))
+            self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size), lora)
         )
 
         if self._native_ops:
@@ -154,15 +185,17 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = torch.ops.kvmesh.add_rms_norm(
                 attn_out, residual, self.post_attention_norm, self.eps
             )
-            gate_up = self._linear("gate_up", self.gate_up_proj, hidden)
+            gate_up = self._linear("gate_up", self.gate_up_proj, hidden, lora)
             return residual + self.all_reduce(
-                self._linear("down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up))
+                self._linear("down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up), lora)
             )
         hidden = residual + attn_out
         residual = hidden
         hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
-        gate, up = self._linear("gate_up", self.gate_up_proj, hidden).chunk(2, dim=-1)
-        return residual + self.all_reduce(self._linear("down", self.down_proj, F.silu(gate) * up))
+        gate, up = self._linear("gate_up", self.gate_up_proj, hidden, lora).chunk(2, dim=-1)
+        return residual + self.all_reduce(
+            self._linear("down", self.down_proj, F.silu(gate) * up, lora)
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -220,14 +253,18 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         hidden: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] before the final norm; a later
-        pipeline stage passes the previous stage's ``hidden`` instead of embedding."""
+        pipeline stage passes the previous stage's ``hidden`` instead of embedding.
+
+        ``lora``: the step's adapter layout (worker/lora); None runs the base model.
+        """
         if hidden is None:
             hidden = self._embed(input_ids)
         rotary_tables = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, self.rotary, rotary_tables, kv_cache, metadata, backend)
+            hidden = layer(hidden, self.rotary, rotary_tables, kv_cache, metadata, backend, lora)
         return hidden
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -241,6 +278,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(local.clamp(0, len(vocab) - 1), self.embed_tokens)
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.all_reduce(hidden)
+
+    def lora_shapes(self) -> list[dict[str, ProjectionShape]]:
+        """Per layer, the projections adapters apply to (worker/lora/slots.py)."""
+        return [layer.lora_shapes(self.config.intermediate_size) for layer in self.layers]
+
+    def attach_lora(self, layer_slots: list[dict[str, ProjectionSlots]]) -> None:
+        for layer, slots in zip(self.layers, layer_slots, strict=True):
+            layer.lora = slots
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (the rows that sample); norm is per row."""

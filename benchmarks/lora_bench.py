@@ -1,0 +1,128 @@
+"""Multi-LoRA throughput: requests spread over 1, 4 and 8 adapters vs the base model alone.
+
+Usage: .venv/bin/python -m benchmarks.lora_bench [--model PATH] [--num-requests N]
+
+The real Scheduler drives a ModelRunner in one process (benchmarks/inprocess_engine.py),
+with ``--max-loras 8 --max-lora-rank 16``. Each run submits the same prompts at once
+(random tokens, greedy, ``ignore_eos``); requests take adapters round-robin, so
+every step mixes all of a run's adapters. Adapters are rank 16 on all seven
+projections (q, k, v, o, gate, up, down), with random nonzero A and B, written
+in PEFT's layout; each is loaded into its slot by an untimed warm-up request, so
+the runs measure serving, not loading. Runs alternate (base, 1, 4, 8) for
+``--rounds`` rounds and each configuration keeps its best round: this box is
+shared and noisy. Prints output tokens/s and the ratio to the base model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.inprocess_engine import InProcessEngine
+from services.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, adapter_id
+from services.lora_request import LoRARequest
+from services.model_prep import default_model_path
+from services.sampling_params import SamplingParams
+from worker.config import CacheConfig, ModelConfig
+from worker.model_runner import ModelRunner
+
+RANK = 16
+ADAPTER_COUNTS = (1, 4, 8)
+
+
+def write_adapter(folder: Path, runner: ModelRunner, seed: int) -> LoRARequest:
+    """A rank-16 PEFT adapter on every projection of every layer of ``runner``'s model."""
+    folder.mkdir(parents=True)
+    config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "target_modules": TARGET_MODULES,
+    }
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, projections in enumerate(runner.model.lora_shapes()):
+        for shape in projections.values():
+            for module, _, size in shape.slices:
+                group = "self_attn" if module[0] in "qkvo" else "mlp"
+                prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = (
+                    torch.randn(RANK, shape.in_features, generator=generator) * 0.01
+                )
+                tensors[f"{prefix}.lora_B.weight"] = (
+                    torch.randn(size, RANK, generator=generator) * 0.01
+                )
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    return LoRARequest(f"bench-{seed}", adapter_id(folder), str(folder))
+
+
+def run_once(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    adapters: list[LoRARequest | None],
+    tag: str,
+) -> float:
+    """Output tokens per second of all prompts submitted at once."""
+    engine = InProcessEngine(runner, max_num_seqs=len(prompts), max_num_batched_tokens=2048)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{index}", prompt, params, adapters[index % len(adapters)])
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = time.perf_counter() - started
+    return sum(len(r.output_token_ids) for r in engine.results.values()) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, default=default_model_path())
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(args.model, max_model_len=512),
+        CacheConfig(block_size=16, num_kv_blocks=1024),
+        max_loras=max(ADAPTER_COUNTS),
+        max_lora_rank=RANK,
+    )
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(
+        3, runner.vocab_size, (args.num_requests, args.prompt_len), generator=generator
+    ).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = [write_adapter(Path(tmp) / f"a{i}", runner, i) for i in range(max(ADAPTER_COUNTS))]
+        warm = SamplingParams(temperature=0.0, max_tokens=2)
+        run_once(runner, [prompts[0]] * len(loras), warm, list(loras), "warm")  # fill the slots
+        runs: dict[str, list[LoRARequest | None]] = {"base": [None]}
+        runs.update({f"{n} adapters": loras[:n] for n in ADAPTER_COUNTS})
+        best = dict.fromkeys(runs, 0.0)
+        for round_index in range(args.rounds):
+            for name, adapters in runs.items():
+                rate = run_once(runner, prompts, params, adapters, f"{name}-{round_index}")
+                best[name] = max(best[name], rate)
+                print(f"round {round_index + 1}: {name} {rate:.1f} tok/s", flush=True)
+    print(
+        f"{args.num_requests} requests at once, {args.prompt_len} prompt + {args.output_len} "
+        f"output tokens, rank {RANK} on q/k/v/o/gate/up/down, best of {args.rounds} rounds"
+    )
+    print(f"{'run':<12} {'tok/s':>8} {'vs base':>8}")
+    for name, rate in best.items():
+        print(f"{name:<12} {rate:8.1f} {rate / best['base']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Multi-LoRA serving in the worker: adapter loading, the slot pool, the batched delta."""

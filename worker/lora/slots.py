@@ -1,0 +1,187 @@
+"""The worker's adapter slots: a small LRU pool of LoRA weights, stacked per projection.
+
+Every (possibly fused) projection of every layer holds one ``[max_loras, ...]``
+tensor pair, so an adapter is a slot index and a step mixing adapters needs no
+weight copies. The model fuses q/k/v and gate/up into single matmuls; an
+adapter still has one A and one B per module, so a fused projection stacks its
+modules' A's along the rank (one shrink for all slices) and puts each module's
+B in its own output rows and rank columns (a block-diagonal B, one expand).
+Columns are packed per slot (an adapter of rank r uses ``r`` per targeted
+slice); the rest of the slot stays zero, so a kernel that reads the whole
+padded slot (the Triton path) adds exact zeros there.
+
+The scheduler never puts more distinct adapters into a step than ``max_loras``,
+so ``activate`` can always make room by evicting adapters the step does not use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.lora_request import LoRARequest
+from worker.lora.adapter import LoRAAdapter
+
+logger = logging.getLogger(__name__)
+
+# (first token, end token, slot): a run of the step's tokens that share an adapter.
+Segment = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    """One projection as the model computes it: its input width and output slices."""
+
+    in_features: int
+    # (PEFT module name, first output row, rows) per slice of the fused output.
+    slices: tuple[tuple[str, int, int], ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(size for _, _, size in self.slices)
+
+
+class ProjectionSlots:
+    """One projection's adapter weights for every slot, scaling folded into B."""
+
+    def __init__(
+        self,
+        shape: ProjectionShape,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.shape = shape
+        columns = len(shape.slices) * max_rank
+        self.lora_a = torch.zeros(max_loras, columns, shape.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(
+            max_loras, shape.out_features, columns, dtype=dtype, device=device
+        )
+        # Columns in use per slot; 0 when the slot's adapter targets no slice here.
+        self.num_columns = [0] * max_loras
+
+    def fill(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        rank, column = adapter.config.rank, 0
+        for module, row, size in self.shape.slices:
+            weights = adapter.modules.get((layer, module))
+            if weights is None:
+                continue
+            lora_a, lora_b = weights
+            self.lora_a[slot, column : column + rank] = lora_a
+            self.lora_b[slot, row : row + size, column : column + rank] = (
+                lora_b * adapter.config.scaling
+            )
+            column += rank
+        self.num_columns[slot] = column
+
+    def add_delta(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        segments: Sequence[Segment],
+        token_slots: torch.Tensor | None = None,
+    ) -> None:
+        """y[t] += B_s (A_s x[t]) for every token t of a segment with slot s (in place).
+
+        On CPU the segments are contiguous token runs, so each adapter is two
+        plain matmuls over a row slice: Punica's segmented shrink/expand without
+        any gather. Given ``token_slots`` (a GPU step), one launch of the Triton
+        kernels serves every adapter.
+        """
+        if token_slots is not None:
+            from kernels.triton_lora import add_lora_triton  # imports triton
+
+            add_lora_triton(y, x, self.lora_a, self.lora_b, token_slots)
+            return
+        for start, end, slot in segments:
+            columns = self.num_columns[slot]
+            if columns:
+                shrunk = torch.mm(x[start:end], self.lora_a[slot, :columns].t())
+                y[start:end].addmm_(shrunk, self.lora_b[slot, :, :columns].t())
+
+
+class LoRASlots:
+    """``max_loras`` slots, least recently used first out, over every layer's projections."""
+
+    def __init__(
+        self,
+        layer_shapes: Sequence[dict[str, ProjectionShape]],
+        max_loras: int,
+        max_rank: int,
+        load: Callable[[LoRARequest], LoRAAdapter],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if max_loras <= 0 or max_rank <= 0:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self._load = load
+        self.layers: list[dict[str, ProjectionSlots]] = [
+            {
+                name: ProjectionSlots(shape, max_loras, max_rank, dtype, device)
+                for name, shape in shapes.items()
+            }
+            for shapes in layer_shapes
+        ]
+        # lora_id -> slot, least recently used first.
+        self._slot_of: OrderedDict[str, int] = OrderedDict()
+        self._free = list(range(max_loras - 1, -1, -1))
+
+    @property
+    def loaded_ids(self) -> list[str]:
+        """Adapters in slots, least recently used first."""
+        return list(self._slot_of)
+
+    def activate(self, wanted: dict[str, LoRARequest]) -> tuple[dict[str, int], dict[str, str]]:
+        """Slots for one step's adapters, loading missing ones.
+
+        Returns (slot by lora_id, error by lora_id): an adapter that fails to
+        load, or one past ``max_loras`` distinct adapters, gets an error and
+        no slot; the others are unaffected.
+        """
+        slots: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for lora_id in wanted:
+            if lora_id in self._slot_of:
+                self._slot_of.move_to_end(lora_id)
+                slots[lora_id] = self._slot_of[lora_id]
+        for lora_id, lora in wanted.items():
+            if lora_id in slots:
+                continue
+            slot = self._take_slot(keep=slots)
+            if slot is None:
+                errors[lora_id] = f"more than max_loras={self.max_loras} adapters in one step"
+                continue
+            try:
+                self._fill(slot, self._load(lora))
+            except (OSError, ValueError, RuntimeError) as exc:
+                self._free.append(slot)
+                errors[lora_id] = f"LoRA adapter {lora.lora_name!r} failed to load: {exc}"
+                logger.warning("adapter %s (%s): %s", lora.lora_name, lora.lora_path, exc)
+                continue
+            self._slot_of[lora_id] = slot
+            slots[lora_id] = slot
+            logger.info("adapter %s loaded into slot %d", lora.lora_name, slot)
+        return slots, errors
+
+    def _take_slot(self, keep: dict[str, int]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for lora_id, slot in self._slot_of.items():  # least recently used first
+            if lora_id not in keep:
+                del self._slot_of[lora_id]
+                return slot
+        return None
+
+    def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer, projections in enumerate(self.layers):
+            for projection in projections.values():
+                projection.fill(slot, adapter, layer)
