@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,6 +25,7 @@ from services.local_stack import LocalStack
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_greedy_matches_hf import PROMPTS
+from tests.e2e.test_e2e_worker_failure import _wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -73,15 +74,6 @@ def _complete(url: str, prompt: str | list[int], max_tokens: int = MAX_TOKENS) -
     r = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def _routable(stack: LocalStack) -> float:

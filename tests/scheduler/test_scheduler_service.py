@@ -128,8 +128,9 @@ async def test_first_output_carries_the_header_once() -> None:
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
-async def test_abort_and_stop_string_free_everything() -> None:
-    engine = _engine(InMemoryWorkerClient())
+async def abort_one_and_stop_the_other(engine: SchedulerEngine) -> None:
+    """Run "long" and "stopped" until their first outputs, then abort the first
+    and end the second by a stop string; return once both are gone."""
     _, queue = engine.subscribe()
     _add(engine, "long", max_tokens=40)
     _add(engine, "stopped", max_tokens=40)
@@ -146,6 +147,11 @@ async def test_abort_and_stop_string_free_everything() -> None:
         return len(seen) == 2 and not engine.core.has_unfinished_requests()
 
     await _run_until(engine, queue, control)
+
+
+async def test_abort_and_stop_string_free_everything() -> None:
+    engine = _engine(InMemoryWorkerClient())
+    await abort_one_and_stop_the_other(engine)
     assert engine.core.live_request_ids() == []
     engine.core.check_integrity()
     assert engine.core.make_stats().kv_cache_usage == 0

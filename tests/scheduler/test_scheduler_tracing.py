@@ -13,7 +13,7 @@ from scheduler.service import SchedulerEngine
 from services.step import ModelRunnerOutput, SchedulerOutput
 from services.tracing import Tracing
 from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
-from tests.scheduler.test_scheduler_service import _add, _run_until
+from tests.scheduler.test_scheduler_service import _add, _run_until, abort_one_and_stop_the_other
 from tests.services.tracing_helpers import memory_tracing, only_span, spans_named
 
 
@@ -78,22 +78,7 @@ async def test_a_request_is_one_span_under_the_caller_with_its_steps_as_events()
 async def test_aborted_and_stopped_requests_end_their_spans() -> None:
     tracing, exporter = memory_tracing("scheduler")
     engine = _engine(RecordingWorkerClient(), tracing)
-    _, queue = engine.subscribe()
-    _add(engine, "long", max_tokens=40)
-    _add(engine, "stopped", max_tokens=40)
-    seen: set[str] = set()
-
-    def end_each_at_its_first_output(outputs) -> bool:
-        for o in outputs:
-            if o.request_id not in seen:
-                seen.add(o.request_id)
-                if o.request_id == "long":
-                    engine.abort(["long"])
-                else:
-                    engine.finish_on_stop_string(["stopped"])
-        return len(seen) == 2 and not engine.core.has_unfinished_requests()
-
-    await _run_until(engine, queue, end_each_at_its_first_output)
+    await abort_one_and_stop_the_other(engine)
     reasons = {
         s.attributes["kvmesh.request_id"]: s.attributes["kvmesh.finish_reason"]
         for s in spans_named(exporter, "scheduler.request")
