@@ -41,6 +41,7 @@ from services.errors import UnavailableError
 from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
 from services.grpc_server import internal_channel
 from services.replica_set import ReplicaAddress
+from services.tracing import Tracing, span_or_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,13 @@ class RoutedEngineClient:
         probe_period_s: float,
         overlap_weight: float = 1.0,
         security: InternalSecurity = NO_INTERNAL_AUTH,
+        tracing: Tracing | None = None,
     ) -> None:
         self._discovery = discovery
         # What the KV event streams present to the schedulers (the stack's token).
         self._security = security
+        # Each pick is a ``route`` span of the request's trace (None: tracing off).
+        self._tracing = tracing
         self._make_client = make_client
         self._policy = routing_policy
         self._overlap_weight = overlap_weight
@@ -229,7 +233,16 @@ class RoutedEngineClient:
     def _route(self, request: GenerationRequest) -> tuple[ReplicaHandle, RoutingDecision]:
         if self.router is None:
             raise UnavailableError("no engine replica is ready")
-        decision = self.router.pick(request.prompt_token_ids, request.cache_salt)
+        with span_or_nothing(self._tracing, "route") as span:
+            decision = self.router.pick(request.prompt_token_ids, request.cache_salt)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "kvmesh.replica": decision.replica,
+                        "kvmesh.routing_reason": decision.reason.value,
+                        "kvmesh.num_overlap_blocks": decision.num_overlap_blocks,
+                    }
+                )
         ROUTER_DECISIONS.labels(decision.replica, self._policy, decision.reason.value).inc()
         return self._replicas[decision.replica], decision
 

@@ -87,6 +87,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.replica_poll_period_s,
         config.routing_overlap_weight,
         security,
+        tracing,
     )
     logger.info(
         "engine replicas by %s discovery, routed by policy %s%s",

@@ -216,6 +216,9 @@ def test_each_hop_hangs_under_the_one_that_sent_the_request(
     add_server = only(add_request, "kvmesh-scheduler")
     request = only("scheduler.request")
     assert only("tokenize").parent_span_id == http.span_id
+    route = only("route")
+    assert route.parent_span_id == http.span_id
+    assert {a.key for a in route.attributes} >= {"kvmesh.replica", "kvmesh.routing_reason"}
     assert generate.parent_span_id == http.span_id
     assert add_client.parent_span_id == generate.span_id
     assert add_server.parent_span_id == add_client.span_id
