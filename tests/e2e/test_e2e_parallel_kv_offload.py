@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
-import grpc
 import pytest
 
 from services.local_stack import LocalStack, _children_of
@@ -66,32 +64,21 @@ def test_tp2_outputs_equal_hf_computed_then_loaded_from_the_store(
     assert hits - hits_before >= sum((len(p) - 1) // 16 * 16 for p in LONG_PROMPTS)
 
 
-def test_a_dead_rank_fails_its_requests_and_the_replica_restarts(
+def test_a_dead_rank_costs_time_not_its_request(
     tp_offload_stack: LocalStack, expected: list[list[int]]
 ) -> None:
+    """SIGKILL of a non-driver rank mid-generation: the replica restarts as a whole
+    and the scheduler migrates the request onto it (issue "Nothing lost"), so the
+    stream pauses and ends with the undisturbed greedy output."""
     old_rank1 = _rank_pid(tp_offload_stack, 1)
 
-    async def generate_and_kill() -> BaseException | list[int]:
+    async def generate_and_kill() -> list[int]:
         generation = asyncio.ensure_future(
             _grpc_generate(tp_offload_stack.grpc_addr, LONG_PROMPTS[0])
         )
         await asyncio.sleep(1.0)
         os.kill(old_rank1, signal.SIGKILL)
-        try:
-            return await generation
-        except (grpc.RpcError, AssertionError) as exc:
-            return exc
+        return await generation
 
-    outcome = asyncio.run(generate_and_kill())
-    assert isinstance(outcome, BaseException), "the request outlived its replica"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        try:
-            if _rank_pid(tp_offload_stack, 1) != old_rank1:
-                outputs = asyncio.run(_generate_all(tp_offload_stack, LONG_PROMPTS[:1], 1))
-                assert outputs == expected[:1]
-                return
-        except (AssertionError, grpc.RpcError):
-            pass  # not restarted or not ready yet
-        time.sleep(2)
-    pytest.fail("the replica did not serve again:\n" + "".join(tp_offload_stack.log[-60:]))
+    assert asyncio.run(generate_and_kill()) == expected[0]
+    assert _rank_pid(tp_offload_stack, 1) != old_rank1
