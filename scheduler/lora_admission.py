@@ -42,7 +42,13 @@ class AdapterAdmission:
 
     def __init__(self, max_loras: int, running: Iterable[Request]) -> None:
         self.max_loras = max_loras
-        self.active = {r.lora_request.lora_id for r in running if r.lora_request is not None}
+        # Without slots no request carries an adapter (refused at AddRequest):
+        # skip the scan of the running requests, once per scheduling pass.
+        self.active = (
+            {r.lora_request.lora_id for r in running if r.lora_request is not None}
+            if max_loras
+            else set()
+        )
         self.skipped: list[Request] = []
 
     def admits(self, request: Request) -> bool:
