@@ -35,13 +35,21 @@ Choice = tuple[ReplicaState, RoutingReason]
 class PromptOverlap:
     """A prompt as routing sees it: ``num_blocks`` full blocks a cache could
     serve, of which ``overlaps[replica]`` leading ones are cached on that
-    replica (absent: none). Empty for policies that ignore the cache."""
+    replica (absent: none), out of ``num_prompt_blocks`` blocks the prompt
+    fills in all. Empty for policies that ignore the cache."""
 
     num_blocks: int = 0
     overlaps: Mapping[ReplicaState, int] = field(default_factory=dict)
+    num_prompt_blocks: int = 0
 
     def blocks_to_prefill(self, replica: ReplicaState) -> int:
         return self.num_blocks - self.overlaps.get(replica, 0)
+
+    def new_blocks(self, replica: ReplicaState) -> int:
+        """Blocks the request would add to ``replica``'s active ones: all its
+        blocks but the cached prefix, which running requests (or the cache)
+        already hold there."""
+        return max(0, self.num_prompt_blocks - self.overlaps.get(replica, 0))
 
 
 _BY_LOAD = attrgetter("num_requests", "num_active_blocks")
@@ -90,11 +98,15 @@ class LeastLoadedPolicy(RoutingPolicy):
 class KVAwarePolicy(RoutingPolicy):
     """NVIDIA Dynamo's cost, SGLang's escape hatch.
 
-    Cost of a replica: ``config.overlap_weight`` x blocks it would have to prefill
-    (the prompt's cacheable blocks it does not hold) + blocks its requests
-    hold (the decode work it already carries); the cheapest wins, ties to
-    fewer requests (then to replicas holding none of the prompt, in turn, and
-    then to the holder found first). But when the loads are imbalanced (the busiest replica has
+    Cost of a replica: ``config.overlap_weight`` x blocks it would have to
+    prefill (the prompt's cacheable blocks it does not hold) + the blocks it
+    would hold for decoding once the request is in: its active blocks plus the
+    request's own new ones. A cached prefix counts once: the requests sharing
+    it already hold it, so it is not load the newcomer adds (counting it again
+    would push a hot prefix's users off the replica that holds it, each a
+    cache miss). The cheapest wins, ties to fewer requests (then to replicas
+    holding none of the prompt, in turn, and then to the holder found first).
+    But when the loads are imbalanced (the busiest replica has
     more than ``config.balance_abs_threshold`` requests more than the idlest,
     and more than ``balance_rel_threshold`` times as many), the idlest replica
     wins regardless of cache: one hot prefix must not pile every request onto
@@ -118,10 +130,15 @@ class KVAwarePolicy(RoutingPolicy):
         # of them has the fewest active blocks (found at C speed). Only the
         # holders, usually few, are costed one by one.
         best = min(_rotated(candidates, self._turn), key=_BY_ACTIVE_BLOCKS)
-        best_cost = (weight * prompt.num_blocks + best.num_active_blocks, best.num_requests)
+        best_cost = (
+            weight * prompt.num_blocks + best.num_active_blocks + prompt.num_prompt_blocks,
+            best.num_requests,
+        )
         for replica, overlap in prompt.overlaps.items():
             cost = (
-                weight * (prompt.num_blocks - overlap) + replica.num_active_blocks,
+                weight * (prompt.num_blocks - overlap)
+                + replica.num_active_blocks
+                + prompt.new_blocks(replica),
                 replica.num_requests,
             )
             if cost < best_cost:

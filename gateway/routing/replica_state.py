@@ -35,8 +35,8 @@ class ReplicaState:
         self.num_requests = load.num_running + load.num_waiting
         self.num_active_blocks = load.num_active_blocks
 
-    def count_routed(self, num_prompt_blocks: int) -> None:
-        """Until the next report: one more request, holding its prompt's blocks."""
+    def count_routed(self, num_new_blocks: int) -> None:
+        """Until the next report: one more request, holding ``num_new_blocks`` more."""
         self.num_requests += 1
-        self.num_active_blocks += num_prompt_blocks
+        self.num_active_blocks += num_new_blocks
         self.num_routed += 1

@@ -152,13 +152,16 @@ class Router:
         candidates = self._candidates
         if not candidates:
             raise UnavailableError("no engine replica is ready")
-        prompt = PromptOverlap()
+        num_prompt_blocks = cdiv(num_prompt_tokens, self.config.block_size)
+        prompt = PromptOverlap(num_prompt_blocks=num_prompt_blocks)
         if self.policy.needs_overlaps:
             by_slot = self._by_slot
             overlaps = self.index.overlaps(keys, self._candidate_mask)
-            prompt = PromptOverlap(len(keys), {by_slot[s]: n for s, n in overlaps.items()})
+            prompt = PromptOverlap(
+                len(keys), {by_slot[s]: n for s, n in overlaps.items()}, num_prompt_blocks
+            )
         replica, reason = self.policy.choose(candidates, prompt)
-        replica.count_routed(cdiv(num_prompt_tokens, self.config.block_size))
+        replica.count_routed(prompt.new_blocks(replica))
         return RoutingDecision(
             replica=replica.name,
             reason=reason,

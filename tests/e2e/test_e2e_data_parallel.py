@@ -46,6 +46,9 @@ def stack() -> Iterator[LocalStack]:
     s = start_stack(
         ["--data-parallel-size", "2", "--num-kv-blocks", "96", "--max-model-len", "1024"]
     )
+    # The stack is ready once one replica serves; these tests need both in the
+    # picks (the second may join a probe period later on a slow machine).
+    assert _wait_for(lambda: _routable(s) == 2, 60), "the second replica never became routable"
     yield s
     assert stop_stack(s) == 0, "stack did not stop cleanly:\n" + "".join(s.log[-50:])
 
@@ -80,6 +83,12 @@ def _routable(stack: LocalStack) -> float:
     return _metric(stack.http_url + "/metrics", "kvmesh_router_routable_replicas")
 
 
+def _routing_report(stack: LocalStack) -> str:
+    """The gateway's routing metrics, for an assertion's message."""
+    text = httpx.get(stack.http_url + "/metrics", timeout=10).text
+    return "\n".join(line for line in text.splitlines() if line.startswith("kvmesh_router"))
+
+
 def test_concurrent_greedy_outputs_match_hf_on_both_replicas(stack: LocalStack) -> None:
     tok = hf_oracle.tokenizer()
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -90,7 +99,7 @@ def test_concurrent_greedy_outputs_match_hf_on_both_replicas(stack: LocalStack) 
         expected = tok.decode(hf_oracle.greedy(ids, MAX_TOKENS), skip_special_tokens=True)
         assert body["choices"][0]["text"] == expected
     # Unrelated prompts in flight together spread over both replicas.
-    assert all(_decisions(stack, i) > before[i] for i in (0, 1))
+    assert all(_decisions(stack, i) > before[i] for i in (0, 1)), _routing_report(stack)
 
 
 def test_prompts_sharing_a_long_prefix_land_on_the_replica_holding_it(stack: LocalStack) -> None:
@@ -101,7 +110,8 @@ def test_prompts_sharing_a_long_prefix_land_on_the_replica_holding_it(stack: Loc
     users = 4
     for user in range(1, users + 1):
         body = _complete(stack.http_url, SHARED_PREFIX + f"Question {user}: do you sell batteries?")
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 12 * BLOCK_SIZE
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 12 * BLOCK_SIZE, f"user {user}: {cached}\n{_routing_report(stack)}"
     gained = [_prefix_hits(stack, i) - hits_before[i] for i in (0, 1)]
     holder = 0 if gained[0] else 1
     assert gained[holder] >= users * 12 * BLOCK_SIZE, gained

@@ -84,12 +84,31 @@ def test_kv_picks_the_replica_holding_the_prefix() -> None:
 def test_kv_weighs_prefill_saved_against_decode_load() -> None:
     router = make_router("holder", "idle")
     store(router, "holder", router.prompt_block_hashes(SYSTEM_PROMPT))
-    # 7 blocks of prefill saved outweigh 5 more active blocks...
+    # 7 blocks of prefill saved (and 7 blocks fewer to hold) outweigh 5 more active blocks...
     report_load(router, "holder", requests=1, active_blocks=5)
     assert router.pick(user_prompt(1)).replica == "holder"
     # ...but not 40.
     report_load(router, "holder", requests=1, active_blocks=40)
     assert router.pick(user_prompt(1)).replica == "idle"
+
+
+def test_kv_counts_a_prefix_shared_with_running_requests_once() -> None:
+    """Users of one hot system prompt stay on its holder: the prefix blocks its
+    running request holds are not load the next user adds (Dynamo's cost). Counted
+    twice, the holder would look busier than an idle replica and each user there
+    would be a cache miss (the bug this test pins)."""
+    router = make_router("holder", "idle")
+    store(router, "holder", router.prompt_block_hashes(user_prompt(1))[:8])
+    # User 1 runs on the holder: its 11 blocks, 8 of them the shared prefix.
+    report_load(router, "holder", requests=1, active_blocks=11)
+    decision = router.pick(user_prompt(2))
+    assert (decision.replica, decision.num_overlap_blocks) == ("holder", 8)
+    # The router's estimate until the next report: user 2 added its 3 own blocks.
+    assert router.replica("holder").num_active_blocks == 14
+    assert router.pick(user_prompt(3)).replica == "holder"
+    # A replica holding no prefix costs its load plus the whole prompt, twice over.
+    report_load(router, "holder", requests=3, active_blocks=30)
+    assert router.pick(user_prompt(4)).replica == "idle"
 
 
 def test_kv_falls_back_to_least_loaded_when_loads_are_imbalanced() -> None:
