@@ -229,16 +229,18 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_active_blocks", "num_kv_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_active_blocks", "num_kv_blocks", "num_waiting_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_active_blocks: int
     num_kv_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_active_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_waiting_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_active_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_waiting_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "priority", "parallel_group")

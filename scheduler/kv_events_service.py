@@ -54,6 +54,7 @@ class ReplicaLoad:
     num_waiting: int
     num_active_blocks: int
     num_kv_blocks: int
+    num_waiting_blocks: int = 0
 
     def to_proto(self) -> scheduler_pb2.ReplicaLoad:
         return scheduler_pb2.ReplicaLoad(
@@ -61,6 +62,7 @@ class ReplicaLoad:
             num_waiting=self.num_waiting,
             num_active_blocks=self.num_active_blocks,
             num_kv_blocks=self.num_kv_blocks,
+            num_waiting_blocks=self.num_waiting_blocks,
         )
 
 
@@ -183,6 +185,7 @@ def attach_publisher(scheduler: Scheduler, log: KVEventLog | None = None) -> KVE
             num_waiting=scheduler.num_waiting,
             num_active_blocks=pool.num_blocks - pool.get_num_free_blocks(),
             num_kv_blocks=pool.num_blocks,
+            num_waiting_blocks=scheduler.num_waiting_blocks(),
         )
 
     publisher = KVEventPublisher(

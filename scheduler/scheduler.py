@@ -56,6 +56,7 @@ from scheduler.policy import make_policy
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
 from scheduler.spec_decode.speculator import Speculator
+from services.math_utils import cdiv
 from services.step import (
     CachedRequestData,
     KVConnectorOutput,
@@ -884,6 +885,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def num_waiting_blocks(self) -> int:
+        """KV blocks the queued requests need for their tokens so far (O(queue))."""
+        block_size = self.config.block_size
+        return sum(cdiv(request.num_tokens, block_size) for request in self.waiting)
 
     @property
     def num_waiting_for_remote_kvs(self) -> int:

@@ -26,14 +26,14 @@ class ReplicaState:
     routable: bool = True
     # Running + waiting requests.
     num_requests: int = 0
-    # KV blocks held by requests.
+    # KV blocks held by requests, and needed by the queued ones.
     num_active_blocks: int = 0
     # Requests routed here over the router's life (for logs and metrics).
     num_routed: int = 0
 
     def report_load(self, load: scheduler_pb2.ReplicaLoad) -> None:
         self.num_requests = load.num_running + load.num_waiting
-        self.num_active_blocks = load.num_active_blocks
+        self.num_active_blocks = load.num_active_blocks + load.num_waiting_blocks
 
     def count_routed(self, num_new_blocks: int) -> None:
         """Until the next report: one more request, holding ``num_new_blocks`` more."""

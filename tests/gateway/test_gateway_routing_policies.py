@@ -111,6 +111,18 @@ def test_kv_counts_a_prefix_shared_with_running_requests_once() -> None:
     assert router.pick(user_prompt(4)).replica == "idle"
 
 
+def test_a_replica_with_a_queue_is_loaded_before_its_scheduler_allocates() -> None:
+    router = make_router("queued", "running")
+    # "queued" holds no blocks yet but queues two prompts of 10 blocks each.
+    send(
+        router,
+        "queued",
+        load=scheduler_pb2.ReplicaLoad(num_waiting=2, num_active_blocks=0, num_waiting_blocks=20),
+    )
+    report_load(router, "running", requests=2, active_blocks=12)
+    assert router.pick(user_prompt(1)).replica == "running"
+
+
 def test_kv_falls_back_to_least_loaded_when_loads_are_imbalanced() -> None:
     router = make_router("holder", "idle", balance_abs_threshold=8, balance_rel_threshold=1.5)
     store(router, "holder", router.prompt_block_hashes(SYSTEM_PROMPT))

@@ -94,3 +94,16 @@ async def test_attached_publisher_reports_the_schedulers_cache_and_load() -> Non
     snapshot = {h for b in catch_up for e in b.events for h in e.stored.block_hashes}
     assert snapshot == set(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
     assert len(snapshot) == 4
+
+
+async def test_the_load_counts_the_blocks_queued_requests_will_need() -> None:
+    """A queue holds no blocks yet, but a router must see it as load."""
+    scheduler = make_scheduler(num_kv_blocks=16, block_size=4, max_model_len=64, max_num_seqs=1)
+    publisher = attach_publisher(scheduler)
+    scheduler.add_request(make_request(9, max_tokens=4))  # 3 blocks once admitted
+    scheduler.add_request(make_request(13, max_tokens=4))  # 4 blocks
+    assert publisher.load_report().load.num_waiting_blocks == 7
+    run_step(scheduler)  # admits the first only (max_num_seqs=1)
+    load = publisher.load_report().load
+    assert (load.num_running, load.num_waiting, load.num_waiting_blocks) == (1, 1, 4)
+    assert load.num_active_blocks == 3
