@@ -116,6 +116,13 @@ class KVCacheManager:
             computed.append(block)
         return computed, len(computed) * self.block_size
 
+    def num_blocks_to_allocate(self, request: Request) -> int:
+        """Blocks a request that holds none would take for its tokens so far,
+        less its cached prefix: the load its admission adds. Read-only but
+        for the request's block hashes."""
+        _, num_hit_tokens = self.get_computed_blocks(request)
+        return cdiv(request.num_tokens, self.block_size) - num_hit_tokens // self.block_size
+
     def allocate_slots(
         self,
         request: Request,

@@ -886,10 +886,19 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def num_waiting_blocks(self) -> int:
-        """KV blocks the queued requests need for their tokens so far (O(queue))."""
+    def num_waiting_blocks(self, max_looked_up: int = 64) -> int:
+        """KV blocks the queued requests would take once admitted, less their
+        cached prefixes. The cache is looked up for the first ``max_looked_up``
+        of them only (a load report must stay cheap behind a long queue); the
+        rest count in full."""
         block_size = self.config.block_size
-        return sum(cdiv(request.num_tokens, block_size) for request in self.waiting)
+        total = 0
+        for position, request in enumerate(self.waiting):
+            if position < max_looked_up:
+                total += self.kv_cache_manager.num_blocks_to_allocate(request)
+            else:
+                total += cdiv(request.num_tokens, block_size)
+        return total
 
     @property
     def num_waiting_for_remote_kvs(self) -> int:

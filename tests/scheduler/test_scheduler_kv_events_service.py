@@ -107,3 +107,14 @@ async def test_the_load_counts_the_blocks_queued_requests_will_need() -> None:
     load = publisher.load_report().load
     assert (load.num_running, load.num_waiting, load.num_waiting_blocks) == (1, 1, 4)
     assert load.num_active_blocks == 3
+
+
+async def test_queued_requests_do_not_count_the_prefix_the_replica_has_cached() -> None:
+    scheduler = make_scheduler(num_kv_blocks=16, block_size=4, max_model_len=64, max_num_seqs=1)
+    publisher = attach_publisher(scheduler)
+    first = make_request(13, max_tokens=4)
+    scheduler.add_request(first)
+    run_step(scheduler)  # computes and caches its 3 full prompt blocks
+    prompt = [*first.prompt_token_ids[:12], 7, 7, 7]  # 4 blocks, 3 of them cached
+    scheduler.add_request(make_request(15, max_tokens=4, prompt_token_ids=prompt))
+    assert publisher.load_report().load.num_waiting_blocks == 1
