@@ -37,7 +37,10 @@ def onednn_available(weight: torch.Tensor) -> bool:
     mkldnn_ops = torch.ops.mkldnn
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
         and torch.backends.mkldnn.is_available()
         and hasattr(mkldnn_ops, "_reorder_linear_weight")
         and hasattr(mkldnn_ops, "_linear_pointwise")
