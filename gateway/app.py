@@ -272,8 +272,16 @@ def build_app(
 
     @app.get("/v1/models", responses=_only_auth(errors))
     async def list_models() -> ModelList:
-        max_model_len = engine.model_info.max_model_len
-        cards = [ModelCard(id=served_model_name, max_model_len=max_model_len)]
+        info = engine.model_info
+        max_model_len = info.max_model_len
+        cards = [
+            ModelCard(
+                id=served_model_name,
+                max_model_len=max_model_len,
+                dtype=info.dtype or None,
+                dtype_reason=info.dtype_reason or None,
+            )
+        ]
         cards += [
             ModelCard(
                 id=lora.lora_name,

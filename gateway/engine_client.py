@@ -109,6 +109,9 @@ class ModelInfo:
     # Tokens per KV block of the engine's prefix cache (None: unknown); a
     # router must hash prompts in blocks of this size to match its cache.
     kv_block_size: int | None = None
+    # The engine's compute dtype and why (empty: unknown), for /v1/models.
+    dtype: str = ""
+    dtype_reason: str = ""
 
 
 @runtime_checkable

@@ -164,6 +164,8 @@ class GrpcEngineClient:
             eos_token_ids=tuple(info.eos_token_ids),
             capacity=info.max_num_seqs + info.max_waiting_requests,
             kv_block_size=info.block_size,
+            dtype=info.dtype,
+            dtype_reason=info.dtype_reason,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(

@@ -511,6 +511,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int
+    # kvmesh's additions: the engine's compute dtype and why it was chosen.
+    dtype: str | None = None
+    dtype_reason: str | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

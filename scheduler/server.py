@@ -102,6 +102,8 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_waiting_requests=config.max_waiting_requests,
+        dtype=info.dtype,
+        dtype_reason=info.dtype_reason,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

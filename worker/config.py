@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES
+from services.config import AUTO_DTYPE, DEFAULT_MAX_MODEL_LEN, DTYPES
+from worker.dtype_choice import choose_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ class ModelConfig:
     # Compute dtype, independent of the dtype the weights are stored in.
     dtype: torch.dtype = torch.float32
     checkpoint_dtype: torch.dtype = torch.float32
+    # Why ``dtype`` (for logs and /v1/models): the flag, or auto's reasoning.
+    dtype_reason: str = field(default="", compare=False)
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype weights are read into: float32 when the checkpoint has it,
+        even for a narrower compute dtype, so that packing sees the exact
+        weights (exact 8-bit block codes cannot be found after rounding to
+        bfloat16) and rounds them once, itself; else the compute dtype."""
+        return torch.float32 if self.checkpoint_dtype == torch.float32 else self.dtype
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -122,8 +133,9 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read ``path/config.json``.
 
-        ``dtype`` None means float32 on CPU (bfloat16 matmuls are far slower
-        there than float32 ones) and the checkpoint's own dtype elsewhere.
+        ``dtype`` "auto" picks by the hardware (worker/dtype_choice.py); None
+        means float32 on CPU (the exact-match reference path tests and
+        benchmarks ask for) and the checkpoint's own dtype elsewhere.
         """
         folder = Path(path)
         config_file = folder / "config.json"
@@ -136,10 +148,15 @@ class ModelConfig:
         checkpoint_dtype = parse_dtype(
             hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         )
-        if dtype is None:
+        auto = choose_dtype(dtype, device, checkpoint_dtype) if dtype == AUTO_DTYPE else None
+        if auto is not None:
+            compute_dtype, dtype_reason = auto.dtype, auto.reason
+        elif dtype is None:
             compute_dtype = torch.float32 if device == "cpu" else checkpoint_dtype
+            dtype_reason = "the default of library callers"
         else:
             compute_dtype = parse_dtype(dtype)
+            dtype_reason = f"--dtype {dtype}"
         num_heads = int(hf_config["num_attention_heads"])
         hidden_size = int(hf_config["hidden_size"])
         head_dim = hf_config.get("head_dim") or hidden_size // num_heads
@@ -175,6 +192,7 @@ class ModelConfig:
             ),
             dtype=compute_dtype,
             checkpoint_dtype=checkpoint_dtype,
+            dtype_reason=dtype_reason,
         )
 
 

@@ -2,7 +2,9 @@
 
 A folder holds ``config.json`` and either one ``model.safetensors`` or several
 shards listed by ``model.safetensors.index.json``. Weights are cast to the
-compute dtype as they are read, so a bfloat16 checkpoint runs in float32 on CPU.
+model's load dtype as they are read (ModelConfig.load_dtype), so a bfloat16
+checkpoint runs in float32 on CPU, and a float32 one packs its projections for
+bfloat16 from the exact float32 weights.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def load_model(
     model_class = get_model_class(model_config.architecture)
     parallel_args = {} if all_reduce is None else {"all_reduce": all_reduce}
     model = model_class(model_config, plan, gather_vocab=gather_vocab, **parallel_args).to(device)
-    model.load_weights(iterate_weights(Path(model_config.path), model_config.dtype))
+    model.load_weights(iterate_weights(Path(model_config.path), model_config.load_dtype))
     model.eval()
     dense = DENSE_LINEAR.get()  # plain F.linear, e.g. to compare kernels
     model.pack_weights(use_onednn=not dense, use_native=not dense)

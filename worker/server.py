@@ -63,6 +63,7 @@ _STEP_SECONDS = Histogram(
 _TOKENS = Counter("kvmesh:worker_tokens_computed_total", "tokens run through the model")
 _BATCH = Gauge("kvmesh:worker_batch_size", "requests in the last step")
 _KV_BLOCKS = Gauge("kvmesh:worker_num_kv_blocks", "KV cache blocks allocated")
+_DTYPE = Gauge("kvmesh:worker_dtype_info", "1 for the model's compute dtype", ["dtype"])
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -244,6 +245,8 @@ def build_runner(
         pipeline_parallel_size=config.pipeline_parallel_size,
         max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        dtype_reason=model_config.dtype_reason,
     )
     return runner, info
 
@@ -326,13 +329,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     runner, info = await loop.run_in_executor(servicer.executor, build_runner, config, collectives)
     broadcaster = StepBroadcaster(runner, collectives) if collectives is not None else None
     _KV_BLOCKS.set(info.num_kv_blocks)
+    _DTYPE.labels(info.dtype).set(1)
     logger.info(
-        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s",
+        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s, dtype %s (%s)",
         info.model_name,
         info.num_kv_blocks,
         info.block_size,
         info.max_model_len,
         info.attention_backend,
+        info.dtype,
+        info.dtype_reason,
     )
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None

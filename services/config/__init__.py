@@ -20,6 +20,8 @@ import dataclasses
 
 from services.config.choices import (
     ATTENTION_BACKENDS,
+    AUTO_DTYPE,
+    DTYPE_CHOICES,
     DTYPES,
     REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
@@ -82,6 +84,8 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "DEFAULT_HOST",
     "DEFAULT_MAX_MODEL_LEN",
+    "AUTO_DTYPE",
+    "DTYPE_CHOICES",
     "DTYPES",
     "ENV_PREFIX",
     "ENV_SETTINGS",

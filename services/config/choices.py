@@ -48,3 +48,6 @@ ATTENTION_BACKENDS = ("cpu_native", "cpu", "triton", "torch_reference")
 
 # Compute dtypes the worker accepts, by torch's names.
 DTYPES = ("float32", "float16", "bfloat16")
+# What --dtype accepts: a dtype, or "auto" (chosen by the hardware: worker/dtype_choice.py).
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)

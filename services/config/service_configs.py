@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from services.config.choices import (
     ATTENTION_BACKENDS,
-    DTYPES,
+    AUTO_DTYPE,
+    DTYPE_CHOICES,
     REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
@@ -259,9 +260,10 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
     worker_metrics_port: int = port(9102, "Prometheus port of the worker")
     device: str = opt("cpu", "torch device for the model")
     dtype: str = opt(
-        "float32",
-        "compute dtype; float32 is the tuned CPU path (C++ kernels, block codes)",
-        choices=DTYPES,
+        AUTO_DTYPE,
+        "compute dtype; auto: bfloat16 on a CPU with AMX or AVX512-BF16 (and on "
+        "CUDA with bf16), float32 on other CPUs; the worker logs why",
+        choices=DTYPE_CHOICES,
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
     kv_cache_memory: int = opt(

@@ -15,8 +15,13 @@ Stack = LocalStack
 
 
 def start_stack(extra_args: list[str]) -> LocalStack:
+    """A stack in float32 unless ``extra_args`` name a dtype: the oracle these
+    tests compare with is transformers in float32, and --dtype auto would pick
+    bfloat16 on a CPU with AMX or AVX512-BF16."""
     if not is_prepared(default_model_path()):
         pytest.skip("default model not prepared (run `make install`)")
+    if "--dtype" not in extra_args:
+        extra_args = ["--dtype", "float32", *extra_args]
     stack = LocalStack(extra_args)
     stack.wait_ready(STARTUP_TIMEOUT_S)
     return stack

@@ -37,6 +37,8 @@ def test_health_ready_models(stack) -> None:
         (model,) = models["data"]
         assert model["id"] == "SmolLM2-135M-Instruct"
         assert model["max_model_len"] == 2048
+        # The worker's dtype, reported through scheduler and gateway.
+        assert (model["dtype"], model["dtype_reason"]) == ("float32", "--dtype float32")
 
 
 @pytest.mark.parametrize(

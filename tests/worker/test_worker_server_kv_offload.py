@@ -30,7 +30,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_step_requests_carry_saves_and_results_report_them(checkpoint: Path) -> None:
     config = WorkerConfig(
-        model=str(checkpoint), block_size=4, num_kv_blocks=16, num_threads=1, kv_offload=True
+        model=str(checkpoint),
+        block_size=4,
+        num_kv_blocks=16,
+        num_threads=1,
+        kv_offload=True,
+        dtype="float32",
     )
     runner, info = build_runner(config)
     assert not info.HasField("kv_layout")  # no connector yet

@@ -85,13 +85,15 @@ class LlamaDecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         self.input_norm = _empty(config.hidden_size, dtype=dtype)
         self.post_attention_norm = _empty(config.hidden_size, dtype=dtype)
-        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        # Projections hold the checkpoint's exact weights until pack_weights.
+        proj = config.load_dtype
+        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=proj)
         self.qkv_bias = (
-            _empty(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+            _empty(self.q_size + 2 * self.kv_size, dtype=proj) if config.attention_bias else None
         )
-        self.o_proj = _empty(config.hidden_size, self.q_size, dtype=dtype)
-        self.gate_up_proj = _empty(2 * self.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_proj = _empty(config.hidden_size, self.intermediate_size, dtype=dtype)
+        self.o_proj = _empty(config.hidden_size, self.q_size, dtype=proj)
+        self.gate_up_proj = _empty(2 * self.intermediate_size, config.hidden_size, dtype=proj)
+        self.down_proj = _empty(config.hidden_size, self.intermediate_size, dtype=proj)
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
         # Adapter slots of this layer's projections (worker/lora), when LoRA is on.
@@ -115,15 +117,20 @@ class LlamaDecoderLayer(nn.Module):
             "down": ProjectionShape(intermediate_size, (("down_proj", 0, hidden),)),
         }
 
-    def pack_weights(self, use_onednn: bool, use_native: bool = False) -> None:
+    def pack_weights(
+        self, use_onednn: bool, use_native: bool = False, use_block_codes: bool = False
+    ) -> None:
         """Freeze the projections into inference layouts (after load_weights).
 
-        ``use_native``: the C++ ops (kernels/csrc) are loaded and fit this
-        layer (float32 on CPU): fused RMSNorm/SwiGLU, block-code projections.
+        ``use_native``: the C++ elementwise ops (kernels/csrc) are loaded and
+        fit this layer's dtype: fused RMSNorm/SwiGLU. ``use_block_codes``:
+        small batches may run the C++ block-code projections (any compute
+        dtype: they take float32 rows).
         """
         self._native_ops = use_native
+        dtype = self.input_norm.dtype
         self._packed = {
-            name: PackedLinear(weight, bias, use_onednn, use_block_codes=use_native)
+            name: PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
             for name, weight, bias in (
                 ("qkv", self.qkv_proj, self.qkv_bias),
                 ("o", self.o_proj, None),
@@ -228,12 +235,18 @@ class LlamaForCausalLM(nn.Module):
         self.has_head = plan.is_first_stage
         if self.has_head:
             vocab_rows = len(plan.vocab)
-            self.embed_tokens = _empty(vocab_rows, config.hidden_size, dtype=dtype)
+            # The LM head (maybe tied to the embedding) is a projection too.
+            head_dtype = config.load_dtype
+            self.embed_tokens = _empty(
+                vocab_rows,
+                config.hidden_size,
+                dtype=head_dtype if config.tie_word_embeddings else dtype,
+            )
             self.norm = _empty(config.hidden_size, dtype=dtype)
             self.lm_head = (
                 self.embed_tokens
                 if config.tie_word_embeddings
-                else _empty(vocab_rows, config.hidden_size, dtype=dtype)
+                else _empty(vocab_rows, config.hidden_size, dtype=head_dtype)
             )
         self._packed_lm_head: PackedLinear | None = None
         self._native_ops = False
@@ -299,6 +312,7 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(normed, self.lm_head)
         else:
             logits = self._packed_lm_head(normed)
+        logits = logits.float()  # sampling is float32 whatever the compute dtype
         if self.gather_vocab is None:
             return logits
         return self.gather_vocab(logits, self.config.vocab_size)
@@ -307,21 +321,28 @@ class LlamaForCausalLM(nn.Module):
         """Prepare every projection for inference once the weights are loaded.
 
         ``use_native`` asks for kvmesh's C++ CPU ops; they are used where they
-        load and fit (float32 weights on CPU), decided here once for every layer.
+        load and fit (on CPU; the elementwise ones in float32), decided here
+        once for every layer. Projections are packed from the weights as
+        loaded (ModelConfig.load_dtype) to compute in the model's dtype.
         """
-        self._native_ops = (
+        use_codes = (
             use_native
-            and self.config.dtype == torch.float32
             and self.rotary.cos.device.type == "cpu"
             and native.unavailable_reason() is None
         )
+        self._native_ops = use_codes and self.config.dtype == torch.float32
         for layer in self.layers:
-            layer.pack_weights(use_onednn, self._native_ops)
+            layer.pack_weights(use_onednn, self._native_ops, use_codes)
         self.rotary.use_native = self._native_ops
         if self.has_head:
             self._packed_lm_head = PackedLinear(
-                self.lm_head, None, use_onednn, use_block_codes=self._native_ops
+                self.lm_head, None, use_onednn, use_codes, self.config.dtype
             )
+        # Packed from the exact weights; every parameter now rounds to the
+        # compute dtype once (the embedding, the unpacked fallbacks).
+        for param in self.parameters():
+            if param.dtype != self.config.dtype:
+                param.data = param.data.to(self.config.dtype)
 
     def block_code_coverage(self) -> tuple[int, int]:
         """(projections running on exact block codes for small batches, all projections)."""
