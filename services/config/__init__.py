@@ -82,11 +82,11 @@ def declared_env_names() -> set[str]:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "AUTO_DTYPE",
     "DEFAULT_HOST",
     "DEFAULT_MAX_MODEL_LEN",
-    "AUTO_DTYPE",
-    "DTYPE_CHOICES",
     "DTYPES",
+    "DTYPE_CHOICES",
     "ENV_PREFIX",
     "ENV_SETTINGS",
     "INTERNAL_TLS_SERVER_NAME",
