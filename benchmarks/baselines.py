@@ -78,9 +78,29 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
 # ---- (a) the full stack over HTTP ---------------------------------------------------
 
 
-async def _http_run(
+@dataclass(frozen=True)
+class HttpRun:
+    """One load run against an OpenAI-compatible server."""
+
+    output_tokens: int
+    seconds: float
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def detail(self) -> str:
+        return f"mean TTFT {self.mean_ttft_ms:.0f} ms, mean TPOT {self.mean_tpot_ms:.1f} ms"
+
+
+async def http_run(
     url: str, prompts: list[list[int]], output_len: int, concurrency: int
-) -> tuple[int, float, str]:
+) -> HttpRun:
+    """``prompts`` through ``url``'s /v1/completions at ``concurrency`` (after a
+    2-request warm-up), greedy, exactly ``output_len`` tokens each."""
     requests = [
         SampleRequest(f"bench-{i}", prompt, len(prompt), output_len)
         for i, prompt in enumerate(prompts)
@@ -108,10 +128,12 @@ async def _http_run(
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
     metrics = compute_metrics(result.outputs, result.duration_s, (50.0, 99.0))
     ttft, tpot = metrics.latencies.get("ttft"), metrics.latencies.get("tpot")
-    detail = ""
-    if ttft is not None and tpot is not None:
-        detail = f"mean TTFT {ttft.mean_ms:.0f} ms, mean TPOT {tpot.mean_ms:.1f} ms"
-    return metrics.total_output_tokens, result.duration_s, detail
+    return HttpRun(
+        metrics.total_output_tokens,
+        result.duration_s,
+        ttft.mean_ms if ttft is not None else math.nan,
+        tpot.mean_ms if tpot is not None else math.nan,
+    )
 
 
 def measure_stack(
@@ -127,17 +149,15 @@ def measure_stack(
         results = []
         for concurrency in concurrencies:
             before = load_average()
-            tokens, seconds, detail = asyncio.run(
-                _http_run(stack.http_url, prompts, output_len, concurrency)
-            )
+            run = asyncio.run(http_run(stack.http_url, prompts, output_len, concurrency))
             results.append(
                 Measurement(
                     f"(a) full stack over HTTP, concurrency {concurrency}",
-                    tokens,
-                    seconds,
+                    run.output_tokens,
+                    run.seconds,
                     before,
                     load_average(),
-                    detail,
+                    run.detail,
                 )
             )
             print(results[-1].line(), flush=True)
