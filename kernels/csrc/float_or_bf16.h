@@ -1,0 +1,44 @@
+// One kernel template for float32 and bfloat16 tensors.
+//
+// A bfloat16 kernel loads its inputs as float, computes in float32 and stores
+// each result rounded once to bfloat16 (nearest, ties to even, as torch's
+// conversion does). Where torch, run on bfloat16 tensors, rounds an
+// intermediate (every elementwise op stores its result as bfloat16), the
+// kernel rounds at the same point with round_as<T>, so the two agree; for
+// float32, round_as is the identity and the float32 kernels compile to the
+// same arithmetic as before they were templated.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+namespace kvmesh {
+
+// x as a T tensor would store it, read back as float.
+template <typename T>
+inline float round_as(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// f(T{}) with T the element type of `dtype`: float or c10::BFloat16.
+template <typename F>
+void dispatch_float_or_bf16(at::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": tensors must be float32 or bfloat16, not ", dtype);
+  }
+}
+
+// Mixed precision is not supported: every floating argument has x's dtype.
+inline void check_same_dtype(const at::Tensor& x, const at::Tensor& other, const char* op,
+                             const char* x_name, const char* other_name) {
+  TORCH_CHECK(other.scalar_type() == x.scalar_type(), op, ": ", other_name, " is ",
+              other.scalar_type(), " but ", x_name, " is ", x.scalar_type(),
+              "; all must share one dtype (float32 or bfloat16)");
+}
+
+}  // namespace kvmesh
