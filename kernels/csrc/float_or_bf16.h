@@ -4,21 +4,52 @@
 // each result rounded once to bfloat16 (nearest, ties to even, as torch's
 // conversion does). Where torch, run on bfloat16 tensors, rounds an
 // intermediate (every elementwise op stores its result as bfloat16), the
-// kernel rounds at the same point with round_as<T>, so the two agree; for
-// float32, round_as is the identity and the float32 kernels compile to the
-// same arithmetic as before they were templated.
+// kernel rounds at the same point with round_as<T>, so the two agree. For
+// float32, to_float, from_float and round_as are identities: the float32
+// kernels compile to the same arithmetic as before they were templated.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include <bit>
+#include <cstdint>
+
 namespace kvmesh {
+
+// Conversions written out rather than taken from c10::BFloat16, whose
+// float -> bfloat16 rounding branches on isnan: here both directions are a
+// few integer ops and a select, which gcc vectorizes inside `omp simd` loops.
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
+}
+
+template <typename T>
+inline T from_float(float x);
+
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+
+// Nearest bfloat16, ties to even (torch's rounding); NaN stays a quiet NaN.
+// The NaN test is on the bits, so -ffast-math cannot fold it away.
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (bits + UINT32_C(0x7FFF) + ((bits >> 16) & 1)) >> 16;
+  const bool is_nan = (bits & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000);
+  return c10::BFloat16(static_cast<uint16_t>(is_nan ? UINT32_C(0x7FC0) : rounded),
+                       c10::BFloat16::from_bits());
+}
 
 // x as a T tensor would store it, read back as float.
 template <typename T>
 inline float round_as(float x) {
-  return static_cast<float>(static_cast<T>(x));
+  return to_float(from_float<T>(x));
 }
 
 // f(T{}) with T the element type of `dtype`: float or c10::BFloat16.

@@ -27,6 +27,9 @@
 
 namespace {
 
+using kvmesh::from_float;
+using kvmesh::to_float;
+
 // One (sequence, KV head) pair: the `group` query heads that share the KV head.
 // HEAD_DIM is a compile-time constant so the per-head accumulators live in
 // vector registers (4 zmm or 8 ymm for 64 floats) instead of memory.
@@ -37,7 +40,7 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
   // Scores: one dot product per (head, token), K rows read through the block table.
   for (int64_t g = 0; g < group; ++g) {
     float qg[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) qg[d] = static_cast<float>(q[g][d]) * scale;
+    for (int d = 0; d < HEAD_DIM; ++d) qg[d] = to_float(q[g][d]) * scale;
     float* s = scores + g * len;
     // Block-major walk: no division per token.
     for (int64_t start = 0; start < len; start += block_size) {
@@ -46,7 +49,7 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
       for (int64_t j = 0; j < n; ++j, k += row_stride) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * static_cast<float>(k[d]);
+        for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * to_float(k[d]);
         s[start + j] = sum;
       }
     }
@@ -69,12 +72,12 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
       for (int64_t j = 0; j < n; ++j, v += row_stride) {
         const float p = s[start + j];
 #pragma omp simd
-        for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * static_cast<float>(v[d]);
+        for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * to_float(v[d]);
       }
     }
     T* o = out[g];
 #pragma omp simd
-    for (int d = 0; d < HEAD_DIM; ++d) o[d] = static_cast<T>(acc[d] * inv);
+    for (int d = 0; d < HEAD_DIM; ++d) o[d] = from_float<T>(acc[d] * inv);
   }
 }
 
@@ -91,7 +94,7 @@ void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < head_dim; ++d) {
-        sum += static_cast<float>(q[g][d]) * static_cast<float>(k[d]);
+        sum += to_float(q[g][d]) * to_float(k[d]);
       }
       s[t] = sum * scale;
     }
@@ -106,9 +109,9 @@ void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t
     for (int64_t t = 0; t < len; ++t) {
       const T* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * to_float(v[d]);
     }
-    for (int64_t d = 0; d < head_dim; ++d) out[g][d] = static_cast<T>(acc[d] / total);
+    for (int64_t d = 0; d < head_dim; ++d) out[g][d] = from_float<T>(acc[d] / total);
   }
 }
 

@@ -25,6 +25,10 @@
 
 namespace {
 
+using kvmesh::from_float;
+using kvmesh::round_as;
+using kvmesh::to_float;
+
 // Rows per thread chunk: decode batches (a few rows) stay on the calling thread.
 constexpr int64_t kMinElementsPerTask = 32768;
 
@@ -40,14 +44,13 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) 
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    const float xi = static_cast<float>(x[i]);
+    const float xi = to_float(x[i]);
     sum += xi * xi;
   }
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(static_cast<float>(weight[i]) *
-                            kvmesh::round_as<T>(static_cast<float>(x[i]) * inv));
+    out[i] = from_float<T>(to_float(weight[i]) * round_as<T>(to_float(x[i]) * inv));
   }
 }
 
@@ -98,18 +101,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     const T* wp = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
     T* sp = sum.data_ptr<T>();
-    at::parallel_for(
-        0, x.size(0), std::max<int64_t>(1, kMinElementsPerTask / n), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            T* s = sp + r * n;
+    const int64_t rows_per_task = std::max<int64_t>(1, kMinElementsPerTask / n);
+    at::parallel_for(0, x.size(0), rows_per_task, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* s = sp + r * n;
 #pragma omp simd
-            for (int64_t i = 0; i < n; ++i) {
-              s[i] = static_cast<T>(static_cast<float>(rp[r * n + i]) +
-                                    static_cast<float>(xp[r * n + i]));
-            }
-            norm_row(s, wp, op + r * n, n, static_cast<float>(eps));
-          }
-        });
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = from_float<T>(to_float(rp[r * n + i]) + to_float(xp[r * n + i]));
+        }
+        norm_row(s, wp, op + r * n, n, static_cast<float>(eps));
+      }
+    });
   });
   return {out, sum};
 }

@@ -19,6 +19,10 @@
 
 namespace {
 
+using kvmesh::from_float;
+using kvmesh::round_as;
+using kvmesh::to_float;
+
 constexpr int64_t kMinElementsPerTask = 32768;
 
 // x [tokens, heads, head_dim] (any row and head strides, head_dim contiguous);
@@ -60,11 +64,10 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
               T* o = op + (t * heads + h) * head_dim;
 #pragma omp simd
               for (int64_t i = 0; i < half; ++i) {
-                const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
-                const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
-                o[i] = static_cast<T>(kvmesh::round_as<T>(a * ci) - kvmesh::round_as<T>(b * si));
-                o[i + half] =
-                    static_cast<T>(kvmesh::round_as<T>(b * ci) + kvmesh::round_as<T>(a * si));
+                const float a = to_float(x1[i]), b = to_float(x2[i]);
+                const float ci = to_float(c[i]), si = to_float(s[i]);
+                o[i] = from_float<T>(round_as<T>(a * ci) - round_as<T>(b * si));
+                o[i + half] = from_float<T>(round_as<T>(b * ci) + round_as<T>(a * si));
               }
             }
           }

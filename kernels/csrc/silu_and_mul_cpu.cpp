@@ -19,6 +19,10 @@
 
 namespace {
 
+using kvmesh::from_float;
+using kvmesh::round_as;
+using kvmesh::to_float;
+
 // Rows per thread chunk: decode batches (a few rows) stay on the calling thread.
 constexpr int64_t kMinElementsPerTask = 32768;
 
@@ -43,9 +47,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
                          T* o = op + r * inter;
 #pragma omp simd
                          for (int64_t i = 0; i < inter; ++i) {
-                           const float g = static_cast<float>(gate[i]);
-                           o[i] = static_cast<T>(kvmesh::round_as<T>(g / (1.f + std::exp(-g))) *
-                                                 static_cast<float>(up[i]));
+                           const float g = to_float(gate[i]);
+                           const float silu = round_as<T>(g / (1.f + std::exp(-g)));
+                           o[i] = from_float<T>(silu * to_float(up[i]));
                          }
                        }
                      });
