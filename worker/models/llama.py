@@ -115,15 +115,19 @@ class LlamaDecoderLayer(nn.Module):
             "down": ProjectionShape(intermediate_size, (("down_proj", 0, hidden),)),
         }
 
-    def pack_weights(self, use_onednn: bool, use_native: bool = False) -> None:
+    def pack_weights(
+        self, use_onednn: bool, use_native: bool = False, use_block_codes: bool = False
+    ) -> None:
         """Freeze the projections into inference layouts (after load_weights).
 
-        ``use_native``: the C++ ops (kernels/csrc) are loaded and fit this
-        layer (float32 on CPU): fused RMSNorm/SwiGLU, block-code projections.
+        ``use_native``: the C++ elementwise ops (kernels/csrc) are loaded and
+        fit this layer (float32 or bfloat16 on CPU): fused RMSNorm/SwiGLU.
+        ``use_block_codes``: projections may run on exact block codes (float32
+        only, kernels/block_codes.py).
         """
         self._native_ops = use_native
         self._packed = {
-            name: PackedLinear(weight, bias, use_onednn, use_block_codes=use_native)
+            name: PackedLinear(weight, bias, use_onednn, use_block_codes=use_block_codes)
             for name, weight, bias in (
                 ("qkv", self.qkv_proj, self.qkv_bias),
                 ("o", self.o_proj, None),
@@ -307,20 +311,23 @@ class LlamaForCausalLM(nn.Module):
         """Prepare every projection for inference once the weights are loaded.
 
         ``use_native`` asks for kvmesh's C++ CPU ops; they are used where they
-        load and fit (float32 weights on CPU), decided here once for every layer.
+        load and fit, decided here once for every layer: the elementwise ops for
+        float32 and bfloat16 weights on CPU, block-code projections for float32
+        only.
         """
         self._native_ops = (
             use_native
-            and self.config.dtype == torch.float32
+            and self.config.dtype in native.NATIVE_DTYPES
             and self.rotary.cos.device.type == "cpu"
             and native.unavailable_reason() is None
         )
+        use_block_codes = self._native_ops and self.config.dtype == torch.float32
         for layer in self.layers:
-            layer.pack_weights(use_onednn, self._native_ops)
+            layer.pack_weights(use_onednn, self._native_ops, use_block_codes)
         self.rotary.use_native = self._native_ops
         if self.has_head:
             self._packed_lm_head = PackedLinear(
-                self.lm_head, None, use_onednn, use_block_codes=self._native_ops
+                self.lm_head, None, use_onednn, use_block_codes=use_block_codes
             )
 
     def block_code_coverage(self) -> tuple[int, int]:
