@@ -77,6 +77,31 @@ def test_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_bf16_nan_and_inf_stay_nan_and_inf() -> None:
+    """The bfloat16 rounding has no NaN branch (float_or_bf16.h): a NaN or an
+    infinity in the input still comes out as NaN, and a finite value that
+    rounds past bfloat16's largest becomes inf, as torch's rounding makes it."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 2.0, 3.0], [1.0, inf, 2.0, 3.0]], dtype=torch.bfloat16)
+    weight = torch.ones(4, dtype=torch.bfloat16)
+    normed = torch.ops.kvmesh.rms_norm(x, weight, 1e-5)
+    # A NaN row is all NaN; an inf row is NaN at the inf (inf * 0) and 0 elsewhere.
+    torch.testing.assert_close(normed, rms_norm(x, weight, 1e-5), rtol=0, atol=0, equal_nan=True)
+    assert normed[0].isnan().all() and normed[1].isnan().sum() == 1
+    gate_up = torch.tensor([[nan, 1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    out = torch.ops.kvmesh.silu_and_mul(gate_up)
+    assert out[0, 0].isnan() and out[0, 1] == F.silu(gate_up[0, 1]) * gate_up[0, 3]
+    big = torch.finfo(torch.bfloat16).max
+    total = torch.ops.kvmesh.add_rms_norm(
+        torch.full((1, 4), big, dtype=torch.bfloat16),
+        torch.full((1, 4), big, dtype=torch.bfloat16),
+        torch.ones(4, dtype=torch.bfloat16),
+        1e-5,
+    )[1]
+    assert torch.equal(total, torch.full((1, 4), big, dtype=torch.bfloat16) * 2)
+    assert total.isinf().all()
+
+
 def test_silu_and_mul_saturates_without_nan() -> None:
     gate_up = torch.tensor([[-200.0, 200.0, 0.0, 1.0, 1.0, 1.0]])
     out = torch.ops.kvmesh.silu_and_mul(gate_up)
