@@ -111,13 +111,9 @@ def test_decodes_run_in_cpp_not_the_torch_fallback(
         raise AssertionError(f"{dtype} decode fell back to the torch path")
 
     monkeypatch.setattr(CpuAttentionBackend, "_decode", staticmethod(torch_decode))
+    scenario = SCENARIOS["decodes_ragged"]
     batch = make_paged_batch(
-        SCENARIOS["decodes_ragged"],
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        block_size=16,
-        dtype=dtype,
+        scenario, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype
     )
     assert_matches_reference(batch)
 
