@@ -9,8 +9,10 @@ over torch's threads — about 5x less time per layer for SmolLM2-135M at batch
 16 (benchmarks/attention_bench.py).
 
 Refused (with the reason) when the ops cannot be built or loaded: no
-compiler, ``KVMESH_NATIVE_KERNELS=0``, a non-CPU device. Non-float32 caches
-fall back to the torch decode path per call.
+compiler, ``KVMESH_NATIVE_KERNELS=0``, a non-CPU device. float32 and bfloat16
+run in C++ (bfloat16 q and K/V with float32 softmax and accumulation, one
+rounding of the output); other dtypes fall back to the torch decode path per
+call.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         group: int,
         out: torch.Tensor,
     ) -> None:
-        if query.dtype != torch.float32 or k_cache.dtype != torch.float32 or not query.is_cpu:
+        if (
+            query.dtype not in native.NATIVE_DTYPES
+            or k_cache.dtype != query.dtype
+            or not query.is_cpu
+        ):
             CpuAttentionBackend._decode(query, k_cache, v_cache, plan, scale, group, out)
             return
         torch.ops.kvmesh.paged_decode_attention(

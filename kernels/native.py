@@ -14,6 +14,10 @@ only for the sources that need a vectorized ``exp`` (``SOURCES``), and only at
 compile time: the link step omits it, so ``crtfastmath.o`` never flips the
 whole process into flush-to-zero mode.
 
+The elementwise ops and decode attention take float32 or bfloat16 tensors
+(``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
+bfloat16 ops round); the block-code linear is float32 only.
+
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
 """
@@ -52,6 +56,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "rotary_cpu.cpp": ("-ffp-contract=off",),
 }
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
+# Element types of rms_norm, add_rms_norm, silu_and_mul, rotary_embedding and
+# paged_decode_attention (kernels/csrc/float_or_bf16.h).
+NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 COMPILE_FLAGS = (
     "-O3",

@@ -1,4 +1,4 @@
-// Paged decode attention for CPU, float32, as a torch custom op.
+// Paged decode attention for CPU, float32 or bfloat16, as a torch custom op.
 //
 // One query token per sequence attends to its whole context, read in place
 // from the paged KV cache through the sequence's block table: no gather into
@@ -10,7 +10,8 @@
 //
 // Numerics: scores and the softmax are float32 with the max subtracted; the
 // value sum accumulates in float32. Only the order of additions differs from
-// the PyTorch reference (kernels/reference.py).
+// the PyTorch reference (kernels/reference.py). bfloat16 query and K/V are read
+// as float; only the output is rounded to bfloat16, once (float_or_bf16.h).
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -21,30 +22,34 @@
 #include <cstdint>
 #include <vector>
 
+#include "float_or_bf16.h"
 #include "work_stealing.h"
 
 namespace {
 
+using kvmesh::from_float;
+using kvmesh::to_float;
+
 // One (sequence, KV head) pair: the `group` query heads that share the KV head.
 // HEAD_DIM is a compile-time constant so the per-head accumulators live in
 // vector registers (4 zmm or 8 ymm for 64 floats) instead of memory.
-template <int HEAD_DIM>
-void attend_one(const float* const* q, float* const* out, int64_t group, const float* k_base,
-                const float* v_base, const int64_t* table, int64_t len, int64_t block_size,
-                int64_t row_stride, float scale, float* scores) {
+template <int HEAD_DIM, typename T>
+void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base, const T* v_base,
+                const int64_t* table, int64_t len, int64_t block_size, int64_t row_stride,
+                float scale, float* scores) {
   // Scores: one dot product per (head, token), K rows read through the block table.
   for (int64_t g = 0; g < group; ++g) {
     float qg[HEAD_DIM];
-    for (int d = 0; d < HEAD_DIM; ++d) qg[d] = q[g][d] * scale;
+    for (int d = 0; d < HEAD_DIM; ++d) qg[d] = to_float(q[g][d]) * scale;
     float* s = scores + g * len;
     // Block-major walk: no division per token.
     for (int64_t start = 0; start < len; start += block_size) {
-      const float* k = k_base + table[start / block_size] * block_size * row_stride;
+      const T* k = k_base + table[start / block_size] * block_size * row_stride;
       const int64_t n = std::min(block_size, len - start);
       for (int64_t j = 0; j < n; ++j, k += row_stride) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * k[d];
+        for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * to_float(k[d]);
         s[start + j] = sum;
       }
     }
@@ -62,32 +67,35 @@ void attend_one(const float* const* q, float* const* out, int64_t group, const f
     const float inv = 1.f / sum;
     float acc[HEAD_DIM] = {};
     for (int64_t start = 0; start < len; start += block_size) {
-      const float* v = v_base + table[start / block_size] * block_size * row_stride;
+      const T* v = v_base + table[start / block_size] * block_size * row_stride;
       const int64_t n = std::min(block_size, len - start);
       for (int64_t j = 0; j < n; ++j, v += row_stride) {
         const float p = s[start + j];
 #pragma omp simd
-        for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * v[d];
+        for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * to_float(v[d]);
       }
     }
-    float* o = out[g];
+    T* o = out[g];
 #pragma omp simd
-    for (int d = 0; d < HEAD_DIM; ++d) o[d] = acc[d] * inv;
+    for (int d = 0; d < HEAD_DIM; ++d) o[d] = from_float<T>(acc[d] * inv);
   }
 }
 
 // Any head size: same math, accumulators in memory.
-void attend_one_generic(const float* const* q, float* const* out, int64_t group, int64_t head_dim,
-                        const float* k_base, const float* v_base, const int64_t* table,
-                        int64_t len, int64_t block_size, int64_t row_stride, float scale,
-                        float* scores, float* acc) {
+template <typename T>
+void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t head_dim,
+                        const T* k_base, const T* v_base, const int64_t* table, int64_t len,
+                        int64_t block_size, int64_t row_stride, float scale, float* scores,
+                        float* acc) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
     for (int64_t t = 0; t < len; ++t) {
-      const float* k = k_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+      const T* k = k_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < head_dim; ++d) sum += q[g][d] * k[d];
+      for (int64_t d = 0; d < head_dim; ++d) {
+        sum += to_float(q[g][d]) * to_float(k[d]);
+      }
       s[t] = sum * scale;
     }
     float m = s[0];
@@ -99,27 +107,72 @@ void attend_one_generic(const float* const* q, float* const* out, int64_t group,
     }
     std::fill(acc, acc + head_dim, 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      const float* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+      const T* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * v[d];
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * to_float(v[d]);
     }
-    for (int64_t d = 0; d < head_dim; ++d) out[g][d] = acc[d] / total;
+    for (int64_t d = 0; d < head_dim; ++d) out[g][d] = from_float<T>(acc[d] / total);
   }
 }
 
+// Every (sequence, KV head) pair of the batch, over torch's threads; the
+// arguments are validated by paged_decode_attention.
+template <typename T>
+void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
+                const int64_t* tables, const int64_t* lens, const int64_t* row_ids,
+                int64_t num_decodes, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                int64_t max_blocks, int64_t max_len, int64_t block_size, int64_t row_stride,
+                int64_t q_tok, int64_t q_head, int64_t o_tok, int64_t o_head, float scale) {
+  kvmesh::parallel_items(num_decodes * num_kv_heads, [&](int64_t item, bool) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<float> acc;
+    thread_local std::vector<const T*> q;
+    thread_local std::vector<T*> o;
+    scores.resize(group * max_len);
+    acc.resize(head_dim);
+    q.resize(group);
+    o.resize(group);
+    const int64_t seq = item / num_kv_heads;
+    const int64_t kv_head = item % num_kv_heads;
+    const int64_t row = row_ids[seq];
+    for (int64_t g = 0; g < group; ++g) {
+      q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
+      o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
+    }
+    const T* k = k_base + kv_head * head_dim;
+    const T* v = v_base + kv_head * head_dim;
+    const int64_t* table = tables + seq * max_blocks;
+    const int64_t len = lens[seq];
+    switch (head_dim) {
+      case 64:
+        attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride, scale,
+                       scores.data());
+        break;
+      case 128:
+        attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
+                        scale, scores.data());
+        break;
+      default:
+        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
+                           row_stride, scale, scores.data(), acc.data());
+    }
+  });
+}
+
 // out[rows[i]] = softmax(q K^T * scale) V for every decode i.
-//   out, query:   [num_tokens, num_heads, head_dim] float32, last dim contiguous
+//   out, query:   [num_tokens, num_heads, head_dim], last dim contiguous
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+//   (all four float32, or all four bfloat16)
 //   block_tables: [num_decodes, max_blocks_per_seq] int64
 //   context_lens: [num_decodes] int64 (>= 1)
 //   rows:         [num_decodes] int64, query/out row of each decode
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, const at::Tensor& rows, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: query and out must be float32");
-  TORCH_CHECK(key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: caches must be float32");
+  const char* op = "paged_decode_attention";
+  kvmesh::check_same_dtype(query, out, op, "query", "out");
+  kvmesh::check_same_dtype(query, key_cache, op, "query", "key_cache");
+  kvmesh::check_same_dtype(query, value_cache, op, "query", "value_cache");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4,
               "paged_decode_attention: bad ranks");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
@@ -150,15 +203,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   const int64_t row_stride = num_kv_heads * head_dim;  // between tokens in a block
   const float scale_f = static_cast<float>(scale);
 
-  const float* q_base = query.data_ptr<float>();
-  float* out_base = out.data_ptr<float>();
-  const float* k_base = key_cache.data_ptr<float>();
-  const float* v_base = value_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
-  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
-  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
 
   // Validate every index once, outside the parallel region: a bad block id
   // would otherwise read outside the cache.
@@ -177,39 +224,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     max_len = std::max(max_len, len);
   }
 
-  kvmesh::parallel_items(num_decodes * num_kv_heads, [&](int64_t item, bool) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<float> acc;
-    thread_local std::vector<const float*> q;
-    thread_local std::vector<float*> o;
-    scores.resize(group * max_len);
-    acc.resize(head_dim);
-    q.resize(group);
-    o.resize(group);
-    const int64_t seq = item / num_kv_heads;
-    const int64_t kv_head = item % num_kv_heads;
-    const int64_t row = row_ids[seq];
-    for (int64_t g = 0; g < group; ++g) {
-      q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
-      o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
-    }
-    const float* k = k_base + kv_head * head_dim;
-    const float* v = v_base + kv_head * head_dim;
-    const int64_t* table = tables + seq * max_blocks;
-    const int64_t len = lens[seq];
-    switch (head_dim) {
-      case 64:
-        attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
-                       scale_f, scores.data());
-        break;
-      case 128:
-        attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
-                        scale_f, scores.data());
-        break;
-      default:
-        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
-                           row_stride, scale_f, scores.data(), acc.data());
-    }
+  kvmesh::dispatch_float_or_bf16(query.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    attend_all<T>(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
+                  value_cache.data_ptr<T>(), tables, lens, row_ids, num_decodes, num_kv_heads,
+                  group, head_dim, max_blocks, max_len, block_size, row_stride, query.stride(0),
+                  query.stride(1), out.stride(0), out.stride(1), scale_f);
   });
 }
 

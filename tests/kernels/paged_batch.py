@@ -10,7 +10,7 @@ output, and block-table padding is an out-of-range id so reading it fails.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,16 @@ class PagedBatch:
     def fresh_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the caches, so that two backends can write into their own."""
         return self.k_cache.clone(), self.v_cache.clone()
+
+    def to_float32(self) -> PagedBatch:
+        """The same values in float32: a reference for a lower-precision kernel."""
+        return replace(
+            self,
+            **{
+                name: getattr(self, name).float()
+                for name in ("query", "key", "value", "k_cache", "v_cache")
+            },
+        )
 
 
 def make_paged_batch(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import native
+from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
@@ -19,6 +20,11 @@ from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
 # O(1) outputs.
 ATOL = 1e-5
 RTOL = 1e-5
+# bfloat16 q/K/V: compared with the float32 reference over the same (bf16)
+# values. The kernel computes in float32 too and rounds only its output, so
+# it may differ by that rounding (half a bf16 ulp: at most 2**-8 relative)
+# plus the float32 differences above.
+BF16_RTOL = 2**-8
 
 GQA_SHAPES = [(9, 3), (4, 4), (8, 1), (12, 3)]  # (num_heads, num_kv_heads)
 # 64 and 128 take the register-accumulator specializations, 32 and 80 the generic loop.
@@ -37,12 +43,35 @@ def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
     return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
 
 
+def assert_matches_reference(batch: PagedBatch) -> torch.Tensor:
+    """The native backend's output on ``batch`` against the float32 reference."""
+    expected = run_backend(TorchReferenceBackend(), batch.to_float32())
+    actual = run_backend(NativeCpuAttentionBackend(), batch)
+    assert actual.dtype == batch.query.dtype
+    assert not torch.isnan(actual).any(), "read a never-written (NaN) cache slot"
+    rtol = BF16_RTOL if actual.dtype == torch.bfloat16 else RTOL
+    torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=rtol)
+    return actual
+
+
+# bfloat16 only where every row is a decode: prefill chunks run torch's
+# bfloat16 SDPA, not this kernel.
+SCENARIO_DTYPES = [(name, torch.float32) for name in SCENARIOS] + [
+    ("decodes_ragged", torch.bfloat16)
+]
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize(("scenario", "dtype"), SCENARIO_DTYPES)
 def test_native_backend_matches_reference(
-    scenario: str, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int
+    scenario: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
 ) -> None:
     batch = make_paged_batch(
         SCENARIOS[scenario],
@@ -50,16 +79,16 @@ def test_native_backend_matches_reference(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
+        dtype=dtype,
     )
-    expected = run_backend(TorchReferenceBackend(), batch)
-    actual = run_backend(NativeCpuAttentionBackend(), batch)
-    assert not torch.isnan(actual).any(), "read a never-written (NaN) cache slot"
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+    assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_native_decode_long_ragged_contexts(seed: int) -> None:
-    """Many decodes, contexts of hundreds of tokens ending anywhere in a block."""
+def test_native_decode_long_ragged_contexts(seed: int, dtype: torch.dtype) -> None:
+    """Many GQA decodes through shuffled block tables, contexts of hundreds of
+    tokens ending anywhere in a block."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 600, (24,), generator=generator).tolist()
     batch = make_paged_batch(
@@ -69,10 +98,24 @@ def test_native_decode_long_ragged_contexts(seed: int) -> None:
         head_dim=64,
         block_size=16,
         seed=seed,
+        dtype=dtype,
     )
-    expected = run_backend(TorchReferenceBackend(), batch)
-    actual = run_backend(NativeCpuAttentionBackend(), batch)
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_run_in_cpp_not_the_torch_fallback(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def torch_decode(*args: object) -> None:
+        raise AssertionError(f"{dtype} decode fell back to the torch path")
+
+    monkeypatch.setattr(CpuAttentionBackend, "_decode", staticmethod(torch_decode))
+    scenario = SCENARIOS["decodes_ragged"]
+    batch = make_paged_batch(
+        scenario, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype
+    )
+    assert_matches_reference(batch)
 
 
 def test_large_scores_do_not_overflow() -> None:
@@ -122,6 +165,11 @@ def _call(args: dict[str, torch.Tensor]) -> None:
         ({"block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}, "int64"),
         ({"query": torch.randn(2, 4, 64, dtype=torch.float64)}, "float32"),
         ({"key_cache": torch.randn(4, 16, 3, 64)}, "differ in shape"),
+        (
+            {"key_cache": torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)},
+            "key_cache is BFloat16 but query is Float",
+        ),
+        ({"out": torch.zeros(2, 4, 64, dtype=torch.bfloat16)}, "out is BFloat16 but query"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message: str) -> None:

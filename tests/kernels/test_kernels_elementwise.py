@@ -1,4 +1,9 @@
-"""Fused RMSNorm (+ residual) and SwiGLU against the torch ops they replace."""
+"""Fused RMSNorm (+ residual), SwiGLU and rotary against the torch ops they replace.
+
+Each runs in float32 and in bfloat16. The bfloat16 references are the model's
+torch path in bfloat16, which rounds where transformers does (RMSNorm's
+``x * inv`` before the weight, silu before the multiply, every rotary product).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from tests.kernels.ulp import assert_bf16_close
 from worker.models.llama import rms_norm
+
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -15,38 +23,83 @@ def native_ops() -> None:
     native.ensure_loaded()
 
 
+def _randn(*shape: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def assert_norm_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Only the order of the additions in mean(x²) differs: a few float32 ulps,
+    so in bfloat16 at most one rounding boundary crossed (1 ulp)."""
+    if actual.dtype == torch.bfloat16:
+        assert_bf16_close(actual, expected, max_ulps=1)
+    else:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 700])  # 700 rows: split over threads
 @pytest.mark.parametrize("features", [576, 64, 100])
-def test_rms_norm_matches_torch(rows: int, features: int) -> None:
+def test_rms_norm_matches_torch(rows: int, features: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows * features)
-    x = torch.randn(rows, features, generator=g) * 3
-    weight = torch.randn(features, generator=g)
-    expected = rms_norm(x, weight, 1e-5)
-    # Only the order of the additions in mean(x²) differs: a few ulps.
-    torch.testing.assert_close(
-        torch.ops.kvmesh.rms_norm(x, weight, 1e-5), expected, atol=1e-6, rtol=1e-6
-    )
+    x = _randn(rows, features, generator=g, dtype=torch.float32).mul(3).to(dtype)
+    weight = _randn(features, generator=g, dtype=dtype)
+    assert_norm_close(torch.ops.kvmesh.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 700])
-def test_add_rms_norm_returns_the_norm_and_the_sum(rows: int) -> None:
+def test_add_rms_norm_returns_the_norm_and_the_sum(rows: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows)
-    x, residual = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
-    weight = torch.randn(576, generator=g)
+    x, residual = (
+        _randn(rows, 576, generator=g, dtype=dtype),
+        _randn(rows, 576, generator=g, dtype=dtype),
+    )
+    weight = _randn(576, generator=g, dtype=dtype)
     normed, total = torch.ops.kvmesh.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(total, residual + x)  # one float add: bit for bit
-    torch.testing.assert_close(normed, rms_norm(residual + x, weight, 1e-5), atol=1e-6, rtol=1e-6)
+    assert total.dtype == dtype
+    assert torch.equal(total, residual + x)  # one add, rounded once: bit for bit
+    assert_norm_close(normed, rms_norm(residual + x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_silu_and_mul_matches_torch(rows: int) -> None:
+def test_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 4
+    gate_up = _randn(rows, 2 * 1536, generator=g, dtype=torch.float32).mul(4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = F.silu(gate) * up
-    torch.testing.assert_close(
-        torch.ops.kvmesh.silu_and_mul(gate_up), expected, atol=1e-6, rtol=1e-5
-    )
+    actual = torch.ops.kvmesh.silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:
+        # A few-ulp exp can flip silu's rounding (1 ulp); the product with up
+        # is rounded again, so that flip can end 2 ulps away.
+        assert_bf16_close(actual, expected, max_ulps=2)
+    else:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_nan_and_inf_stay_nan_and_inf() -> None:
+    """The bfloat16 rounding has no NaN branch (float_or_bf16.h): a NaN or an
+    infinity in the input still comes out as NaN, and a finite value that
+    rounds past bfloat16's largest becomes inf, as torch's rounding makes it."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 2.0, 3.0], [1.0, inf, 2.0, 3.0]], dtype=torch.bfloat16)
+    weight = torch.ones(4, dtype=torch.bfloat16)
+    normed = torch.ops.kvmesh.rms_norm(x, weight, 1e-5)
+    # A NaN row is all NaN; an inf row is NaN at the inf (inf * 0) and 0 elsewhere.
+    torch.testing.assert_close(normed, rms_norm(x, weight, 1e-5), rtol=0, atol=0, equal_nan=True)
+    assert normed[0].isnan().all() and normed[1].isnan().sum() == 1
+    gate_up = torch.tensor([[nan, 1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    out = torch.ops.kvmesh.silu_and_mul(gate_up)
+    assert out[0, 0].isnan() and out[0, 1] == F.silu(gate_up[0, 1]) * gate_up[0, 3]
+    big = torch.finfo(torch.bfloat16).max
+    total = torch.ops.kvmesh.add_rms_norm(
+        torch.full((1, 4), big, dtype=torch.bfloat16),
+        torch.full((1, 4), big, dtype=torch.bfloat16),
+        torch.ones(4, dtype=torch.bfloat16),
+        1e-5,
+    )[1]
+    assert torch.equal(total, torch.full((1, 4), big, dtype=torch.bfloat16) * 2)
+    assert total.isinf().all()
 
 
 def test_silu_and_mul_saturates_without_nan() -> None:
@@ -72,6 +125,24 @@ def test_silu_and_mul_saturates_without_nan() -> None:
         ),
         (lambda: torch.ops.kvmesh.silu_and_mul(torch.randn(2, 7)), "odd feature count"),
         (lambda: torch.ops.kvmesh.silu_and_mul(torch.randn(2, 8).double()), "float32"),
+        (
+            lambda: torch.ops.kvmesh.rms_norm(
+                torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-5
+            ),
+            "weight is Float but x is BFloat16",
+        ),
+        (
+            lambda: torch.ops.kvmesh.add_rms_norm(
+                torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-5
+            ),
+            "residual is BFloat16 but x is Float",
+        ),
+        (
+            lambda: torch.ops.kvmesh.rotary_embedding(
+                torch.randn(4, 2, 8, dtype=torch.bfloat16), torch.randn(4, 4), torch.randn(4, 4)
+            ),
+            "cos is Float but x is BFloat16",
+        ),
     ],
 )
 def test_bad_inputs_raise_clear_errors(call, message: str) -> None:
@@ -79,19 +150,21 @@ def test_bad_inputs_raise_clear_errors(call, message: str) -> None:
         call()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 16, 700])
-def test_rotary_is_bit_identical_to_the_torch_ops(tokens: int) -> None:
-    """Built with -ffp-contract=off: the same roundings as torch's separate ops."""
+def test_rotary_is_bit_identical_to_the_torch_ops(tokens: int, dtype: torch.dtype) -> None:
+    """Built with -ffp-contract=off: the same roundings as torch's separate ops
+    (in bfloat16, each product rounded before the sum, as torch stores it)."""
     from worker.models.rotary import RotaryEmbedding
 
-    rotary = RotaryEmbedding(64, 4096, 100000.0, None, torch.float32)
+    rotary = RotaryEmbedding(64, 4096, 100000.0, None, dtype)
     g = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, 960, generator=g) * 5
+    qkv = _randn(tokens, 960, generator=g, dtype=torch.float32).mul(5).to(dtype)
     query_key = qkv[:, :768].view(tokens, 12, 64)  # a strided view, as in the model
     cos, sin = rotary.tables(torch.randint(0, 4096, (tokens,), generator=g))
     expected = rotary.rotate(query_key, cos, sin)
     actual = torch.ops.kvmesh.rotary_embedding(query_key, cos, sin)
-    assert actual.is_contiguous()
+    assert actual.is_contiguous() and actual.dtype == dtype
     assert torch.equal(actual, expected)
 
 

@@ -123,9 +123,9 @@ class LlamaDecoderLayer(nn.Module):
         """Freeze the projections into inference layouts (after load_weights).
 
         ``use_native``: the C++ elementwise ops (kernels/csrc) are loaded and
-        fit this layer's dtype: fused RMSNorm/SwiGLU. ``use_block_codes``:
-        small batches may run the C++ block-code projections (any compute
-        dtype: they take float32 rows).
+        fit this layer's dtype (float32 or bfloat16 on CPU): fused
+        RMSNorm/SwiGLU. ``use_block_codes``: small batches may run the C++
+        block-code projections (any compute dtype: they take float32 rows).
         """
         self._native_ops = use_native
         dtype = self.input_norm.dtype
@@ -321,16 +321,17 @@ class LlamaForCausalLM(nn.Module):
         """Prepare every projection for inference once the weights are loaded.
 
         ``use_native`` asks for kvmesh's C++ CPU ops; they are used where they
-        load and fit (on CPU; the elementwise ones in float32), decided here
-        once for every layer. Projections are packed from the weights as
-        loaded (ModelConfig.load_dtype) to compute in the model's dtype.
+        load and fit, decided here once for every layer: the elementwise ops for
+        float32 and bfloat16 on CPU, block-code projections in either (found on
+        the weights as loaded, ModelConfig.load_dtype, before any rounding).
+        Projections are packed to compute in the model's dtype.
         """
         use_codes = (
             use_native
             and self.rotary.cos.device.type == "cpu"
             and native.unavailable_reason() is None
         )
-        self._native_ops = use_codes and self.config.dtype == torch.float32
+        self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
         for layer in self.layers:
             layer.pack_weights(use_onednn, self._native_ops, use_codes)
         self.rotary.use_native = self._native_ops
@@ -343,6 +344,14 @@ class LlamaForCausalLM(nn.Module):
         for param in self.parameters():
             if param.dtype != self.config.dtype:
                 param.data = param.data.to(self.config.dtype)
+
+    def set_native_elementwise(self, enabled: bool) -> None:
+        """Switch the fused C++ RMSNorm/SwiGLU/rotary ops on or off after packing,
+        leaving the projections as packed: an A/B of those ops alone."""
+        self._native_ops = enabled
+        for layer in self.layers:
+            layer._native_ops = enabled
+        self.rotary.use_native = enabled
 
     def block_code_coverage(self) -> tuple[int, int]:
         """(projections running on exact block codes for small batches, all projections)."""

@@ -58,7 +58,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
         self.half_dim = head_dim // 2
-        # Set by the model once the C++ ops are known to load.
+        # Set by the model once the C++ ops are known to load (float32 or bfloat16).
         self.use_native = False
 
     def forward(
@@ -75,7 +75,8 @@ class RotaryEmbedding(torch.nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate every head of ``x`` [T, heads, D] (query and key heads may come together)."""
         if self.use_native:
-            # One C++ op with the same float ops (kernels/csrc/rotary_cpu.cpp).
+            # One C++ op with the same float ops and, in bfloat16, the same
+            # roundings (kernels/csrc/rotary_cpu.cpp).
             return torch.ops.kvmesh.rotary_embedding(x, cos, sin)
         x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
