@@ -1,13 +1,15 @@
-"""Small-batch projections: oneDNN over float32 weights vs the C++ kernel over exact block codes.
+"""Small-batch projections: oneDNN (float32 or bf16) vs the C++ kernel over exact block codes.
 
 Runs every projection of the default model (30 layers x qkv/o/gate_up/down,
 plus the LM head) once per "step", in model order, as a decode step does, so
 that the weights stream from memory rather than sit in cache; prints
 milliseconds per step for each path and batch size and the ratio, measured in
-this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]``.
+this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]
+[--dtype bfloat16]`` (bfloat16: oneDNN's bf16 kernels against the codes
+kernel fed bf16 rows, as the bf16 model runs them).
 
-The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` in
-worker/models/linear.py is set from.
+The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` (and ``_BF16``) in
+worker/models/linear.py are set from.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], fo
     """Best of 5 passes over every projection; ``force`` picks the path."""
     import worker.models.linear as linear_module
 
-    saved = linear_module.MAX_BLOCK_CODE_ROWS
-    linear_module.MAX_BLOCK_CODE_ROWS = 1 << 30 if force == "codes" else 0
+    saved = linear_module.MAX_BLOCK_CODE_ROWS, linear_module.MAX_BLOCK_CODE_ROWS_BF16
+    forced = 1 << 30 if force == "codes" else 0
+    linear_module.MAX_BLOCK_CODE_ROWS = linear_module.MAX_BLOCK_CODE_ROWS_BF16 = forced
     try:
         best = float("inf")
         for _ in range(5):
@@ -42,27 +45,34 @@ def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], fo
             best = min(best, time.perf_counter() - start)
         return best * 1e3
     finally:
-        linear_module.MAX_BLOCK_CODE_ROWS = saved
+        linear_module.MAX_BLOCK_CODE_ROWS, linear_module.MAX_BLOCK_CODE_ROWS_BF16 = saved
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = ModelConfig.from_pretrained(default_model_path(), dtype="float32")
+    config = ModelConfig.from_pretrained(default_model_path(), dtype=args.dtype)
     model = load_model(config)
     projections = [p for layer in model.layers for p in layer._packed.values()]
     projections.append(model._packed_lm_head)
     with_codes, total = model.block_code_coverage()
     threads = torch.get_num_threads()
-    print(f"{with_codes}/{total} projections have exact block codes; {threads} threads")
+    print(
+        f"{with_codes}/{total} projections have exact block codes; {threads} threads; "
+        f"oneDNN in {args.dtype}"
+    )
     print(f"{'rows':>5} {'oneDNN ms':>10} {'codes ms':>9} {'speed-up':>9}")
     with torch.inference_mode():
         for rows in args.rows:
-            inputs = {n: torch.randn(rows, n) for n in {p.in_features for p in projections}}
+            inputs = {
+                n: torch.randn(rows, n, dtype=config.dtype)
+                for n in {p.in_features for p in projections}
+            }
             dense = step_ms(projections, inputs, "onednn")
             codes = step_ms(projections, inputs, "codes")
             print(f"{rows:>5} {dense:>10.2f} {codes:>9.2f} {dense / codes:>8.2f}x")

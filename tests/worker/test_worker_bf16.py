@@ -25,7 +25,7 @@ from services.sampling_params import SamplingParams
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
-from worker.models.linear import MAX_BLOCK_CODE_ROWS
+from worker.models.linear import MAX_BLOCK_CODE_ROWS_BF16
 
 MAX_NEW_TOKENS = 32
 # One top logprob per prompt position: its token is the model's argmax there.
@@ -72,14 +72,14 @@ def hf_bf16_sequences(
     return sequences, argmaxes
 
 
-@pytest.mark.parametrize("chunk_size", [None, MAX_BLOCK_CODE_ROWS // 2])
+@pytest.mark.parametrize("chunk_size", [None, MAX_BLOCK_CODE_ROWS_BF16 // 2])
 def test_bf16_next_token_argmax_agrees_with_transformers_bf16(
     bf16_runner: ModelRunner,
     prompts: list[list[int]],
     hf_bf16_sequences: tuple[list[list[int]], list[list[int]]],
     chunk_size: int | None,
 ) -> None:
-    """Whole prompts in one step run oneDNN's bf16 projections; chunks of 16
+    """Whole prompts in one step run oneDNN's bf16 projections; chunks of 6
     rows run the block-code kernels that serve decode steps."""
     sequences, expected = hf_bf16_sequences
     driver = LocalDriver(bf16_runner, chunk_size=chunk_size)

@@ -40,6 +40,11 @@ _BATCH_SIZE_HINT = 16
 # Up to this many rows the block-code kernel beats oneDNN on the default model
 # (benchmarks/linear_bench.py); above it the matmul is compute-bound.
 MAX_BLOCK_CODE_ROWS = 32
+# In bfloat16 oneDNN's bf16 kernels run twice as fast and the crossover falls
+# to 12 rows on the AVX512-BF16 EPYC (`linear_bench.py --dtype bfloat16`: at
+# 12 rows 24.9 vs 25.0 ms per step, at 16 rows 21.3 vs 28.7); AMX would move it
+# lower still (not measured: no AMX machine in reach).
+MAX_BLOCK_CODE_ROWS_BF16 = 12
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -94,7 +99,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = self._codes
-        if codes is not None and x.dim() == 2 and x.shape[0] <= MAX_BLOCK_CODE_ROWS:
+        max_rows = MAX_BLOCK_CODE_ROWS if x.dtype == torch.float32 else MAX_BLOCK_CODE_ROWS_BF16
+        if codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
             y = torch.ops.kvmesh.block_code_linear(
                 x.float().contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
             )
