@@ -45,14 +45,18 @@ def hf_model(model_path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
-def hf_greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation (stops early at EOS, like a user would see)."""
+def hf_greedy_tokens(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, min_new_tokens: int = 0
+) -> list[int]:
+    """transformers' greedy continuation (stops early at EOS, like a user would
+    see, unless ``min_new_tokens`` says otherwise)."""
     input_ids = torch.tensor([prompt])
     with torch.inference_mode():
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             do_sample=False,
             top_p=None,
             top_k=None,

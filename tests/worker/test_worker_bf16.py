@@ -27,6 +27,8 @@ from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.models.linear import MAX_BLOCK_CODE_ROWS_BF16
 
+from .conftest import hf_greedy_tokens
+
 MAX_NEW_TOKENS = 32
 # One top logprob per prompt position: its token is the model's argmax there.
 SCORE_PROMPT = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -53,21 +55,10 @@ def hf_bf16_sequences(
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
     sequences, argmaxes = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                min_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                top_p=None,
-                top_k=None,
-                temperature=None,
-            )
-            sequence = out[0].tolist()
-            sequences.append(sequence)
+    for prompt in prompts:
+        sequence = prompt + hf_greedy_tokens(hf, prompt, MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+        sequences.append(sequence)
+        with torch.inference_mode():
             argmaxes.append(hf(torch.tensor([sequence])).logits[0].argmax(-1).tolist())
     return sequences, argmaxes
 
