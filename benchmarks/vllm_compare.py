@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.baselines import HttpRun, http_run, load_average, make_prompts  # noqa: E402
+from services.config import environment_without_options  # noqa: E402
 from services.local_stack import LocalStack  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
 from worker.config import ModelConfig  # noqa: E402
@@ -107,7 +108,7 @@ def measure_vllm(
     port = _free_port()
     threads = os.cpu_count() or 1
     env = {
-        **os.environ,
+        **environment_without_options(),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
     }
