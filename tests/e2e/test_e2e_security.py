@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import ssl
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -39,12 +39,18 @@ pytestmark = pytest.mark.e2e
 PROMPT = "The three primary colors are"
 
 
+async def _one_step() -> AsyncIterator[worker_pb2.StepRequest]:
+    """One step submission, the stream left open: the worker's answer ends the call.
+    (A stream that half-closes while the server refuses it can end with INTERNAL
+    instead of the server's code, depending on which side gets there first.)"""
+    yield worker_pb2.StepRequest(step_id=1)
+    await asyncio.Event().wait()
+
+
 async def _worker_step_code(address: str, security: InternalSecurity) -> grpc.StatusCode:
     """How the worker answers an Execute stream (a step submission) from ``security``."""
     async with internal_channel(address, security) as channel:
-        steps = worker_pb2_grpc.WorkerStub(channel).Execute(
-            iter([worker_pb2.StepRequest(step_id=1)]), timeout=10
-        )
+        steps = worker_pb2_grpc.WorkerStub(channel).Execute(_one_step(), timeout=10)
         try:
             async for _ in steps:
                 pass
