@@ -152,9 +152,10 @@ class DetokenizerEngine:
                 self._client_of[rid] = out.header.client_id
                 if rid in self.table:  # republished while this detokenizer held it
                     self.table.remove(rid)
-                    replaying.add(rid)
+                # A header starts the request's state here: its text counts from
+                # the first output token (for a fresh request, trivially).
+                replaying.add(rid)
                 if replayed:
-                    replaying.add(rid)
                     self._num_output_tokens[rid] = 0
                 try:
                     self.table.add(

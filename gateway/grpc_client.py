@@ -326,6 +326,8 @@ class GrpcEngineClient:
                     )
                     if lost_since is not None:
                         lost_since = None
+                        for live in self._live.values():
+                            live.cursor.await_replay()
                         self._in_background(self._resync())
                     async for batch in stream:
                         if batch.scheduler_lost:

@@ -9,6 +9,13 @@ characters (and tokens) from the replay's start and forwarding only what lies
 past the delivered count continues the stream without a duplicate or missing
 character, wherever the old detokenizer stopped, even in the middle of held-back
 text (an incomplete character, a possible stop-string prefix).
+
+Until a replay arrives, outputs of a new detokenizer are not comparable with
+what was delivered: their text continues the new detokenizer's state, whose
+start the reader may never have seen (a replay sent before the gateway
+subscribed again is lost to it). A cursor told to ``await_replay`` drops
+them; the replay the gateway asks for (ResyncRequests) covers their tokens,
+and a request the scheduler finished meanwhile is resubmitted instead.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ class StreamCursor:
     _epoch_chars: int = 0
     _epoch_tokens: int = 0
     _seen_any: bool = False
+    # Set when the detokenizer stream was lost and reopened: drop until a replay.
+    _awaiting_replay: bool = False
+
+    def await_replay(self) -> None:
+        self._awaiting_replay = True
 
     def advance(
         self, text: str, token_ids: list[int], logprobs: list[T] | None, replay: bool
@@ -50,6 +62,9 @@ class StreamCursor:
         """Account one output; returns what is new to the reader."""
         if replay:
             self._epoch_chars = self._epoch_tokens = 0
+            self._awaiting_replay = False
+        elif self._awaiting_replay:
+            return CursorDelta("", [], None, first=False)
         start = self._epoch_chars
         self._epoch_chars += len(text)
         new_text = text[max(0, self.num_chars - start) :]

@@ -57,3 +57,19 @@ def test_logprobs_follow_only_the_tokens_the_reader_lacks() -> None:
     assert new.token_ids == [2, 3] and new.logprobs == ["lp3"] and not new.first
     new = cursor.advance("d", [4], ["lp4"], replay=False)
     assert new.token_ids == [4] and new.logprobs == ["lp4"]
+
+
+def test_after_a_resubscription_outputs_before_the_replay_are_dropped() -> None:
+    """The gateway subscribed again after the new detokenizer's first replay went
+    out: that detokenizer's next outputs continue a state the reader never saw
+    (here it had replayed "Héllo wö"), so they are dropped until the replay the
+    gateway asked for, which covers them."""
+    cursor = StreamCursor()
+    delivered = "".join(cursor.advance(t, ids, None, replay=False).text for t, ids in STREAM[:1])
+    cursor.await_replay()
+    dropped = cursor.advance("rld", [6], None, replay=False)
+    assert (dropped.text, dropped.token_ids) == ("", [])
+    text, ids = _replay(4)
+    rest = cursor.advance(text, ids, None, replay=True).text
+    rest += cursor.advance("!", [7], None, replay=False).text
+    assert delivered + rest == FULL_TEXT and cursor.token_ids == ALL_TOKENS
