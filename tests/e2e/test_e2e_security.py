@@ -39,18 +39,18 @@ pytestmark = pytest.mark.e2e
 PROMPT = "The three primary colors are"
 
 
-async def _one_step() -> AsyncIterator[worker_pb2.StepRequest]:
-    """One step submission, the stream left open: the worker's answer ends the call.
-    (A stream that half-closes while the server refuses it can end with INTERNAL
-    instead of the server's code, depending on which side gets there first.)"""
-    yield worker_pb2.StepRequest(step_id=1)
+async def _no_steps() -> AsyncIterator[worker_pb2.StepRequest]:
+    """An Execute stream that sends nothing: the worker refuses (or accepts) a
+    stream before reading from it, and a step sent while it refuses races the
+    refusal (the client may then see the RST_STREAM, INTERNAL, not the status)."""
     await asyncio.Event().wait()
+    yield worker_pb2.StepRequest(step_id=1)  # never reached: the call ends first
 
 
 async def _worker_step_code(address: str, security: InternalSecurity) -> grpc.StatusCode:
-    """How the worker answers an Execute stream (a step submission) from ``security``."""
+    """How the worker answers an Execute stream (a would-be scheduler) from ``security``."""
     async with internal_channel(address, security) as channel:
-        steps = worker_pb2_grpc.WorkerStub(channel).Execute(_one_step(), timeout=10)
+        steps = worker_pb2_grpc.WorkerStub(channel).Execute(_no_steps(), timeout=10)
         try:
             async for _ in steps:
                 pass
