@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from services.config import AUTO_DTYPE, DEFAULT_MAX_MODEL_LEN, DTYPES
+from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES
 from worker.dtype_choice import choose_dtype
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class ModelConfig:
         checkpoint_dtype = parse_dtype(
             hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         )
-        auto = choose_dtype(dtype, device, checkpoint_dtype) if dtype == AUTO_DTYPE else None
+        auto = choose_dtype(dtype, device, checkpoint_dtype)
         if auto is not None:
             compute_dtype, dtype_reason = auto.dtype, auto.reason
         elif dtype is None:

@@ -88,9 +88,9 @@ def choose_dtype(
     checkpoint_dtype: torch.dtype,
     features: CpuFeatures | None = None,
 ) -> DtypeChoice | None:
-    """The dtype for ``requested`` ("auto" or None: by the hardware); None when
-    an explicit dtype was asked for (the caller parses it)."""
-    if requested not in (None, AUTO_DTYPE):
+    """The dtype for ``requested`` when it is "auto" (by the hardware); None for
+    anything else (an explicit dtype, or None: the caller decides)."""
+    if requested != AUTO_DTYPE:
         return None
     if torch.device(device).type == "cuda":
         if checkpoint_dtype in (torch.bfloat16, torch.float16):
