@@ -87,7 +87,13 @@ def _chat(text: str) -> str:
 
 
 def repetitive_prompts() -> list[str]:
-    prompts = [_chat(f"Repeat the following text word for word.\nText: {p}") for p in PARAGRAPHS]
+    # SmolLM2-135M paraphrases when asked to "repeat" a text (n-gram drafts then
+    # miss most steps); asked to copy it exactly and nothing else, it copies,
+    # as larger models do with either wording.
+    prompts = [
+        _chat(f"Copy the following text exactly, word for word, and write nothing else:\n\n{p}")
+        for p in PARAGRAPHS
+    ]
     prompts.append(_chat(f"Rename the variable subtotal to net_amount in this code:\n{CODE}"))
     prompts.append(_chat(f"Rename the function total_price to order_total:\n{CODE}"))
     return prompts
