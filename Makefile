@@ -13,7 +13,8 @@ DEPS_STAMP := $(VENV)/.deps-installed
 install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
 	@$(BIN)/python -m services.model_prep >/dev/null
-	@# Compiles the C++ CPU kernels once per source/torch/CPU (kernels/native.py).
+	@# Compiles the C++ CPU kernels once per source/torch, for each instruction-set
+	@# level this CPU runs (kernels/native.py, kernels/cpu_isa.py).
 	@# Without a compiler the stack still runs (torch CPU path); the tests fail.
 	@$(BIN)/python -m kernels.native build >/dev/null \
 		|| echo "kvmesh: C++ kernels not built (reason above); serving falls back to the torch CPU path"

@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.baselines import HttpRun, http_run, load_average, make_prompts  # noqa: E402
 from services.config import environment_without_options  # noqa: E402
+from services.cpu_features import CpuFeatures  # noqa: E402
 from services.local_stack import LocalStack  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
 from worker.config import ModelConfig  # noqa: E402
-from worker.dtype_choice import CpuFeatures  # noqa: E402
 
 VLLM_LAUNCHER = REPO_ROOT / "benchmarks" / "vllm_cpu_launcher.py"
 

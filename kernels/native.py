@@ -1,22 +1,29 @@
 """Build and load kvmesh's C++ CPU kernels (``kernels/csrc``) as torch custom ops.
 
-The ops are compiled with the machine's g++ against the installed torch, once,
-into a cache folder keyed by everything the binary depends on (source, torch
-version, compiler flags, the CPU's instruction-set flags), so a checkout
-upgrade, a torch upgrade or a container moved to another CPU rebuilds instead
-of loading a stale or illegal binary. ``make install`` builds ahead of time
-(``python -m kernels.native build``); a process that finds no binary builds it
-on first use, under a file lock so that concurrent workers build once. The
-cache folder is ``KVMESH_KERNEL_CACHE`` (services/config/process.py).
+The ops are compiled with the machine's g++ against the installed torch, once
+per instruction-set level (``kernels/cpu_isa.py``: generic, avx2, avx512,
+avx512_bf16 on x86), each level into its own library in a cache folder keyed
+by everything that binary depends on (sources, torch version, compiler and
+level flags). The flags are fixed per level rather than ``-march=native``, so
+one build serves every CPU (a container image carries all levels) and a
+process loads the best level its CPU runs (``KVMESH_CPU_ISA`` may ask for a
+lower one), logged with the reason. One library is loaded per process: every
+level registers the same ``torch.ops.kvmesh`` ops. ``make install`` builds
+the levels this CPU runs (``python -m kernels.native build``; ``--all`` builds
+every level, as the Dockerfile does); a process that finds no binary builds
+its level on first use, under a file lock so that concurrent workers build
+once. The cache folder is ``KVMESH_KERNEL_CACHE`` (services/config/process.py).
 
-``-march=native`` because the binary is built where it runs; ``-ffast-math``
-only for the sources that need a vectorized ``exp`` (``SOURCES``), and only at
-compile time: the link step omits it, so ``crtfastmath.o`` never flips the
-whole process into flush-to-zero mode.
+``-ffast-math`` only for the sources that need a vectorized ``exp``
+(``SOURCES``), and only at compile time: the link step omits it, so
+``crtfastmath.o`` never flips the whole process into flush-to-zero mode.
+Inline functions of the headers are compiled into each level's library with
+hidden visibility, so no level's library can bind another level's copy.
 
 The elementwise ops and decode attention take float32 or bfloat16 tensors
 (``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
-bfloat16 ops round); the block-code linear is float32 only.
+bfloat16 ops round); the block-code linear takes float32 activations, and
+bfloat16 ones where the level has AVX512-BF16 (``block_code_linear_bf16``).
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -40,7 +47,9 @@ from pathlib import Path
 
 import torch
 
-from services.config.process import CXX, KERNEL_CACHE, NATIVE_KERNELS
+from kernels.cpu_isa import IsaLevel, all_levels, choose_level, level_named, runnable_levels
+from services.config.process import CPU_ISA, CXX, KERNEL_CACHE, NATIVE_KERNELS
+from services.cpu_features import CpuFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # matters and a few ulps do not; none where results must round like torch's.
 FAST_MATH = ("-ffast-math",)
 SOURCES: dict[str, tuple[str, ...]] = {
+    "isa_level.cpp": (),
     "paged_attention_cpu.cpp": FAST_MATH,
     "block_code_linear.cpp": (),
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
@@ -62,8 +72,9 @@ NATIVE_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 COMPILE_FLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
     "-std=c++20",
     "-fPIC",
     "-w",  # torch's headers warn a lot under -std=c++20; our own code is tested instead
@@ -77,17 +88,7 @@ class NativeKernelsUnavailable(RuntimeError):
     """The C++ ops cannot be built or loaded here; the message says why."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build_key() -> str:
+def build_key(level: IsaLevel) -> str:
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):  # sources and the headers they include
         digest.update(path.name.encode() + path.read_bytes())
@@ -95,7 +96,8 @@ def build_key() -> str:
         torch.__version__,
         sys.version,
         platform.machine(),
-        _cpu_flags(),
+        level.name,
+        *level.compile_flags,
         *COMPILE_FLAGS,
         *LINK_FLAGS,
         *(flag for flags in SOURCES.values() for flag in flags),
@@ -104,8 +106,8 @@ def build_key() -> str:
     return digest.hexdigest()[:20]
 
 
-def library_path() -> Path:
-    return KERNEL_CACHE.get() / build_key() / LIBRARY_NAME
+def library_path(level: IsaLevel) -> Path:
+    return KERNEL_CACHE.get() / f"{level.name}-{build_key(level)}" / LIBRARY_NAME
 
 
 def _compiler() -> str:
@@ -123,11 +125,11 @@ def _run(cmd: list[str]) -> None:
         )
 
 
-def build(force: bool = False) -> Path:
-    """Compile the ops into the cache (if not there yet); returns the library's path."""
+def build(level: IsaLevel, force: bool = False) -> Path:
+    """Compile the ops for ``level`` into the cache (if not there yet); returns the library."""
     from torch.utils import cpp_extension
 
-    target = library_path()
+    target = library_path(level)
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -141,13 +143,12 @@ def build(force: bool = False) -> Path:
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             objects = []
             abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+            flags = [*COMPILE_FLAGS, *level.compile_flags, abi, f'-DKVMESH_ISA="{level.name}"']
             commands = []
             for name, extra in SOURCES.items():
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = str(CSRC / name)
-                commands.append(
-                    [compiler, *COMPILE_FLAGS, *extra, abi, *includes, "-c", source, "-o", str(obj)]
-                )
+                commands.append([compiler, *flags, *extra, *includes, "-c", source, "-o", str(obj)])
                 objects.append(str(obj))
             # One compiler per core: each file spends seconds in torch's headers.
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -167,7 +168,7 @@ def build(force: bool = False) -> Path:
                 ]
             )
             os.replace(partial, target)  # atomic: readers see all of it or nothing
-    logger.info("built native kernels into %s", target)
+    logger.info("built native kernels (%s) into %s", level.name, target)
     return target
 
 
@@ -179,12 +180,25 @@ def _load() -> str | None:
     if platform.system() != "Linux":
         return f"built for Linux only, not {platform.system()}"
     try:
-        path = build()
+        choice = choose_level(CpuFeatures.detect(), CPU_ISA.get())
+        path = build(choice.level)
         torch.ops.load_library(str(path))
+    except ValueError as exc:  # an unknown or unrunnable KVMESH_CPU_ISA
+        logger.warning("native CPU kernels unavailable: %s", exc)
+        return f"{CPU_ISA.name}: {exc}"
     except (NativeKernelsUnavailable, OSError, RuntimeError) as exc:
         logger.warning("native CPU kernels unavailable: %s", exc)
         return str(exc)
+    logger.info("native CPU kernels: %s level, %s", choice.level.name, choice.reason)
     return None
+
+
+@functools.cache
+def loaded_level() -> IsaLevel | None:
+    """The instruction-set level of the loaded ops (None when they are unavailable)."""
+    if _load() is not None:
+        return None
+    return level_named(str(torch.ops.kvmesh.isa_level()))
 
 
 def unavailable_reason() -> str | None:
@@ -202,17 +216,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build kvmesh's C++ CPU kernels.")
     parser.add_argument("command", choices=["build", "path"])
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every level of this architecture, not only those this CPU runs (images)",
+    )
     args = parser.parse_args(argv)
+    cpu = CpuFeatures.detect()
+    levels = all_levels() if args.all else runnable_levels(cpu)
     if args.command == "path":
-        print(library_path())
+        print("\n".join(str(library_path(level)) for level in levels))
         return 0
     try:
-        path = build(force=args.force)
-        torch.ops.load_library(str(path))
-    except NativeKernelsUnavailable as exc:
+        for level in levels:
+            path = build(level, force=args.force)
+            print(f"{level.name}: {path}")
+        chosen = choose_level(cpu, CPU_ISA.get()).level
+        torch.ops.load_library(str(library_path(chosen)))
+    except (NativeKernelsUnavailable, ValueError) as exc:
         print(f"native CPU kernels not built: {exc}", file=sys.stderr)
         return 1
-    print(path)
     return 0
 
 

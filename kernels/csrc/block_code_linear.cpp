@@ -15,6 +15,22 @@
 //   scales:  [num_panels, K / 32, 16]  float32
 //   offsets: [num_panels, K / 32, 16]  float32
 // Panels past out_features are zero padding.
+//
+// Paths by instruction-set level (kernels/cpu_isa.py), chosen at compile time
+// since each level is its own library:
+//   AVX-512:      one 16-lane register per panel; float32 activations.
+//   AVX2 + FMA:   two 8-lane halves per panel, same operations in the same
+//                 order, so the float32 results are bitwise those of AVX-512.
+//   AVX512-BF16:  also bfloat16 activations: two input features' weights are
+//                 rebuilt in float32, rounded to bfloat16 (nearest even, as
+//                 torch rounds the model's weights to bfloat16) and interleaved
+//                 in pairs, so that one vdpbf16ps multiplies-and-adds 32
+//                 weights per row; float32 accumulators, bfloat16 output. A
+//                 bfloat16 model's decode rows then cost half the multiply
+//                 instructions, which moves the batch size up to which codes
+//                 beat oneDNN's bfloat16 matmul.
+//   otherwise:    portable C++ (the compiler vectorizes what the level allows;
+//                 multiply and add are separate roundings there).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,11 +41,13 @@
 #include <cmath>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <c10/util/BFloat16.h>
 
 #include "work_stealing.h"
 
@@ -37,10 +55,29 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kCodeBlock = 32;
-constexpr int64_t kMaxRows = 16;  // rows per register tile: 16 accumulators
+#if defined(__AVX512F__) || !defined(__AVX2__)
+constexpr int64_t kMaxRows = 16;  // rows per register tile: 16 accumulators (of 32 zmm)
+#else
+constexpr int64_t kMaxRows = 6;  // 2 accumulators per row in 16 ymm registers
+#endif
 constexpr int64_t kPrefetchAhead = 256;  // k steps (16 bytes each) of codes
 
-#ifdef __AVX512F__
+// The codes stream from DRAM once per step; ask for them a few KB ahead (past
+// the end of this panel that is the next panel, laid out after it).
+inline void prefetch_codes(const uint8_t* codes, const uint8_t* next_codes, int64_t K,
+                           int64_t kb) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const int64_t ahead_k = kb * kCodeBlock + kPrefetchAhead;
+  if (ahead_k >= K && next_codes == nullptr) return;
+  const uint8_t* ahead =
+      ahead_k < K ? codes + ahead_k * kLanes : next_codes + (ahead_k - K) * kLanes;
+  for (int64_t line = 0; line < kCodeBlock * kLanes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
 template <int ROWS>
 void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* next_codes,
                 const float* scales, const float* offsets, float* y, int64_t ldy,
@@ -50,16 +87,7 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* 
   for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
     const __m512 scale = _mm512_loadu_ps(scales + kb * kLanes);
     const __m512 offset = _mm512_loadu_ps(offsets + kb * kLanes);
-    // The codes stream from DRAM once per step; ask for them a few KB ahead
-    // (past the end of this panel that is the next panel, laid out after it).
-    const int64_t ahead_k = kb * kCodeBlock + kPrefetchAhead;
-    const uint8_t* ahead = ahead_k < K ? codes + ahead_k * kLanes
-                                       : next_codes + (ahead_k - K) * kLanes;
-    if (ahead_k < K || next_codes != nullptr) {
-      for (int64_t line = 0; line < kCodeBlock * kLanes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-      }
-    }
+    prefetch_codes(codes, next_codes, K, kb);
     for (int64_t kk = 0; kk < kCodeBlock; ++kk) {
       const int64_t k = kb * kCodeBlock + kk;
       const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kLanes));
@@ -71,6 +99,40 @@ void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* 
   }
   const __mmask16 mask = valid_lanes >= kLanes ? 0xFFFF : (__mmask16)((1u << valid_lanes) - 1);
   for (int m = 0; m < ROWS; ++m) _mm512_mask_storeu_ps(y + m * ldy, mask, acc[m]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int ROWS>
+void panel_tile(const float* x, int64_t K, const uint8_t* codes, const uint8_t* next_codes,
+                const float* scales, const float* offsets, float* y, int64_t ldy,
+                int64_t valid_lanes) {
+  __m256 acc_lo[ROWS], acc_hi[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc_lo[m] = acc_hi[m] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
+    const __m256 scale_lo = _mm256_loadu_ps(scales + kb * kLanes);
+    const __m256 scale_hi = _mm256_loadu_ps(scales + kb * kLanes + 8);
+    const __m256 offset_lo = _mm256_loadu_ps(offsets + kb * kLanes);
+    const __m256 offset_hi = _mm256_loadu_ps(offsets + kb * kLanes + 8);
+    prefetch_codes(codes, next_codes, K, kb);
+    for (int64_t kk = 0; kk < kCodeBlock; ++kk) {
+      const int64_t k = kb * kCodeBlock + kk;
+      const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kLanes));
+      const __m256 w_lo =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8)), scale_lo, offset_lo);
+      const __m256 w_hi = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c8, 8))), scale_hi, offset_hi);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 xv = _mm256_set1_ps(x[m * K + k]);
+        acc_lo[m] = _mm256_fmadd_ps(xv, w_lo, acc_lo[m]);
+        acc_hi[m] = _mm256_fmadd_ps(xv, w_hi, acc_hi[m]);
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    alignas(32) float out[kLanes];
+    _mm256_store_ps(out, acc_lo[m]);
+    _mm256_store_ps(out + 8, acc_hi[m]);
+    for (int64_t l = 0; l < valid_lanes; ++l) y[m * ldy + l] = out[l];
+  }
 }
 #else
 template <int ROWS>
@@ -106,11 +168,80 @@ constexpr auto make_tiles(std::integer_sequence<int, R...>) {
 }
 constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxRows>{});
 
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Activations = true;
+
+// Two input features (k, k + 1) of the panel's 16 outputs, rebuilt in float32
+// and rounded to bfloat16 pairs: word 2l is W[l, k], word 2l + 1 is W[l, k + 1],
+// the layout vdpbf16ps multiplies against a broadcast (x[k], x[k + 1]) pair.
+inline __m512bh weight_pairs(const uint8_t* codes_k, __m512 scale_lo, __m512 scale_hi,
+                             __m512 offset_lo, __m512 offset_hi) {
+  const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_k));
+  const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_k + kLanes));
+  const __m512 w_lo = _mm512_fmadd_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(c0, c1))), scale_lo, offset_lo);
+  const __m512 w_hi = _mm512_fmadd_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(c0, c1))), scale_hi, offset_hi);
+  return _mm512_cvtne2ps_pbh(w_hi, w_lo);  // low 16 words from w_lo
+}
+
+template <int ROWS>
+void panel_tile_bf16(const uint16_t* x, int64_t K, const uint8_t* codes,
+                     const uint8_t* next_codes, const float* scales, const float* offsets,
+                     uint16_t* y, int64_t ldy, int64_t valid_lanes) {
+  // Lane l's scale and offset, for the two features of each pair.
+  const __m512i pair_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pair_hi =
+      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
+    const __m512 scale = _mm512_loadu_ps(scales + kb * kLanes);
+    const __m512 offset = _mm512_loadu_ps(offsets + kb * kLanes);
+    const __m512 scale_lo = _mm512_permutexvar_ps(pair_lo, scale);
+    const __m512 scale_hi = _mm512_permutexvar_ps(pair_hi, scale);
+    const __m512 offset_lo = _mm512_permutexvar_ps(pair_lo, offset);
+    const __m512 offset_hi = _mm512_permutexvar_ps(pair_hi, offset);
+    prefetch_codes(codes, next_codes, K, kb);
+    for (int64_t kk = 0; kk < kCodeBlock; kk += 2) {
+      const int64_t k = kb * kCodeBlock + kk;
+      const __m512bh w = weight_pairs(codes + k * kLanes, scale_lo, scale_hi, offset_lo, offset_hi);
+      for (int m = 0; m < ROWS; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + k, sizeof(pair));
+        acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  const __mmask16 mask = valid_lanes >= kLanes ? 0xFFFF : (__mmask16)((1u << valid_lanes) - 1);
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_mask_storeu_epi16(y + m * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
+  }
+}
+
+using TileFnBf16 = void (*)(const uint16_t*, int64_t, const uint8_t*, const uint8_t*,
+                            const float*, const float*, uint16_t*, int64_t, int64_t);
+
+template <int... R>
+constexpr auto make_tiles_bf16(std::integer_sequence<int, R...>) {
+  return std::array<TileFnBf16, sizeof...(R)>{&panel_tile_bf16<R + 1>...};
+}
+constexpr auto kTilesBf16 = make_tiles_bf16(std::make_integer_sequence<int, kMaxRows>{});
+#else
+constexpr bool kBf16Activations = false;
+#endif
+
 at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, const at::Tensor& offsets,
                              int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "block_code_linear: x must be a contiguous float32 [M, K] tensor");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat || (bf16 && kBf16Activations),
+              "block_code_linear: x must be float32",
+              kBf16Activations ? " or bfloat16" : " (bfloat16 needs the avx512_bf16 level)",
+              ", not ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(),
+              "block_code_linear: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
                   codes.size(2) == kLanes,
               "block_code_linear: codes must be contiguous uint8 [panels, K, 16]");
@@ -129,12 +260,12 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
               " panels");
 
   at::Tensor y = at::empty({M, out_features}, x.options());
-  const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t blocks = K / kCodeBlock;
+  const void* x_data = x.data_ptr();  // float or bfloat16, as y
+  void* y_data = y.data_ptr();
 
   kvmesh::parallel_items(panels, [&](int64_t p, bool forward) {
     const int64_t n0 = p * kLanes;
@@ -142,10 +273,23 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
     // The panel this thread most likely takes next, for the prefetcher.
     const int64_t next = forward ? p + 1 : p - 1;
     const uint8_t* next_codes = next >= 0 && next < panels ? cp + next * K * kLanes : nullptr;
+    const uint8_t* panel_codes = cp + p * K * kLanes;
+    const float* panel_scales = sp + p * blocks * kLanes;
+    const float* panel_offsets = op + p * blocks * kLanes;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, M - m0);
-      kTiles[rows - 1](xp + m0 * K, K, cp + p * K * kLanes, next_codes, sp + p * blocks * kLanes,
-                       op + p * blocks * kLanes, yp + m0 * out_features + n0, out_features, valid);
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        const auto* xp = static_cast<const uint16_t*>(x_data);
+        auto* yp = static_cast<uint16_t*>(y_data);
+        kTilesBf16[rows - 1](xp + m0 * K, K, panel_codes, next_codes, panel_scales,
+                             panel_offsets, yp + m0 * out_features + n0, out_features, valid);
+        continue;
+      }
+#endif
+      kTiles[rows - 1](static_cast<const float*>(x_data) + m0 * K, K, panel_codes, next_codes,
+                       panel_scales, panel_offsets,
+                       static_cast<float*>(y_data) + m0 * out_features + n0, out_features, valid);
     }
   });
   return y;

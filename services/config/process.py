@@ -64,6 +64,13 @@ NATIVE_KERNELS = EnvSetting(
     "1",
     "0 turns the C++ CPU kernels off (attention falls back to the torch path): an A/B switch",
 )
+CPU_ISA = EnvSetting(
+    "KVMESH_CPU_ISA",
+    str,
+    "auto",
+    "instruction-set level of the C++ CPU kernels: auto (the best this CPU runs) or one of "
+    "generic, avx2, avx512, avx512_bf16 (kernels/cpu_isa.py): an A/B and test switch",
+)
 DENSE_LINEAR = EnvSetting(
     "KVMESH_DENSE_LINEAR",
     bool,

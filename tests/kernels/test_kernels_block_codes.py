@@ -107,6 +107,48 @@ def test_kernel_matches_float64_matmul(rows: int, out_features: int) -> None:
     torch.testing.assert_close(y, expected, atol=2e-5, rtol=1e-5)
 
 
+def _bf16_level_or_skip() -> None:
+    level = native.loaded_level()
+    assert level is not None
+    if not level.bf16_block_codes:
+        pytest.skip(f"the loaded {level.name} level multiplies float32 activations only")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 24, 40])
+@pytest.mark.parametrize("out_features", [16, 37, 200])
+def test_bf16_kernel_matches_bf16_weights_in_float64(rows: int, out_features: int) -> None:
+    """bfloat16 activations times the weights rounded to bfloat16 (as torch rounds a
+    bf16 model's weights), accumulated in float32, rounded once to bfloat16."""
+    _bf16_level_or_skip()
+    weight = q8_0_weight(out_features, 128, seed=rows)
+    codes = find_block_codes(weight)
+    assert codes is not None
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(out_features))
+    x = x.bfloat16()
+    y = torch.ops.kvmesh.block_code_linear(
+        x, codes.codes, codes.scales, codes.offsets, codes.out_features
+    )
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    expected = x.double() @ weight.bfloat16().double().T
+    # One bfloat16 rounding of the output (2^-9 relative) dominates float32's.
+    torch.testing.assert_close(y.double(), expected, atol=1e-3, rtol=2**-8)
+
+
+def test_bf16_kernel_agrees_with_onednn_bf16() -> None:
+    """The codes and oneDNN's bf16 matmul run the same bf16 weights: outputs
+    differ only by float32 summation order before the one bf16 rounding."""
+    _bf16_level_or_skip()
+    weight = q4_1_weight(96, 256, seed=4)
+    linear = PackedLinear(weight, dtype=torch.bfloat16)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    reference = F.linear(x.float(), weight.bfloat16().float()).bfloat16()
+    y = linear(x)
+    assert y.dtype == torch.bfloat16
+    mismatched = (y != reference).float().mean().item()
+    torch.testing.assert_close(y.float(), reference.float(), atol=1e-2, rtol=2**-7)
+    assert mismatched < 0.05, f"{mismatched:.1%} of outputs differ by a bf16 rounding"
+
+
 def test_packed_linear_uses_codes_only_for_small_batches() -> None:
     weight = q8_0_weight(64, 96, seed=3)
     bias = torch.randn(64)

@@ -11,6 +11,7 @@ import torch
 
 from kernels import native
 from kernels.cpu_attention import CpuAttentionBackend
+from kernels.cpu_isa import all_levels
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
@@ -179,12 +180,21 @@ def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message:
 
 
 def test_cache_key_changes_with_any_file_in_csrc(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    before = native.build_key()
+    level = all_levels()[0]
+    before = native.build_key(level)
     for path in native.CSRC.iterdir():
         copy = tmp_path / path.name
         copy.write_bytes(path.read_bytes())
     monkeypatch.setattr(native, "CSRC", tmp_path)
-    assert native.build_key() == before
+    assert native.build_key(level) == before
     source = tmp_path / next(iter(native.SOURCES))
     source.write_text(source.read_text() + "\n// edited\n")
-    assert native.build_key() != before
+    assert native.build_key(level) != before
+
+
+def test_each_level_has_its_own_library() -> None:
+    """Levels never share a binary, and nothing of the building CPU is in a key:
+    a cache or an image built on one CPU serves another."""
+    paths = {native.library_path(level) for level in all_levels()}
+    assert len(paths) == len(all_levels())
+    assert "-march=native" not in native.COMPILE_FLAGS

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from services.config import WorkerConfig
+from services.cpu_features import CpuFeatures
 from worker.config import ModelConfig
-from worker.dtype_choice import CpuFeatures, choose_dtype
+from worker.dtype_choice import choose_dtype
 
 XEON_AMX = CpuFeatures(
     "Intel Xeon Platinum 8481C",

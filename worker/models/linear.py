@@ -45,6 +45,10 @@ MAX_BLOCK_CODE_ROWS = 32
 # 12 rows 24.9 vs 25.0 ms per step, at 16 rows 21.3 vs 28.7); AMX would move it
 # lower still (not measured: no AMX machine in reach).
 MAX_BLOCK_CODE_ROWS_BF16 = 12
+# Where the kernels' level multiplies bfloat16 activations with vdpbf16ps
+# (kernels/cpu_isa.py: avx512_bf16), a row costs half the multiply
+# instructions and the codes stay ahead of oneDNN's bf16 matmul to more rows.
+MAX_BLOCK_CODE_ROWS_BF16_DOT = 24
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -67,7 +71,15 @@ class PackedLinear:
     """A frozen weight (and bias) prepared once for inference, computing in
     ``dtype`` (default: the weight's; a float32 weight may run in bfloat16)."""
 
-    __slots__ = ("_bias", "_codes", "_packed", "in_features", "out_features", "weight")
+    __slots__ = (
+        "_bias",
+        "_codes",
+        "_codes_take_bf16",
+        "_packed",
+        "in_features",
+        "out_features",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -83,6 +95,8 @@ class PackedLinear:
         self._codes: BlockCodes | None = None
         if use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None:
             self._codes = find_block_codes(weight)  # float32 weights only
+        level = native.loaded_level() if self._codes is not None else None
+        self._codes_take_bf16 = level is not None and level.bf16_block_codes
         weight = weight.to(dtype)
         if use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
@@ -99,10 +113,18 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = self._codes
-        max_rows = MAX_BLOCK_CODE_ROWS if x.dtype == torch.float32 else MAX_BLOCK_CODE_ROWS_BF16
+        if x.dtype == torch.float32:
+            max_rows = MAX_BLOCK_CODE_ROWS
+        elif self._codes_take_bf16:
+            max_rows = MAX_BLOCK_CODE_ROWS_BF16_DOT
+        else:
+            max_rows = MAX_BLOCK_CODE_ROWS_BF16
         if codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
+            # bfloat16 rows go in as they are where the kernel multiplies them
+            # natively (bf16 out), else as float32 (float32 out, rounded once).
+            x_in = x if self._codes_take_bf16 else x.float()
             y = torch.ops.kvmesh.block_code_linear(
-                x.float().contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
+                x_in.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
             )
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
