@@ -8,8 +8,9 @@ this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]
 [--dtype bfloat16]`` (bfloat16: oneDNN's bf16 kernels against the codes
 kernel fed bf16 rows, as the bf16 model runs them).
 
-The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` (and ``_BF16``) in
-worker/models/linear.py are set from.
+The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` (and ``_BF16``,
+``_BF16_DOT``) in worker/models/linear.py are set from; the codes kernel runs
+at the loaded instruction-set level (``KVMESH_CPU_ISA``, printed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import native
 from services.model_prep import default_model_path
 from worker.config import ModelConfig
 from worker.model_loader import load_model
@@ -33,9 +35,10 @@ def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], fo
     """Best of 5 passes over every projection; ``force`` picks the path."""
     import worker.models.linear as linear_module
 
-    saved = linear_module.MAX_BLOCK_CODE_ROWS, linear_module.MAX_BLOCK_CODE_ROWS_BF16
-    forced = 1 << 30 if force == "codes" else 0
-    linear_module.MAX_BLOCK_CODE_ROWS = linear_module.MAX_BLOCK_CODE_ROWS_BF16 = forced
+    names = ("MAX_BLOCK_CODE_ROWS", "MAX_BLOCK_CODE_ROWS_BF16", "MAX_BLOCK_CODE_ROWS_BF16_DOT")
+    saved = [getattr(linear_module, name) for name in names]
+    for name in names:
+        setattr(linear_module, name, 1 << 30 if force == "codes" else 0)
     try:
         best = float("inf")
         for _ in range(5):
@@ -45,7 +48,8 @@ def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], fo
             best = min(best, time.perf_counter() - start)
         return best * 1e3
     finally:
-        linear_module.MAX_BLOCK_CODE_ROWS, linear_module.MAX_BLOCK_CODE_ROWS_BF16 = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(linear_module, name, value)
 
 
 def main() -> None:
@@ -62,9 +66,10 @@ def main() -> None:
     projections.append(model._packed_lm_head)
     with_codes, total = model.block_code_coverage()
     threads = torch.get_num_threads()
+    level = native.loaded_level()
     print(
         f"{with_codes}/{total} projections have exact block codes; {threads} threads; "
-        f"oneDNN in {args.dtype}"
+        f"oneDNN in {args.dtype}; C++ kernels at the {level.name if level else None} level"
     )
     print(f"{'rows':>5} {'oneDNN ms':>10} {'codes ms':>9} {'speed-up':>9}")
     with torch.inference_mode():
