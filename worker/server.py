@@ -453,9 +453,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     if config.kv_offload:
         store, connector = await connect_kv_offload(config, runner, info)
     # Pipeline overlap: one begun step per stage (the scheduler sends as many).
-    servicer.attach(
-        runner, info, broadcaster, config.pipeline_parallel_size if info.pipeline_overlap else 1
-    )
+    max_steps_begun = config.pipeline_parallel_size if info.pipeline_overlap else 1
+    if config.pipeline_parallel_size > 1:
+        logger.info("pipeline overlap %s", "on" if info.pipeline_overlap else "off")
+    servicer.attach(runner, info, broadcaster, max_steps_begun)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
     # generations, so that a collection during a step scans only per-step garbage.
