@@ -80,7 +80,7 @@ def test_dense_path_matches_one_process(uneven_heads: Path) -> None:
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
 
 
-@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2)])
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2), (1, 3)])
 def test_pipeline_overlap_keeps_two_steps_begun_and_matches_one_process(
     uneven_heads: Path, tp_size: int, pp_size: int
 ) -> None:
