@@ -1,7 +1,10 @@
 """kvmesh's engine without services: the real Scheduler driving a ModelRunner in one process.
 
 No gRPC, protobuf, detokenizer or HTTP: one ``schedule()``, one
-``execute_model()`` and one ``update_from_output()`` per step, synchronously.
+``execute_model()`` and one ``update_from_output()`` per step, synchronously;
+or, with micro-batches (a pipeline-parallel replica through
+``worker.parallel.driver.BroadcastingRunner``), up to one begun step per
+stage, each finished once the pipeline is full or nothing else can begin.
 This is the ceiling the full stack is measured against (baseline (b) of
 ``benchmarks/baselines.py``); it lives here because the scheduler package must
 never load a model and the worker package must never decide what to run.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +24,9 @@ from scheduler.scheduler import Scheduler
 from services.config import SpeculativeConfig
 from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
+from services.step import ModelRunnerOutput, SchedulerOutput
 from worker.model_runner import ModelRunner
+from worker.step_in_flight import StepInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,11 @@ class InProcessEngine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
+        num_micro_batches: int = 1,
     ) -> None:
+        """``runner``: a ModelRunner, or a BroadcastingRunner for a parallel replica
+        (its steps begin and finish like the driver's); ``num_micro_batches`` > 1
+        keeps that many steps begun (pipeline overlap)."""
         lora_slots = runner.lora_slots
         self.runner = runner
         model_config, cache_config = runner.model_config, runner.cache_config
@@ -60,8 +70,11 @@ class InProcessEngine:
                 enable_prefix_caching=enable_prefix_caching,
                 speculative=speculative,
                 max_loras=lora_slots.max_loras if lora_slots is not None else 0,
+                async_scheduling=num_micro_batches > 1,
+                num_micro_batches=num_micro_batches,
             )
         )
+        self._begun: deque[tuple[SchedulerOutput, StepInFlight]] = deque()
         self.eos_token_ids = runner.model_config.eos_token_ids
         self.results: dict[str, GenerationResult] = {}
 
@@ -86,12 +99,35 @@ class InProcessEngine:
         self.results[request_id] = GenerationResult(request_id, [], now)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._begun)
 
     def step(self) -> list[str]:
         """Run one engine step; returns the ids of requests that finished in it."""
+        if self.scheduler.config.num_micro_batches > 1:
+            return self._pipelined_step()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        return self._apply(scheduler_output, runner_output)
+
+    def _pipelined_step(self) -> list[str]:
+        """Begin the next micro-batch if the pipeline has room; finish the oldest
+        once it is full or nothing else began (the worker service's policy when
+        steps arrive faster than the last stage hands them back)."""
+        depth = self.scheduler.config.steps_in_flight
+        begun = False
+        if len(self._begun) < depth and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                self._begun.append((scheduler_output, self.runner.begin_step(scheduler_output)))
+                begun = True
+        if not self._begun or (begun and len(self._begun) < depth):
+            return []
+        scheduler_output, step = self._begun.popleft()
+        return self._apply(scheduler_output, self.runner.finish_step(step))
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[str]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         finished: list[str] = []

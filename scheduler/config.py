@@ -47,6 +47,13 @@ class SchedulerConfig:
     # request's next decode slot is scheduled against a placeholder token that
     # the worker fills in itself. Outputs are identical; see Scheduler.
     async_scheduling: bool = False
+    # Steps in flight at once, each a micro-batch of requests disjoint from the
+    # other in-flight steps' (a request is in at most one). Pipeline parallelism
+    # sets it to the number of stages, so that stage s runs one micro-batch
+    # while stage s+1 runs the previous one; 1 (the default) is plain async
+    # scheduling, where consecutive steps share their requests. Needs async
+    # scheduling when above 1. See Scheduler.
+    num_micro_batches: int = 1
     # The kvstore as a second KV tier (scheduler/kv_connector.py): full blocks
     # are saved there and a prefix-cache miss is loaded from there. Needs
     # prefix caching with the process-independent sha256 hashes (the store
@@ -89,6 +96,10 @@ class SchedulerConfig:
             self.enable_prefix_caching and self.prefix_hash == "sha256"
         ):
             raise ValueError("the KV connector needs prefix caching with sha256 block hashes")
+        if self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        if self.num_micro_batches > 1 and not self.async_scheduling:
+            raise ValueError("micro-batches (num_micro_batches > 1) need async scheduling")
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs synchronous scheduling")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
@@ -99,6 +110,14 @@ class SchedulerConfig:
                 f"({self.num_kv_blocks} blocks x {self.block_size}), less than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or add blocks"
             )
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps the service keeps sent and unanswered: one (synchronous), two
+        (async: one ahead), or one per micro-batch."""
+        if not self.async_scheduling:
+            return 1
+        return max(2, self.num_micro_batches)
 
     @property
     def num_watermark_blocks(self) -> int:

@@ -22,6 +22,21 @@ request that finished (or was preempted or aborted) after being scheduled
 again are discarded, and a request whose placeholders already reach its length
 limit is not scheduled again. Outputs are identical to synchronous mode.
 
+Micro-batches (``config.num_micro_batches`` = P > 1, pipeline parallelism):
+async scheduling with up to P steps in flight, each a micro-batch of requests
+disjoint from the other in-flight steps, so that each pipeline stage has a
+step of its own to run. A running request that is in an unanswered step is
+skipped until that step's output is back (so it never has more than one
+placeholder), and each step takes at most ``ceil(running / P)`` running
+requests, so the running batch splits into P micro-batches of equal size
+rather than one full step followed by empty ones. Each micro-batch gets the
+whole token budget: the budget bounds one forward pass (its activations and
+its latency per stage), and each micro-batch is a forward pass of its own;
+splitting it would only halve prefill chunks (vLLM does the same). A request
+preempted or aborted while in flight is not admitted again until its step is
+answered, so a stale answer never meets a re-admitted request, and the worker
+drops its row only once that step is done with it.
+
 With the KV connector (``config.enable_kv_connector``, scheduler/kv_connector.py)
 a waiting request whose next blocks the kvstore holds does not compute them:
 its blocks are reserved, the worker loads them in the background while the
@@ -111,6 +126,8 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         # Requests the worker must drop at the next step.
         self._finished_req_ids: set[str] = set()
+        # Micro-batches: requests in steps sent but not yet answered.
+        self._in_flight_ids: set[str] = set()
         self._step_id = 0
         self._num_watermark_blocks = config.num_watermark_blocks
         # Counters since the last make_stats().
@@ -283,6 +300,8 @@ class Scheduler:
         # Waiting requests only if blocks were not just too short to keep everyone.
         new_reqs = [] if preempted else self._schedule_waiting(token_budget, num_scheduled_tokens)
         output = self._make_scheduler_output(new_reqs, cached, num_scheduled_tokens)
+        if self.config.num_micro_batches > 1:
+            self._in_flight_ids.update(num_scheduled_tokens)
         if drafts:
             # A request preempted later in the pass left the step with its drafts.
             output.scheduled_spec_decode_tokens = {
@@ -316,10 +335,21 @@ class Scheduler:
         speculator = self.speculator
         if speculator is not None and speculator.batch_too_large(len(running)):
             speculator = None
+        # Micro-batches: requests of unanswered steps sit this one out, and each
+        # step takes its share of the running batch.
+        in_flight = self._in_flight_ids if config.num_micro_batches > 1 else None
+        max_running = cdiv(len(running), config.num_micro_batches)
+        num_running_scheduled = 0
 
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
+            if in_flight is not None:
+                if request.request_id in in_flight:
+                    index += 1
+                    continue
+                if num_running_scheduled >= max_running:
+                    break
             num_computed_tokens = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
             num_new_tokens = len(request.all_token_ids) + num_placeholders - num_computed_tokens
@@ -363,6 +393,7 @@ class Scheduler:
             cached_num_computed.append(num_computed_tokens)
             if async_scheduling:
                 self._advance_at_schedule(request, num_new_tokens)
+            num_running_scheduled += 1
             index += 1
         return token_budget, preempted
 
@@ -410,6 +441,9 @@ class Scheduler:
         adapters = AdapterAdmission(config.max_loras, running)
         while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
+            if request.request_id in self._in_flight_ids:
+                # Preempted while in an unanswered step: head-of-line until it is back.
+                break
             if request.parallel_group is not None and self._defer_sibling(request):
                 break  # head-of-line, as when blocks are short: its turn comes in a step or two
             if not adapters.admits(request):
@@ -606,6 +640,8 @@ class Scheduler:
             )
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        if self._in_flight_ids:
+            self._in_flight_ids.difference_update(scheduler_output.num_scheduled_tokens)
         if self.connector is not None:
             self._update_from_connector(model_runner_output.kv_connector_output)
         self._advance_scheduled(scheduler_output, model_runner_output, outputs, finished)
@@ -812,6 +848,7 @@ class Scheduler:
             request.num_migrations += 1
         self.release_remote_loads()
         self._finished_req_ids.clear()
+        self._in_flight_ids.clear()  # those steps' answers never come
         self.reset_prefix_cache()
         if moved:
             logger.warning("worker lost: %d running requests requeued", len(moved))
@@ -940,6 +977,8 @@ class Scheduler:
         for request in self.running:
             if request.status != _RUNNING:
                 raise KVCacheIntegrityError(f"{request} is running with a wrong status")
+            if self.config.num_micro_batches > 1 and request.num_output_placeholders > 1:
+                raise KVCacheIntegrityError(f"{request} is in two micro-batches at once")
         for request in self.waiting:
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise KVCacheIntegrityError(f"{request} is waiting with a wrong status")

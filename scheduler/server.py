@@ -57,6 +57,10 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
             "speculative decoding on: async scheduling turned off (drafts need the "
             "latest tokens at schedule time)"
         )
+    # Pipeline overlap: one micro-batch per stage in flight (needs async scheduling).
+    num_micro_batches = (
+        info.pipeline_parallel_size if info.pipeline_overlap and async_scheduling else 1
+    )
     core_config = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
@@ -67,6 +71,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         num_kv_blocks=info.num_kv_blocks,
         enable_prefix_caching=config.prefix_caching,
         async_scheduling=async_scheduling,
+        num_micro_batches=max(1, num_micro_batches),
         enable_kv_connector=config.kv_offload,
         speculative=speculative,
         max_loras=info.max_loras,

@@ -4,7 +4,8 @@ All scheduler state lives on one asyncio loop, so the pure-Python core
 (scheduler.scheduler.Scheduler) needs no locks. With ``async_scheduling`` the
 loop keeps one step in flight ahead: it schedules and sends step n+1, then
 waits for step n's result, so the worker never idles while the scheduler
-updates, publishes and schedules. Control calls that arrive
+updates, publishes and schedules; with micro-batches (pipeline parallelism)
+it keeps one step per stage in flight. Control calls that arrive
 while a step is in flight (aborts, stop-string finishes) are queued and
 applied between steps, so ``update_from_output`` never sees a request vanish
 under it.
@@ -409,10 +410,12 @@ class SchedulerEngine:
             return
 
     async def _async_step(self) -> None:
-        """Send the next step if fewer than two are in flight, then collect the oldest."""
+        """Send the next step if fewer than ``steps_in_flight`` are (two; with
+        micro-batches one per pipeline stage), then collect the oldest."""
         self._apply_pending_control()
         scheduled = False
-        if len(self._in_flight) < 2 and self._has_work():
+        depth = self.config.steps_in_flight
+        if len(self._in_flight) < depth and self._has_work():
             scheduler_output = self.core.schedule()
             self._step_id += 1
             scheduler_output.step_id = self._step_id
@@ -423,8 +426,8 @@ class SchedulerEngine:
                 self._in_flight.append((scheduler_output, time.perf_counter()))
                 await self.worker.submit(scheduler_output)
                 scheduled = True
-        if not self._in_flight or (len(self._in_flight) < 2 and scheduled):
-            return  # first step of a burst: schedule the next one before waiting
+        if not self._in_flight or (len(self._in_flight) < depth and scheduled):
+            return  # a burst is starting: fill the pipeline before waiting
         scheduler_output, start = self._in_flight[0]
         runner_output = await self._within_deadline(
             scheduler_output, self.worker.receive(scheduler_output.step_id)

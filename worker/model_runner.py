@@ -1,7 +1,11 @@
 """Run one engine step: update the persistent batch, forward, sample.
 
 ``ModelRunner.execute_model`` is the whole worker core for a step; the gRPC
-service only decodes the ``SchedulerOutput`` and encodes the answer.
+service only decodes the ``SchedulerOutput`` and encodes the answer. A step
+runs in two halves, ``begin_step`` (apply the deltas, build the inputs, run
+this pipeline stage's layers and send them on) and ``finish_step`` (the final
+hidden states, logits and sampling): a pipeline-parallel driver begins step
+n+1 before it finishes step n, so stages overlap (worker/parallel/driver.py).
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ from worker.parallel.layout import RankLayout
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.parallel.sharding import ShardPlan
 from worker.prompt_logprobs import (
-    PromptLogprobsSpan,
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
 from worker.rejection_sampler import verify_drafts
 from worker.sampler import Sampler, SamplerOutput
 from worker.sampling_metadata import build_sampling_metadata
-from worker.step_inputs import StepInputs, check_schedulable, prepare_step_inputs
+from worker.step_in_flight import StepInFlight
+from worker.step_inputs import check_schedulable, prepare_step_inputs
 from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -73,8 +77,13 @@ class ModelRunner:
 
     With ``collectives`` it is one rank of a tensor/pipeline-parallel replica:
     every rank holds the same persistent batch and block ids and runs the same
-    step (its own shard of the model); only the driver (rank 0) samples, and it
-    broadcasts the sampled tokens so every rank's batch moves in step.
+    step (its own shard of the model); only the driver (rank 0) samples, and
+    the other ranks append its tokens (``apply_sampled``) so every rank's batch
+    moves in step.
+
+    Steps may overlap (begun, not finished) only when their requests are
+    disjoint; a request a later step drops while an earlier one still uses its
+    row keeps the row until that step completes.
     """
 
     def __init__(
@@ -157,6 +166,8 @@ class ModelRunner:
         # Set by the worker service when KV offload is on (it needs the event loop).
         # On a parallel rank, a ReplicaKVConnector around it (same methods).
         self.kv_connector: KVConnectorWorker | ReplicaKVConnector | None = None
+        # Request -> the begun, not yet completed step that uses its row.
+        self._busy: dict[str, StepInFlight] = {}
 
     @property
     def samples(self) -> bool:
@@ -173,19 +184,33 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Drop every request of the persistent batch (a new scheduler starts from scratch)."""
+        self._busy.clear()
         for req_id in list(self.input_batch.row_of):
-            self.input_batch.remove_request(req_id)
-            self.structured_output.remove_request(req_id)
+            self._remove(req_id)
         if self.kv_connector is not None:
             self.kv_connector.reset()
+
+    def _remove(self, req_id: str) -> None:
+        self.input_batch.remove_request(req_id)
+        self.structured_output.remove_request(req_id)
+
+    def busy_with(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the step runs a request that a begun, unfinished step runs too
+        (then that step must finish first: its token is this one's input)."""
+        busy = self._busy
+        return bool(busy) and any(r in busy for r in scheduler_output.num_scheduled_tokens)
 
     def _apply_scheduler_deltas(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
         """Drop finished requests, add new ones, apply cached deltas; returns errors."""
         errors: dict[str, str] = {}
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
-            batch.remove_request(req_id)
-            self.structured_output.remove_request(req_id)
+            step = self._busy.get(req_id)
+            if step is not None:
+                # An unfinished step still reads and appends to its row.
+                step.removals.append(req_id)
+                continue
+            self._remove(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             try:
                 if new.lora_request is not None and self.lora_slots is None:
@@ -277,19 +302,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        connector = self.kv_connector
-        if connector is None:
-            return self._execute_model(scheduler_output)
-        # Before the forward: blocks to save are copied out before this step
-        # may overwrite them, and arrived loads are in place before it reads them.
-        connector.start_step(scheduler_output)
-        output = self._execute_model(scheduler_output)
-        output.kv_connector_output = connector.get_finished()
-        return output
+        """One whole step (both halves)."""
+        step = self.begin_step(scheduler_output)
+        return self.finish_step(step)
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = ModelRunnerOutput.make_empty(scheduler_output.step_id)
-        started = time.perf_counter()
+    @torch.inference_mode()
+    def begin_step(self, scheduler_output: SchedulerOutput) -> StepInFlight:
+        """The first half of a step: deltas, inputs, and (pipeline parallel) this
+        stage's layers, whose output is on its way to the next stage on return."""
+        connector = self.kv_connector
+        if connector is not None:
+            # Before the forward: blocks to save are copied out before this step
+            # may overwrite them, and arrived loads are in place before it reads them.
+            connector.start_step(scheduler_output)
+        step = StepInFlight(
+            ModelRunnerOutput.make_empty(scheduler_output.step_id), time.perf_counter()
+        )
+        output = step.output
         output.errors = self._apply_scheduler_deltas(scheduler_output)
         req_ids, rows, num_scheduled, num_drafts = self._scheduled_requests(
             scheduler_output, output.errors
@@ -300,25 +329,80 @@ class ModelRunner:
                 req_ids, rows, num_scheduled, num_drafts, output.errors
             )
         if not req_ids:
-            return output
+            return step
         inputs = prepare_step_inputs(
             self.input_batch, rows, num_scheduled, self.backend, self.device, num_drafts
         )
-        prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
-        prepared = time.perf_counter()
+        if inputs.num_logits is not None and self.layout.is_parallel:
+            # The driver would broadcast a variable number of tokens per row.
+            raise ValueError(
+                "speculative decoding does not combine with tensor/pipeline parallelism yet"
+            )
+        step.req_ids, step.inputs, step.lora = req_ids, inputs, lora
+        step.prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
+        step.prepared = time.perf_counter()
+        for req_id in req_ids:
+            self._busy[req_id] = step
+        if self.layout.pp_size > 1:
+            self._run_stage(step)
+        return step
+
+    @torch.inference_mode()
+    def finish_step(self, step: StepInFlight) -> ModelRunnerOutput:
+        """The second half: final hidden states, logits, sampling (the driver).
+
+        The driver's step completes here; another rank's completes when it
+        gets the driver's tokens (``apply_sampled``).
+        """
+        if step.inputs is not None:
+            self._finish_forward(step)
+        if self.samples:
+            self._complete(step)
+        connector = self.kv_connector
+        if connector is not None:
+            step.output.kv_connector_output = connector.get_finished()
+        return step.output
+
+    def apply_sampled(self, step: StepInFlight, tokens: np.ndarray) -> None:
+        """A rank other than the driver: append the driver's tokens for a finished
+        step (-1: the row failed there; the scheduler drops the request next) and
+        complete it."""
+        sample_rows = step.sample_rows
+        if len(tokens) != len(sample_rows):
+            raise RuntimeError(
+                f"step {step.output.step_id}: {len(tokens)} sampled tokens for "
+                f"{len(sample_rows)} sampling rows (the ranks are out of step)"
+            )
+        if len(tokens):
+            self.input_batch.append_sampled_tokens(sample_rows, tokens)
+        self._complete(step)
+
+    def _complete(self, step: StepInFlight) -> None:
+        """The step is done with its rows: release them, and drop those the
+        scheduler dropped meanwhile."""
+        for _, work in step.sends:
+            work.wait()
+        step.sends.clear()
+        busy = self._busy
+        for req_id in step.req_ids:
+            if busy.get(req_id) is step:
+                del busy[req_id]
+        for req_id in step.removals:
+            self._remove(req_id)
+
+    def _finish_forward(self, step: StepInFlight) -> None:
+        """Logits and sampling of a begun step into its output (failures per step
+        in a single process, fatal in a replica)."""
+        output, req_ids, inputs = step.output, step.req_ids, step.inputs
+        assert inputs is not None
         try:
             if inputs.num_logits is None:
                 tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_sample(
-                    inputs, prompt_spans, lora
+                    step
                 )
             else:
-                if self.layout.is_parallel:
-                    # The driver would broadcast a variable number of tokens per row.
-                    raise ValueError(
-                        "speculative decoding does not combine with tensor/pipeline parallelism yet"
-                    )
                 tokens, logprobs, output.prompt_logprobs, failed_rows = self._forward_and_verify(
-                    inputs, prompt_spans, lora
+                    step
                 )
         except Exception as exc:
             if self.layout.is_parallel:
@@ -328,12 +412,13 @@ class ModelRunner:
             # A failure in the forward pass belongs to the whole step (the
             # sampler isolates its own per row): fail the step's requests,
             # keep the worker alive for the next one.
-            logger.exception("step %s failed", scheduler_output.step_id)
+            logger.exception("step %s failed", output.step_id)
             for req_id in req_ids:
                 output.errors[req_id] = f"worker step failed: {exc}"
                 self.input_batch.remove_request(req_id)
-            return output
-
+            return
+        if not self.samples:
+            return  # the driver answers the scheduler
         output.req_ids = req_ids
         output.sampled_token_ids = [[] for _ in req_ids]
         output.logprobs = [[] for _ in req_ids]
@@ -344,9 +429,8 @@ class ModelRunner:
             output.sampled_token_ids[index] = tokens[position]
             output.logprobs[index] = logprobs[position]
         output.errors.update(self.structured_output.pop_errors())
-        self.timings.prepare += prepared - started
+        self.timings.prepare += step.prepared - step.started
         self.timings.num_steps += 1
-        return output
 
     def _fail_request(self, req_id: str, message: str, output: ModelRunnerOutput) -> None:
         output.errors[req_id] = message
@@ -399,37 +483,35 @@ class ModelRunner:
         return req_ids, rows, num_scheduled, num_drafts, lora
 
     def _forward_and_sample(
-        self,
-        inputs: StepInputs,
-        prompt_spans: list[PromptLogprobsSpan],
-        lora: LoRABatch | None = None,
+        self, step: StepInFlight
     ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
         """Per sampling request (in step order): its token and their logprobs; plus
         prompt logprobs and failed sampling requests by position. The tokens are
-        appended to the batch."""
-        logits, prompt_logprobs = self._forward(inputs, prompt_spans, lora)
-        sample_rows = inputs.rows[inputs.sample_mask]
-        if not self.samples:
-            # A rank other than the driver: the driver samples and broadcasts.
-            return self._receive_sampled(sample_rows)
-        if logits is None:
+        appended to the batch (on the driver; the other ranks get them later)."""
+        logits, prompt_logprobs = self._forward(step)
+        if not self.samples or logits is None:
             return [], [], prompt_logprobs, {}
+        sample_rows = step.sample_rows
         result = self._sample(logits, sample_rows)
         token_array = result.token_ids.cpu().numpy()
         self.input_batch.append_sampled_tokens(sample_rows, token_array)
+        if self.layout.is_parallel:
+            # What the other ranks append: -1 where the row failed.
+            sampled = token_array.astype(np.int64, copy=True)
+            sampled[list(result.failed_rows)] = -1
+            step.sampled = sampled
         tokens = [[token] for token in token_array.tolist()]
         logprobs = [[] if lp is None else [lp] for lp in result.logprobs]
         return tokens, logprobs, prompt_logprobs, result.failed_rows
 
     def _forward_and_verify(
-        self,
-        inputs: StepInputs,
-        prompt_spans: list[PromptLogprobsSpan],
-        lora: LoRABatch | None = None,
+        self, step: StepInFlight
     ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
         """``_forward_and_sample`` for a step with drafts: requests without drafts
         sample as usual; those with drafts keep their accepted drafts plus one token."""
-        logits, prompt_logprobs = self._forward(inputs, prompt_spans, lora)
+        logits, prompt_logprobs = self._forward(step)
+        inputs = step.inputs
+        assert inputs is not None
         num_logits = inputs.num_logits
         if logits is None or num_logits is None:
             return [], [], prompt_logprobs, {}
@@ -495,16 +577,13 @@ class ModelRunner:
             if (lp := result.logprobs[j]) is not None:
                 logprobs[position] = [lp]
 
-    def _forward(
-        self,
-        inputs: StepInputs,
-        prompt_spans: list[PromptLogprobsSpan],
-        lora: LoRABatch | None = None,
-    ) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
-        """The forward pass: logits at ``inputs.logits_indices`` (None if there are
-        none) and the prompt logprobs."""
+    def _forward(self, step: StepInFlight) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
+        """The rest of the forward pass: logits at ``inputs.logits_indices`` (None if
+        there are none) and the prompt logprobs."""
+        inputs, prompt_spans = step.inputs, step.prompt_spans
+        assert inputs is not None
         forward_started = time.perf_counter()
-        hidden = self._run_layers(inputs, lora)
+        hidden = self._final_hidden(step)
         if hidden is None:  # a later pipeline stage: the first stage computes logits
             self.timings.forward += time.perf_counter() - forward_started
             return None, []
@@ -546,18 +625,14 @@ class ModelRunner:
         result = self.sampler(logits, metadata)
         if step_grammar is not None:
             step_grammar.accept(result.token_ids.tolist())
-        if self.layout.is_parallel:
-            self._send_sampled(result.token_ids, result.failed_rows)
         self.timings.sample += time.perf_counter() - sample_started
         return result
 
-    def _run_layers(self, inputs: StepInputs, lora: LoRABatch | None = None) -> torch.Tensor | None:
-        """The final hidden states on the first pipeline stage, None on the others.
-
-        Stages pass activations around a ring: stage 0 embeds and runs its
-        layers, each next stage continues, and the last hands its output back
-        to stage 0, which holds the final norm and LM head.
-        """
+    def _final_hidden(self, step: StepInFlight) -> torch.Tensor | None:
+        """The final hidden states on the first pipeline stage, None on the others:
+        the whole model in one process, else what the last stage sent back."""
+        inputs = step.inputs
+        assert inputs is not None
         if self.layout.pp_size == 1:
             return self.model(
                 inputs.input_ids,
@@ -565,13 +640,27 @@ class ModelRunner:
                 self.kv_caches,
                 inputs.metadata,
                 self.backend,
-                lora=lora,
+                lora=step.lora,
             )
+        return step.final_hidden.wait() if step.final_hidden is not None else None
+
+    def _run_stage(self, step: StepInFlight) -> None:
+        """This pipeline stage's layers of a begun step.
+
+        Stages pass activations around a ring: stage 0 embeds and runs its
+        layers, each next stage continues, and the last hands its output back
+        to stage 0, which holds the final norm and LM head. Sends do not wait
+        for their receiver (it may still be busy with an earlier step); stage 0
+        posts the receive of the last stage's output now and collects it when
+        the step finishes.
+        """
         collectives = self.collectives
-        assert collectives is not None
+        assert collectives is not None and step.inputs is not None
+        inputs = step.inputs
         shape = (inputs.input_ids.shape[0], self.model_config.hidden_size)
         dtype = self.model_config.dtype
         first = self.plan.is_first_stage
+        started = time.perf_counter()
         hidden = None if first else collectives.recv_hidden(shape, dtype)
         hidden = self.model(
             inputs.input_ids,
@@ -581,27 +670,7 @@ class ModelRunner:
             self.backend,
             hidden=hidden,
         )
-        collectives.send_hidden(hidden)
-        return collectives.recv_hidden(shape, dtype) if first else None
-
-    def _send_sampled(self, token_ids: torch.Tensor, failed_rows: dict[int, str]) -> None:
-        tokens = token_ids.to(device="cpu", dtype=torch.int64, copy=True)
-        for position in failed_rows:
-            tokens[position] = -1
-        assert self.collectives is not None
-        self.collectives.broadcast_sampled(tokens)
-
-    def _receive_sampled(
-        self, sample_rows: np.ndarray
-    ) -> tuple[list[list[int]], list[list[Logprobs]], list[PromptLogprobs], dict[int, str]]:
-        """The driver's sampled tokens, appended to this rank's batch (-1: that row
-        failed there, so it fails here). Logprobs stay with the driver."""
-        assert self.collectives is not None
-        num_rows = len(sample_rows)
-        if num_rows == 0:  # the driver samples nothing either, and sends nothing
-            return [], [], [], {}
-        tokens = self.collectives.broadcast_sampled(torch.empty(num_rows, dtype=torch.int64))
-        failed = {int(p): "failed on the driver" for p in torch.nonzero(tokens < 0).flatten()}
-        token_array = tokens.numpy()
-        self.input_batch.append_sampled_tokens(sample_rows, token_array)
-        return [[t] for t in token_array.tolist()], [[] for _ in range(num_rows)], [], failed
+        step.sends.append(collectives.isend_hidden(hidden))
+        if first:
+            step.final_hidden = collectives.irecv_hidden(shape, dtype)
+        self.timings.forward += time.perf_counter() - started

@@ -3,19 +3,25 @@
 The scheduler holds one Execute stream open and sends one StepRequest per
 engine step. Each step runs on a dedicated thread so that the event loop keeps
 answering health checks and GetInfo while a forward pass runs (torch releases
-the GIL inside its kernels).
+the GIL inside its kernels). A pipeline-parallel driver with overlap keeps up
+to one step per stage begun: it begins each step as it arrives and finishes
+the oldest once the last stage has handed it back (or the pipeline is full),
+so that stage 0 runs step n+1 while later stages run step n.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +37,7 @@ from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
 from services.metrics import start_metrics_server
 from services.model_prep import resolve_model_path
+from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import (
     model_runner_output_to_proto,
     scheduler_output_from_proto,
@@ -49,6 +56,7 @@ from worker.parallel.layout import RankLayout
 from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.request_tracing import WorkerRequestTraces
+from worker.step_in_flight import StepInFlight
 from worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -64,6 +72,17 @@ _TOKENS = Counter("kvmesh:worker_tokens_computed_total", "tokens run through the
 _BATCH = Gauge("kvmesh:worker_batch_size", "requests in the last step")
 _KV_BLOCKS = Gauge("kvmesh:worker_num_kv_blocks", "KV cache blocks allocated")
 _DTYPE = Gauge("kvmesh:worker_dtype_info", "1 for the model's compute dtype", ["dtype"])
+
+
+@dataclass
+class _BegunStep:
+    """A step the driver began and has not answered yet."""
+
+    step: StepInFlight
+    scheduler_output: SchedulerOutput
+    started: float
+    # Resolves once finishing would not wait for a later stage.
+    finishable: asyncio.Future[None]
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -90,14 +109,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.broadcaster: StepBroadcaster | None = None
         # When the other ranks last heard from this one (monotonic seconds).
         self._last_broadcast = time.monotonic()
+        # Steps the driver keeps begun at once (pipeline overlap: one per stage).
+        self.max_steps_begun = 1
+        # Waits for the last stage's output of the oldest begun step, off the step thread.
+        self._arrivals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-arrival")
 
     def attach(
         self,
         runner: ModelRunner,
         info: worker_pb2.WorkerInfo,
         broadcaster: StepBroadcaster | None = None,
+        max_steps_begun: int = 1,
     ) -> None:
         self.runner, self.info, self.broadcaster = runner, info, broadcaster
+        self.max_steps_begun = max_steps_begun if broadcaster is not None else 1
 
     def _run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         start = time.perf_counter()
@@ -106,6 +131,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             output = self.runner.execute_model(scheduler_output)
         else:
             output = self._with_ranks(self.broadcaster.execute, request, scheduler_output)
+        return self._step_result(scheduler_output, output, start)
+
+    def _step_result(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, start: float
+    ) -> worker_pb2.StepResult:
         elapsed = time.perf_counter() - start
         _STEP_SECONDS.observe(elapsed)
         _TOKENS.inc(scheduler_output.total_num_scheduled_tokens)
@@ -142,6 +172,77 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.executor, self._with_ranks, self.broadcaster.keep_alive
                 )
 
+    def _timed(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.step(num_tokens)
+
+    async def _pipelined(
+        self, request_iterator: AsyncIterator[worker_pb2.StepRequest]
+    ) -> AsyncIterator[worker_pb2.StepResult]:
+        """The driver's steps with pipeline overlap: begin each step as it arrives,
+        up to ``max_steps_begun``; finish the oldest when the pipeline is full, when
+        the next step needs its tokens, or when the last stage handed it back
+        before another step arrived. Results go out in step order."""
+        loop = asyncio.get_running_loop()
+        broadcaster = self.broadcaster
+        assert broadcaster is not None and self.runner is not None
+        arrived: asyncio.Queue[worker_pb2.StepRequest | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await arrived.put(request)
+            finally:
+                await arrived.put(None)
+
+        reader = asyncio.create_task(read())
+        begun: deque[_BegunStep] = deque()
+
+        async def finish_oldest() -> worker_pb2.StepResult:
+            oldest = begun.popleft()
+            oldest.finishable.cancel()
+            with self._timed(oldest.scheduler_output.total_num_scheduled_tokens):
+                output = await loop.run_in_executor(
+                    self.executor, self._with_ranks, broadcaster.finish, oldest.step
+                )
+            return self._step_result(oldest.scheduler_output, output, oldest.started)
+
+        next_request: asyncio.Future[worker_pb2.StepRequest | None] | None = None
+        try:
+            while True:
+                if len(begun) >= self.max_steps_begun:
+                    yield await finish_oldest()
+                    continue
+                if next_request is None:
+                    next_request = asyncio.ensure_future(arrived.get())
+                if begun:
+                    await asyncio.wait(
+                        {next_request, begun[0].finishable}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not next_request.done():
+                        yield await finish_oldest()
+                        continue
+                request = await next_request
+                next_request = None
+                if request is None:
+                    break
+                scheduler_output = scheduler_output_from_proto(request)
+                while begun and self.runner.busy_with(scheduler_output):
+                    yield await finish_oldest()  # its tokens are this step's input
+                started = time.perf_counter()
+                with self._timed(scheduler_output.total_num_scheduled_tokens):
+                    begin = functools.partial(broadcaster.begin, request, scheduler_output)
+                    step = await loop.run_in_executor(self.executor, self._with_ranks, begin)
+                finishable = loop.run_in_executor(self._arrivals, step.wait_until_finishable)
+                begun.append(_BegunStep(step, scheduler_output, started, finishable))
+        finally:
+            reader.cancel()
+            if next_request is not None:
+                next_request.cancel()
+            while begun:  # every rank must finish what it began before a reset
+                await finish_oldest()
+
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.StepRequest], context
     ) -> AsyncIterator[worker_pb2.StepResult]:
@@ -155,6 +256,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         logger.info("scheduler attached")
         loop = asyncio.get_running_loop()
         try:
+            if self.max_steps_begun > 1:
+                # Closed here, not by the collector: its begun steps finish before the reset.
+                async with contextlib.aclosing(self._pipelined(request_iterator)) as results:
+                    async for result in results:
+                        yield result
+                return
             async for request in request_iterator:
                 timed = (
                     self.watchdog.step(sum(request.num_scheduled_tokens))
@@ -243,6 +350,7 @@ def build_runner(
         device=config.device,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        pipeline_overlap=config.pipeline_overlap and config.pipeline_parallel_size > 1,
         max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         dtype=str(model_config.dtype).removeprefix("torch."),
@@ -344,7 +452,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     connector: KVConnectorWorker | None = None
     if config.kv_offload:
         store, connector = await connect_kv_offload(config, runner, info)
-    servicer.attach(runner, info, broadcaster)
+    # Pipeline overlap: one begun step per stage (the scheduler sends as many).
+    max_steps_begun = config.pipeline_parallel_size if info.pipeline_overlap else 1
+    if config.pipeline_parallel_size > 1:
+        logger.info("pipeline overlap %s", "on" if info.pipeline_overlap else "off")
+    servicer.attach(runner, info, broadcaster, max_steps_begun)
     # Everything allocated so far (modules, weights' Python wrappers, protobuf
     # descriptors) lives for the whole process: move it out of the collector's
     # generations, so that a collection during a step scans only per-step garbage.

@@ -180,6 +180,12 @@ class ParallelOptions(CommonConfig):
     dist_init_addr: str = opt(
         "127.0.0.1:29500", "host:port of rank 0's torch.distributed rendezvous (TCP store)"
     )
+    pipeline_overlap: bool = opt(
+        True,
+        "pipeline parallel: the driver begins a step while earlier ones are in later stages, "
+        "and the scheduler keeps one micro-batch per stage in flight (--no-pipeline-overlap: "
+        "one step at a time)",
+    )
     dist_timeout_s: float = opt(
         120.0,
         "seconds a collective may wait for a peer rank before this rank gives up and exits "

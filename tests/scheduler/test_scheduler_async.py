@@ -111,13 +111,15 @@ def drive(
     aborts: dict[int, list[str]] | None = None,
     max_iterations: int = 10_000,
 ) -> Run:
-    """The service loop: synchronous, or one step in flight ahead when the config says so."""
+    """The service loop: synchronous, or ``steps_in_flight`` steps in flight when the
+    config says so (micro-batches: each step's requests disjoint from the others')."""
     arrivals, aborts = arrivals or {}, aborts or {}
     in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     tokens: dict[str, list[int]] = {}
     finish: dict[str, FinishReason | None] = {}
     aborted: set[str] = set()
-    depth = 2 if sched.config.async_scheduling else 1
+    depth = sched.config.steps_in_flight
+    micro_batches = sched.config.num_micro_batches > 1
 
     def collect(outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -135,6 +137,10 @@ def drive(
         scheduled = False
         if sched.has_unfinished_requests():
             out = sched.schedule()
+            if micro_batches:
+                for earlier, _ in in_flight:
+                    shared = set(earlier.num_scheduled_tokens) & set(out.num_scheduled_tokens)
+                    assert not shared, f"{shared} in two micro-batches in flight"
             if out.total_num_scheduled_tokens or out.finished_req_ids:
                 # The worker runs steps in order; executing at submit time is
                 # the same as executing later, since nothing else reaches it.

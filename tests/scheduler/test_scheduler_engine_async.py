@@ -65,13 +65,16 @@ class InMemoryWorkerClient:
         return await self.receive(scheduler_output.step_id)
 
 
-async def _serve(async_scheduling: bool) -> tuple[dict[str, list[int]], set[str], int]:
+async def _serve(
+    async_scheduling: bool, num_micro_batches: int = 1
+) -> tuple[dict[str, list[int]], set[str], int]:
     config = SchedulerConfig(
         num_kv_blocks=64,
         block_size=4,
         max_model_len=64,
         max_num_batched_tokens=16,
         async_scheduling=async_scheduling,
+        num_micro_batches=num_micro_batches,
     )
     worker = InMemoryWorkerClient()
     engine = SchedulerEngine(
@@ -115,3 +118,11 @@ async def test_async_engine_keeps_one_step_ahead_and_publishes_the_same_tokens()
     assert async_tokens == sync_tokens
     assert async_finished == sync_finished == {f"r{i}" for i in range(6)}
     assert {rid: len(t) for rid, t in async_tokens.items()} == {f"r{i}": 5 + i for i in range(6)}
+
+
+async def test_micro_batched_engine_keeps_one_step_per_stage_in_flight() -> None:
+    sync_tokens, _, _ = await _serve(async_scheduling=False)
+    tokens, finished, depth = await _serve(async_scheduling=True, num_micro_batches=3)
+    assert depth == 3  # three disjoint micro-batches sent before the first result was read
+    assert tokens == sync_tokens
+    assert finished == {f"r{i}" for i in range(6)}

@@ -2,16 +2,22 @@
 
 Rank 0 drives a LocalDriver through a StepBroadcaster, exactly the path the
 worker service takes; the other ranks follow. Rank 0 puts each request's
-output tokens and logprobs on a queue.
+output tokens and logprobs on a queue. With ``micro_batches`` the real
+scheduler drives instead, keeping that many micro-batches begun at once
+(pipeline overlap), and rank 0 also records the order in which its steps
+began and finished.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from benchmarks.inprocess_engine import InProcessEngine
 from services.sampling_params import SamplingParams
+from services.step import ModelRunnerOutput, SchedulerOutput
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
@@ -19,6 +25,7 @@ from worker.parallel.collectives import Collectives
 from worker.parallel.driver import lead_or_follow
 from worker.parallel.layout import RankLayout
 from worker.parallel.local_replica import run_local_replica
+from worker.step_in_flight import StepInFlight
 
 MAX_NEW_TOKENS = 6
 TOP_LOGPROBS = 5
@@ -32,6 +39,39 @@ class RunSpec:
     prompts: list[list[int]]
     chunk_size: int | None = None
     dense: bool = False  # plain F.linear instead of oneDNN / block codes
+    # > 0: the scheduler's micro-batches, that many steps begun at once.
+    micro_batches: int = 0
+
+
+@dataclass
+class EventLog:
+    """A runner whose begun and finished steps are recorded, in order."""
+
+    runner: Any
+    events: list[tuple[str, int]] = field(default_factory=list)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def begin_step(self, step: SchedulerOutput) -> StepInFlight:
+        begun = self.runner.begin_step(step)
+        self.events.append(("begun", step.step_id))
+        return begun
+
+    def finish_step(self, step: StepInFlight) -> ModelRunnerOutput:
+        output = self.runner.finish_step(step)
+        self.events.append(("finished", output.step_id))
+        return output
+
+
+def drive_scheduler(runner, spec: RunSpec) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
+    """Greedy tokens per request through the real scheduler with micro-batches,
+    and the driver's begin/finish events."""
+    log = EventLog(runner)
+    engine = InProcessEngine(log, max_num_seqs=16, num_micro_batches=spec.micro_batches)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    results = engine.generate(spec.prompts, params, max_concurrency=len(spec.prompts))
+    return {f"r{i}": result.output_token_ids for i, result in enumerate(results)}, log.events
 
 
 def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
@@ -67,8 +107,9 @@ def drive(runner, spec: RunSpec) -> Result:
 def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None:
     collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
     try:
+        lead = drive_scheduler if spec.micro_batches else drive
         result = lead_or_follow(
-            build_runner(spec, collectives), collectives, lambda runner: drive(runner, spec)
+            build_runner(spec, collectives), collectives, lambda runner: lead(runner, spec)
         )
         if layout.is_driver:
             results.put(result)
@@ -76,8 +117,9 @@ def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None
         collectives.close()
 
 
-def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 240) -> Result:
-    """Greedy results of a TP x PP replica of spawned ranks."""
+def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 240) -> Any:
+    """Greedy results of a TP x PP replica of spawned ranks (``drive``'s, or
+    ``drive_scheduler``'s with micro-batches)."""
     return run_local_replica(_rank_main, tp_size, pp_size, (spec,), timeout_s)
 
 

@@ -80,6 +80,34 @@ def test_dense_path_matches_one_process(uneven_heads: Path) -> None:
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
 
 
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(1, 2), (2, 2), (1, 3)])
+def test_pipeline_overlap_keeps_two_steps_begun_and_matches_one_process(
+    uneven_heads: Path, tp_size: int, pp_size: int
+) -> None:
+    # More requests than stages, so each micro-batch has some; chunked prompts
+    # mix prefill and decode micro-batches.
+    prompts = [*PROMPTS, [9, 8, 7, 6, 5], [11] * 12, [3, 1, 4, 1, 5, 9, 2, 6]]
+    expected = run_single(RunSpec(str(uneven_heads), prompts))
+    tokens, events = run_replica(
+        tp_size, pp_size, RunSpec(str(uneven_heads), prompts, micro_batches=pp_size)
+    )
+    assert tokens == {req_id: want for req_id, (want, _) in expected.items()}
+    # Stage 0 began a step while the one before it was still in later stages,
+    # and steps were answered in order.
+    overlapped = [
+        step_id
+        for index, (kind, step_id) in enumerate(events)
+        if kind == "begun" and ("finished", step_id - 1) in events[index + 1 :]
+    ]
+    assert len(overlapped) >= 3, events
+    finished = [step_id for kind, step_id in events if kind == "finished"]
+    assert finished == sorted(finished)
+    begun_at_once = max(
+        sum(1 if kind == "begun" else -1 for kind, _ in events[: i + 1]) for i in range(len(events))
+    )
+    assert begun_at_once == pp_size
+
+
 def _broadcast_rank(layout: RankLayout, address: str, messages: list[bytes], out) -> None:
     collectives = Collectives(layout, address, 60, torch.device("cpu"))
     received = [collectives.broadcast_step(m if layout.is_driver else None) for m in messages]

@@ -1,9 +1,12 @@
 """The collectives a replica's ranks use each step, over torch.distributed.
 
 gloo on CPU; on CUDA the model's tensors (all-reduce, all-gather, activations)
-go over NCCL while the step itself and the sampled tokens stay on a gloo group
-(they are host data). Every rank must call the same collectives in the same
-order: the model runner's step is identical on every rank up to sampling.
+go over NCCL while the step stream and other host data stay on gloo groups.
+Every rank must call the same collectives in the same order: the model
+runner's step is identical on every rank up to sampling. The step stream has
+a group of its own, because a rank other than the driver receives it on a
+thread of its own (worker/parallel/driver.py) while its step thread runs the
+model's collectives: two threads never share a group.
 
 A rank stuck in a collective (its peer died or hangs) raises once the process
 group's timeout passes; the caller treats that as fatal for the rank, and the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 
 from worker.parallel.layout import RankLayout
 from worker.parallel.sharding import vocab_shard_size
+from worker.step_in_flight import Arrival
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,8 @@ class Collectives:
         self.device = device
         # Host data (the step's bytes, sampled tokens) always travels over gloo.
         self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        # The driver's step stream only (see the module docstring).
+        self.step_group = dist.new_group(backend="gloo")
         # Every rank creates every group, in the same order (torch.distributed's rule).
         tp_groups = [
             dist.new_group(layout.tp_group_ranks(p), backend=backend) for p in range(layout.pp_size)
@@ -87,13 +94,23 @@ class Collectives:
 
     # -- pipeline parallel -----------------------------------------------------
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.layout.next_stage_rank)
+    def isend_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start sending activations to the next stage: (the tensor, to keep alive
+        until the send is waited, and its work). gloo's send waits for the
+        receiver to post its receive, so the sender must not wait at once."""
+        hidden = hidden.contiguous()
+        return hidden, dist.isend(hidden, self.layout.next_stage_rank)
 
     def recv_hidden(self, like_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         hidden = torch.empty(like_shape, dtype=dtype, device=self.device)
         dist.recv(hidden, self.layout.previous_stage_rank)
         return hidden
+
+    def irecv_hidden(self, like_shape: tuple[int, ...], dtype: torch.dtype) -> Arrival:
+        """Post the receive of the previous stage's activations; receives from one
+        peer match its sends in order."""
+        hidden = torch.empty(like_shape, dtype=dtype, device=self.device)
+        return Arrival(hidden, dist.irecv(hidden, self.layout.previous_stage_rank))
 
     # -- the step and its result (host data, from the driver) ------------------
 
@@ -108,18 +125,18 @@ class Collectives:
         if message is not None:
             head = len(message).to_bytes(8, "little") + message[: STEP_CHUNK_BYTES - 8]
             chunk[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        dist.broadcast(chunk, 0, group=self.host_group)
+        dist.broadcast(chunk, 0, group=self.step_group)
         if message is not None:
             if len(message) > STEP_CHUNK_BYTES - 8:
                 rest = bytearray(message[STEP_CHUNK_BYTES - 8 :])
-                dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), 0, group=self.host_group)
+                dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), 0, group=self.step_group)
             return message
         data = chunk.numpy().tobytes()
         length = int.from_bytes(data[:8], "little")
         if length <= STEP_CHUNK_BYTES - 8:
             return data[8 : 8 + length]
         rest = torch.empty(length - (STEP_CHUNK_BYTES - 8), dtype=torch.uint8)
-        dist.broadcast(rest, 0, group=self.host_group)
+        dist.broadcast(rest, 0, group=self.step_group)
         return data[8:] + rest.numpy().tobytes()
 
     def all_gather_host(self, value: object) -> list:
@@ -127,9 +144,3 @@ class Collectives:
         gathered: list = [None] * self.layout.world_size
         dist.all_gather_object(gathered, value, group=self.host_group)
         return gathered
-
-    def broadcast_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The driver's sampled token per sampling row (-1: the row failed); every
-        rank knows how many rows sample, so one broadcast of that many int64s."""
-        dist.broadcast(tokens, 0, group=self.host_group)
-        return tokens
