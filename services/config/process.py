@@ -102,6 +102,7 @@ PROCESS_SETTINGS: tuple[EnvSetting[Any], ...] = (
     MODEL_CACHE,
     KERNEL_CACHE,
     NATIVE_KERNELS,
+    CPU_ISA,
     DENSE_LINEAR,
     CXX,
     TRITON_INTERPRET,
