@@ -215,6 +215,7 @@ def build_runner(
         dtype=config.dtype,
         max_model_len=config.max_model_len or None,
         device=config.device,
+        quantization=config.quantization or None,
     )
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -233,7 +234,9 @@ def build_runner(
         max_lora_rank=config.max_lora_rank,
     )
     info = worker_pb2.WorkerInfo(
-        model_name=config.served_model_name or Path(path).name,
+        # A .gguf file's name, not its cache folder's.
+        model_name=config.served_model_name
+        or (Path(model_config.gguf_file).stem if model_config.gguf_file else Path(path).name),
         num_kv_blocks=runner.num_kv_blocks,
         block_size=config.block_size,
         max_model_len=model_config.max_model_len,

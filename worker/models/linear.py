@@ -25,15 +25,27 @@ float32 and round their output once. Measured there for a 3072x576 weight at 1
 row: codes 0.075 ms per call-equivalent, oneDNN bf16 0.061 ms but the whole
 model's projections per decode step 9 ms on codes vs 19 ms on oneDNN bf16 (the
 codes read half the bytes).
+
+Quantized weights (a GGUF file's Q4_0/Q4_1/Q8_0 tensors, ``--quantization
+int8``) keep ONLY their codes (``PackedLinear.from_codes``): small batches run
+the kernel, larger ones rebuild the float32 weight into a scratch buffer shared
+by every projection of the thread (``_dequantize``), then run oneDNN on it as
+a plain dense weight (the same result, bit for bit, as the prepacked weight of
+a float checkpoint holding these values: checked in the tests). The scratch
+costs one weight's worth of float32, the largest projection's; rebuilding
+costs a pass over the weight per prefill call (docs/architecture.md has the
+measured price).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.block_codes import BlockCodes, find_block_codes
+from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 
 # The reorder is tuned for a typical decode batch; any batch size works with it.
 _BATCH_SIZE_HINT = 16
@@ -63,11 +75,43 @@ def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> 
     )
 
 
+class _Scratch(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch = _Scratch()
+
+
+def _dequantize(codes: BlockCodes) -> torch.Tensor:
+    """The float32 weight ``[out_features, in_features]`` of ``codes``, rebuilt in
+    the thread's scratch buffer (valid until the next call): ``code * scale``
+    is exact and the sum rounds once, the kernel's fused multiply-add."""
+    panels, in_features, _ = codes.codes.shape
+    size = panels * LANES * in_features
+    if _scratch.buffer is None or _scratch.buffer.numel() < size:
+        _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    weight = _scratch.buffer[:size].view(panels, LANES, in_features)
+    weight.copy_(codes.codes.permute(0, 2, 1))
+    blocks = weight.view(panels, LANES, in_features // BLOCK, BLOCK)
+    blocks.mul_(codes.scales.permute(0, 2, 1).unsqueeze(-1))
+    blocks.add_(codes.offsets.permute(0, 2, 1).unsqueeze(-1))
+    return weight.view(panels * LANES, in_features)[: codes.out_features]
+
+
 class PackedLinear:
     """A frozen weight (and bias) prepared once for inference, computing in
     ``dtype`` (default: the weight's; a float32 weight may run in bfloat16)."""
 
-    __slots__ = ("_bias", "_codes", "_packed", "in_features", "out_features", "weight")
+    __slots__ = (
+        "_bias",
+        "_codes",
+        "_dtype",
+        "_kernel",
+        "_packed",
+        "in_features",
+        "out_features",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -78,10 +122,13 @@ class PackedLinear:
         dtype: torch.dtype | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
-        dtype = dtype or weight.dtype
+        dtype = self._dtype = dtype or weight.dtype
         self._bias = None if bias is None else bias.to(dtype)
         self._codes: BlockCodes | None = None
-        if use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None:
+        self._kernel = (
+            use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None
+        )
+        if self._kernel:
             self._codes = find_block_codes(weight)  # float32 weights only
         weight = weight.to(dtype)
         if use_onednn and onednn_available(weight):
@@ -93,20 +140,66 @@ class PackedLinear:
             self._packed = None
             self.weight = weight
 
+    @classmethod
+    def from_codes(
+        cls,
+        codes: BlockCodes,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        use_kernel: bool = True,
+    ) -> PackedLinear:
+        """A quantized projection holding only its codes (no dense copy):
+        ``use_kernel`` runs small batches on the C++ kernel when it loads;
+        everything else rebuilds the weight per call (CPU only)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
+        self._dtype = dtype
+        self._bias = None if bias is None else bias.to(dtype)
+        self._codes = codes
+        self._kernel = use_kernel and native.unavailable_reason() is None
+        self._packed = None
+        self.weight = None
+        return self
+
     @property
     def uses_block_codes(self) -> bool:
-        return self._codes is not None
+        return self._codes is not None and self._kernel
+
+    @property
+    def codes_only(self) -> bool:
+        """Whether the codes are all there is of this weight (a quantized one)."""
+        return self._codes is not None and self._packed is None and self.weight is None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this projection keeps for its weight (codes, packed or dense copy)."""
+        total = 0 if self._codes is None else self._codes.nbytes
+        for tensor in (self._packed, self.weight):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = self._codes
         max_rows = MAX_BLOCK_CODE_ROWS if x.dtype == torch.float32 else MAX_BLOCK_CODE_ROWS_BF16
-        if codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
+        if self._kernel and codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
             y = torch.ops.kvmesh.block_code_linear(
                 x.float().contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
             )
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
             return y if self._bias is None else y.add_(self._bias)
+        if self._packed is None and self.weight is None:
+            assert codes is not None
+            weight = _dequantize(codes)
+            if self._dtype != torch.float32:
+                weight = weight.to(self._dtype)
+            if onednn_available(weight) and x.dim() == 2:
+                # A plain dense weight: oneDNN reorders it inside the call.
+                return torch.ops.mkldnn._linear_pointwise(
+                    x.contiguous(), weight, self._bias, "none", [], ""
+                )
+            return F.linear(x, weight, self._bias)
         if self._packed is None:
             return F.linear(x, self.weight, self._bias)
         return torch.ops.mkldnn._linear_pointwise(
