@@ -250,6 +250,7 @@ def build_runner(
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         dtype=str(model_config.dtype).removeprefix("torch."),
         dtype_reason=model_config.dtype_reason,
+        quantization=model_config.weights_description,
     )
     return runner, info
 
@@ -334,7 +335,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     _KV_BLOCKS.set(info.num_kv_blocks)
     _DTYPE.labels(info.dtype).set(1)
     logger.info(
-        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s, dtype %s (%s)",
+        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s, dtype %s "
+        "(%s), weights %s",
         info.model_name,
         info.num_kv_blocks,
         info.block_size,
@@ -342,6 +344,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         info.attention_backend,
         info.dtype,
         info.dtype_reason,
+        info.quantization or "as in the checkpoint",
     )
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None
