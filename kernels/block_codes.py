@@ -13,6 +13,8 @@ such files use, with the scale as stored (float16) or as computed:
 * affine, codes 0..15 (Q4_1): offset = the block's minimum, scale = range / 15;
 * symmetric, codes -127..127 (Q8_0): scale = max |w| / 127, stored as
   code + 128 with offset = -128 * scale;
+* symmetric 4-bit (Q4_0): scale = the largest-magnitude weight / -8 (signed),
+  codes 0..15 with offset = -8 * scale;
 
 then rebuilds every weight as ``code * scale + offset`` in float32 — the
 product is exact (at most 19 significant bits), so the one rounding of the sum
@@ -90,11 +92,14 @@ def _guesses(blocks: torch.Tensor) -> list[Guess]:
     high = blocks.amax(dim=-1, keepdim=True)
     amax = torch.maximum(high.abs(), low.abs())
     zero = torch.zeros_like(low)
+    signed_max = torch.where(high.abs() >= low.abs(), high, low)
     return [
         # Affine 4-bit (Q4_1): the minimum is the offset, code 15 the maximum.
         *((low, scale, 0, 15) for scale in _float16_candidates((high - low) / 15)),
         # Symmetric 8-bit (Q8_0): codes -127..127 stored shifted by 128.
         *((zero, scale, -128, 127) for scale in _float16_candidates(amax / 127)),
+        # Symmetric 4-bit (Q4_0): code 0 is the largest-magnitude weight.
+        *((-8 * scale, scale, 0, 15) for scale in _float16_candidates(signed_max / -8)),
     ]
 
 

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels import native
-from kernels.block_codes import BLOCK, quantize_int8
+from kernels.block_codes import BLOCK, find_block_codes, quantize_int8
 from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes, hf_name
 from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
 
@@ -39,6 +39,15 @@ def test_blocks_become_codes_of_ggufs_own_dequantized_values(kind) -> None:
         if kind != GGMLQuantizationType.Q4_0:
             assert bool(same_bits.all())
     assert torch.equal(codes.embedding(torch.tensor([5, 0, 5])), expected[[5, 0, 5]])
+
+
+@pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
+def test_dequantized_gguf_weights_are_found_to_be_block_codes(kind) -> None:
+    # A float32 checkpoint converted from a GGUF of any of these types runs its
+    # small batches on the kernel too (kernels/block_codes.py tries every layout).
+    _, weight = _gguf_tensor(kind)
+    codes = find_block_codes(weight)
+    assert codes is not None and torch.equal(codes.dequantize(), weight)
 
 
 @pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)

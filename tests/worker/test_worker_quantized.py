@@ -24,9 +24,9 @@ from .test_worker_model_loader import PROMPTS, _greedy, _hf_logits, _our_logits
 PROJECTIONS_PER_LAYER = 4  # fused qkv, o, fused gate/up, down
 
 
-def _runner(folder: Path, quantization: str | None = None) -> ModelRunner:
+def _runner(folder: Path, quantization: str | None = None, dtype: str | None = None) -> ModelRunner:
     return ModelRunner(
-        ModelConfig.from_pretrained(folder, quantization=quantization),
+        ModelConfig.from_pretrained(folder, dtype=dtype, quantization=quantization),
         CacheConfig(block_size=4, num_kv_blocks=64),
         num_threads=1,
     )
@@ -57,11 +57,21 @@ def test_gguf_runs_from_codes_with_the_logits_of_its_dequantized_weights(
         1 if embedding_type == Q8_0 or not tied else 0
     )
     assert (sizes["embedding_codes"] > 0) == (embedding_type == Q8_0)
+    # The converted checkpoint finds the same codes (Q4_0, Q4_1, Q8_0): the same paths.
+    assert ref.model.block_code_coverage() == ours.model.block_code_coverage()
     for prompt in PROMPTS:
         # Prefill rows (the rebuilt weight) and the 1-row kernel path, bit for bit.
         assert torch.equal(_our_logits(ours, prompt), _our_logits(ref, prompt))
         assert torch.equal(_our_logits(ours, prompt[:1]), _our_logits(ref, prompt[:1]))
     assert _greedy(ours) == _greedy(ref)
+
+
+def test_gguf_in_bfloat16_equals_its_converted_checkpoint_in_bfloat16(tmp_path: Path) -> None:
+    make_tiny_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", torch.float32, True)
+    named, reference = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
+    ours, ref = _runner(named, dtype="bfloat16"), _runner(reference, dtype="bfloat16")
+    for prompt in PROMPTS:
+        assert torch.equal(_our_logits(ours, prompt), _our_logits(ref, prompt))
 
 
 def test_gguf_matches_transformers_on_the_dequantized_weights(tmp_path: Path) -> None:

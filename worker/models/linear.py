@@ -107,6 +107,7 @@ class PackedLinear:
         "_codes",
         "_dtype",
         "_kernel",
+        "_onednn",
         "_packed",
         "in_features",
         "out_features",
@@ -123,6 +124,7 @@ class PackedLinear:
     ) -> None:
         self.out_features, self.in_features = weight.shape
         dtype = self._dtype = dtype or weight.dtype
+        self._onednn = use_onednn
         self._bias = None if bias is None else bias.to(dtype)
         self._codes: BlockCodes | None = None
         self._kernel = (
@@ -147,11 +149,14 @@ class PackedLinear:
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         use_kernel: bool = True,
+        use_onednn: bool = True,
     ) -> PackedLinear:
         """A quantized projection holding only its codes (no dense copy):
         ``use_kernel`` runs small batches on the C++ kernel when it loads;
-        everything else rebuilds the weight per call (CPU only)."""
+        everything else rebuilds the weight per call and multiplies with
+        oneDNN (``use_onednn``) or F.linear (CPU only)."""
         self = cls.__new__(cls)
+        self._onednn = use_onednn
         self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
         self._dtype = dtype
         self._bias = None if bias is None else bias.to(dtype)
@@ -194,7 +199,7 @@ class PackedLinear:
             weight = _dequantize(codes)
             if self._dtype != torch.float32:
                 weight = weight.to(self._dtype)
-            if onednn_available(weight) and x.dim() == 2:
+            if self._onednn and onednn_available(weight) and x.dim() == 2:
                 # A plain dense weight: oneDNN reorders it inside the call.
                 return torch.ops.mkldnn._linear_pointwise(
                     x.contiguous(), weight, self._bias, "none", [], ""

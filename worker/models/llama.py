@@ -84,7 +84,7 @@ def _pack(
         piece = quantize_int8(weight)
     if isinstance(piece, RowCodes):
         release(weight)  # no-op for a placeholder; frees an int8-quantized dense weight
-        return PackedLinear.from_codes(piece.to_panels(), bias, dtype, use_block_codes)
+        return PackedLinear.from_codes(piece.to_panels(), bias, dtype, use_block_codes, use_onednn)
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
