@@ -17,6 +17,7 @@ from worker.parallel.layout import RankLayout
 from worker.parallel.local_replica import run_local_replica
 
 from .conftest import make_tiny_checkpoint
+from .gguf_files import write_tiny_gguf
 from .parallel_ranks import Result, RunSpec, run_replica, run_single
 
 LOGPROB_TOLERANCE = 1e-4
@@ -77,6 +78,25 @@ def test_replicated_kv_head_matches_one_process(one_kv_head: Path) -> None:
 def test_dense_path_matches_one_process(uneven_heads: Path) -> None:
     # Plain F.linear on both sides (no oneDNN packing, no C++ ops).
     spec = RunSpec(str(uneven_heads), PROMPTS, dense=True)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
+
+
+def test_gguf_codes_shard_like_dense_weights(tmp_path: Path) -> None:
+    # Each rank keeps only its shard of the codes: q/k/v, gate/up by rows,
+    # o_proj and down by 32-wide column blocks, the Q8_0 embedding by vocab rows.
+    make_tiny_checkpoint(
+        tmp_path / "ckpt",
+        "LlamaForCausalLM",
+        torch.float32,
+        tie_word_embeddings=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=130,
+    )
+    named, _ = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
+    spec = RunSpec(str(named), PROMPTS, chunk_size=8)
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
 
 
