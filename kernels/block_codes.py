@@ -119,11 +119,12 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     # in the order they fare on a sample: one of them solves (nearly) every
     # block of a quantized checkpoint, and it should run first.
     sample = blocks[:: max(1, blocks.shape[0] // 256)]
-    sample_guesses = _guesses(sample)
-    order = sorted(
-        range(len(sample_guesses)),
-        key=lambda i: -int(_try_layout(sample, *sample_guesses[i])[2].sum()),
-    )
+    sample_exact = [_try_layout(sample, *guess)[2] for guess in _guesses(sample)]
+    if not bool(torch.stack(sample_exact).any(dim=0).all()):
+        # A sampled block no layout rebuilds: the tensor cannot be all codes
+        # (the usual answer for a float checkpoint, found in a few microseconds).
+        return None
+    order = sorted(range(len(sample_exact)), key=lambda i: -int(sample_exact[i].sum()))
     for step, index in enumerate(order):
         rest = blocks if step == 0 else blocks[unsolved]
         offset, scale, code_min, code_max = _guesses(rest)[index]
