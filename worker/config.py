@@ -113,10 +113,9 @@ class ModelConfig:
 
     @property
     def weights_description(self) -> str:
-        """How the weights are stored, for logs and /v1/models: "gguf", "int8" or ""."""
-        if self.quantization:
-            return self.quantization
-        return "gguf" if self.gguf_file else ""
+        """How the weights are held, for logs and /v1/models: "gguf", "int8",
+        "gguf+int8" (a GGUF's dense projections quantized too) or ""."""
+        return "+".join(p for p in ("gguf" if self.gguf_file else "", self.quantization) if p)
 
     @property
     def load_dtype(self) -> torch.dtype:
