@@ -64,6 +64,11 @@ def test_gguf_runs_from_codes_with_the_logits_of_its_dequantized_weights(
         assert torch.equal(_our_logits(ours, prompt), _our_logits(ref, prompt))
         assert torch.equal(_our_logits(ours, prompt[:1]), _our_logits(ref, prompt[:1]))
     assert _greedy(ours) == _greedy(ref)
+    # Packed again without oneDNN or C++ ops (KVMESH_DENSE_LINEAR's A/B): from the codes.
+    expected = _our_logits(ref, PROMPTS[1])
+    ours.model.pack_weights(use_onednn=False, use_native=False)
+    assert ours.model.weight_bytes()["codes_only_projections"] == sizes["codes_only_projections"]
+    torch.testing.assert_close(_our_logits(ours, PROMPTS[1]), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_gguf_in_bfloat16_equals_its_converted_checkpoint_in_bfloat16(tmp_path: Path) -> None:
@@ -107,6 +112,10 @@ def test_int8_is_the_checkpoint_with_int8_projections(tmp_path: Path) -> None:
             _our_logits(ours, prompt), _hf_logits(hf, prompt), rtol=1e-4, atol=1e-4
         )
     tokens = _greedy(ours)
+    ours.model.pack_weights(use_onednn=False, use_native=False)  # from the codes kept
+    torch.testing.assert_close(
+        _our_logits(ours, PROMPTS[1]), _hf_logits(hf, PROMPTS[1]), rtol=1e-4, atol=1e-4
+    )
     # Accuracy cost on a random tiny model (reported, and a floor that can fail).
     assert agreement(float_tokens, tokens) >= 0.5
 

@@ -167,6 +167,10 @@ class PackedLinear:
         return self
 
     @property
+    def codes(self) -> BlockCodes | None:
+        return self._codes
+
+    @property
     def uses_block_codes(self) -> bool:
         return self._codes is not None and self._kernel
 

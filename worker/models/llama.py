@@ -75,9 +75,16 @@ def _pack(
     quantization: str,
     use_onednn: bool,
     use_block_codes: bool,
+    previous: PackedLinear | None = None,
 ) -> PackedLinear:
     """One projection in its inference form: codes only when its checkpoint
-    gave codes (``piece``) or ``quantization`` asks for them, else dense."""
+    gave codes (``piece``) or ``quantization`` asks for them, else dense.
+    ``previous``: this projection packed before (packing again, e.g. to
+    compare kernels), whose codes are all that is left of a quantized weight."""
+    if piece is None and is_placeholder(weight):
+        if previous is None or previous.codes is None:
+            raise ValueError("a quantized projection packed without its codes")
+        return PackedLinear.from_codes(previous.codes, bias, dtype, use_block_codes, use_onednn)
     if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
         weight.data = piece.to(weight.dtype)
     if quantization == "int8" and not isinstance(piece, RowCodes):
@@ -167,6 +174,7 @@ class LlamaDecoderLayer(nn.Module):
         self._native_ops = use_native
         dtype = self.input_norm.dtype
         pieces = pieces or {}
+        previous = self._packed or {}
         self._packed = {
             name: _pack(
                 weight,
@@ -176,6 +184,7 @@ class LlamaDecoderLayer(nn.Module):
                 self.quantization,
                 use_onednn,
                 use_block_codes,
+                previous.get(name),
             )
             for name, param, weight, bias in (
                 ("qkv", "qkv_proj", self.qkv_proj, self.qkv_bias),
@@ -386,11 +395,11 @@ class LlamaForCausalLM(nn.Module):
             and native.unavailable_reason() is None
         )
         self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
+        params = dict(self.named_parameters())
         pieces = {
-            name: assemble(rows, dict(self.named_parameters())[name].shape[0])
-            for name, rows in self._pieces.items()
+            name: assemble(rows, params[name].shape[0]) for name, rows in self._pieces.items()
         }
-        self._pieces = {}
+        self._pieces = {}  # now held by the packed projections (and _embed_codes)
         for index, layer in enumerate(self.layers):
             prefix = f"layers.{index}."
             layer_pieces = {
@@ -422,7 +431,14 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
         head = embed if self.config.tie_word_embeddings else pieces.get("lm_head")
         self._packed_lm_head = _pack(
-            self.lm_head, head, None, self.config.dtype, "", use_onednn, use_codes
+            self.lm_head,
+            head,
+            None,
+            self.config.dtype,
+            "",
+            use_onednn,
+            use_codes,
+            self._packed_lm_head,
         )
 
     def set_native_elementwise(self, enabled: bool) -> None:
