@@ -89,7 +89,10 @@ def _dequantize(codes: BlockCodes) -> torch.Tensor:
     panels, in_features, _ = codes.codes.shape
     size = panels * LANES * in_features
     if _scratch.buffer is None or _scratch.buffer.numel() < size:
-        _scratch.buffer = torch.empty(size, dtype=torch.float32)
+        # A normal tensor even when first needed under inference mode: an
+        # inference tensor could not be written outside it (tests, no_grad callers).
+        with torch.inference_mode(False):
+            _scratch.buffer = torch.empty(size, dtype=torch.float32)
     weight = _scratch.buffer[:size].view(panels, LANES, in_features)
     weight.copy_(codes.codes.permute(0, 2, 1))
     blocks = weight.view(panels, LANES, in_features // BLOCK, BLOCK)
