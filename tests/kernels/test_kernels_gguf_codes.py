@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 from kernels import native
 from kernels.block_codes import BLOCK, find_block_codes, quantize_int8
 from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes, hf_name
-from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
+from worker.models.linear import MAX_BLOCK_CODE_ROWS, MAX_CODES_ONLY_KERNEL_ROWS, PackedLinear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +51,9 @@ def test_dequantized_gguf_weights_are_found_to_be_block_codes(kind) -> None:
 
 
 @pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 7, MAX_BLOCK_CODE_ROWS, MAX_BLOCK_CODE_ROWS + 1, 100])
+@pytest.mark.parametrize(
+    "rows", [1, 7, MAX_BLOCK_CODE_ROWS + 1, MAX_CODES_ONLY_KERNEL_ROWS + 1, 300]
+)
 def test_codes_only_projection_matches_the_dense_one(kind, rows: int) -> None:
     data, weight = _gguf_tensor(kind)
     bias = torch.randn(weight.shape[0])
@@ -62,7 +64,7 @@ def test_codes_only_projection_matches_the_dense_one(kind, rows: int) -> None:
     assert linear.codes_only and linear.weight is None
     reference = (x.double() @ weight.double().T + bias.double()).float()
     torch.testing.assert_close(linear(x), reference, rtol=1e-5, atol=1e-5)
-    if rows > MAX_BLOCK_CODE_ROWS:
+    if rows > MAX_CODES_ONLY_KERNEL_ROWS:
         # Prefill rebuilds the weight: bit for bit oneDNN over the dense weight.
         dense = PackedLinear(weight, bias, use_block_codes=False)
         assert torch.equal(linear(x), dense(x))
@@ -75,7 +77,7 @@ def test_bfloat16_compute_from_codes() -> None:
         None,
         torch.bfloat16,
     )
-    for rows in (3, 64):
+    for rows in (3, 64, MAX_CODES_ONLY_KERNEL_ROWS + 1):
         x = torch.randn(rows, weight.shape[1]).bfloat16()
         y = linear(x)
         assert y.dtype == torch.bfloat16

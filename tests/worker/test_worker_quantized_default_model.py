@@ -25,6 +25,7 @@ from gateway.tokenizer import Tokenizer
 from services.model_prep import _installed_gguf, resolve_model_path
 from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
 from worker.model_runner import ModelRunner
+from worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 
 from .test_worker_model_loader import _our_logits
 
@@ -80,8 +81,13 @@ def test_gguf_direct_is_bit_for_bit_the_converted_checkpoint(
     assert sizes["codes_only_projections"] == 4 * runner.model_config.num_layers + 1
     resident = sizes["projections"] + sizes["embedding_codes"] + sizes["parameters"]
     assert resident < 0.2 * (dense["projections"] + dense["parameters"])
-    for prompt in (prompt_ids[0], max(prompt_ids, key=len)):  # the decode path: greedy below
+    # Bit for bit where both take the same path: the kernel (a short prompt) and
+    # prefill beyond MAX_CODES_ONLY_KERNEL_ROWS (the rebuilt weight vs the packed one).
+    long_prompt = [token for prompt in prompt_ids for token in prompt] * 2
+    assert len(long_prompt) > MAX_CODES_ONLY_KERNEL_ROWS
+    for prompt in (prompt_ids[0], long_prompt):
         assert torch.equal(_our_logits(runner, prompt), _our_logits(float_runner, prompt))
+    # 33-128 rows: kernel here, oneDNN there; the same tokens.
     assert greedy_tokens(runner, prompt_ids, MAX_TOKENS) == reference
 
 

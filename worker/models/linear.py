@@ -27,8 +27,9 @@ model's projections per decode step 9 ms on codes vs 19 ms on oneDNN bf16 (the
 codes read half the bytes).
 
 Quantized weights (a GGUF file's Q4_0/Q4_1/Q8_0 tensors, ``--quantization
-int8``) keep ONLY their codes (``PackedLinear.from_codes``): small batches run
-the kernel, larger ones rebuild the float32 weight into a scratch buffer shared
+int8``) keep ONLY their codes (``PackedLinear.from_codes``): up to
+``MAX_CODES_ONLY_KERNEL_ROWS`` rows (decode batches) run the kernel, larger
+ones (prefill chunks) rebuild the float32 weight into a scratch buffer shared
 by every projection of the thread (``_dequantize``), then run oneDNN on it as
 a plain dense weight (the same result, bit for bit, as the prepacked weight of
 a float checkpoint holding these values: checked in the tests). The scratch
@@ -57,6 +58,11 @@ MAX_BLOCK_CODE_ROWS = 32
 # 12 rows 24.9 vs 25.0 ms per step, at 16 rows 21.3 vs 28.7); AMX would move it
 # lower still (not measured: no AMX machine in reach).
 MAX_BLOCK_CODE_ROWS_BF16 = 12
+# A weight held only as codes pays a rebuild per call off the kernel, so the
+# kernel stays ahead longer: for a 3072x576 weight on one thread of the EPYC
+# (loaded box), kernel vs rebuild + oneDNN 1.5 vs 2.6 ms at 64 rows, 3.1 vs
+# 4.9 at 128, even at ~192-256 (float32); in bfloat16 3.6 vs 3.9 ms at 128.
+MAX_CODES_ONLY_KERNEL_ROWS = 128
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -193,7 +199,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = self._codes
-        max_rows = MAX_BLOCK_CODE_ROWS if x.dtype == torch.float32 else MAX_BLOCK_CODE_ROWS_BF16
+        if self.codes_only:
+            max_rows = MAX_CODES_ONLY_KERNEL_ROWS
+        elif x.dtype == torch.float32:
+            max_rows = MAX_BLOCK_CODE_ROWS
+        else:
+            max_rows = MAX_BLOCK_CODE_ROWS_BF16
         if self._kernel and codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
             y = torch.ops.kvmesh.block_code_linear(
                 x.float().contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
