@@ -34,7 +34,7 @@ by every projection of the thread (``_dequantize``), then run oneDNN on it as
 a plain dense weight (the same result, bit for bit, as the prepacked weight of
 a float checkpoint holding these values: checked in the tests). The scratch
 costs one weight's worth of float32, the largest projection's; rebuilding
-costs a pass over the weight per prefill call (docs/architecture.md has the
+costs a pass over the weight per prefill call (README, "Quantized weights", has the
 measured price).
 """
 
