@@ -280,6 +280,7 @@ def build_app(
                 max_model_len=max_model_len,
                 dtype=info.dtype or None,
                 dtype_reason=info.dtype_reason or None,
+                quantization=info.quantization or None,
             )
         ]
         cards += [

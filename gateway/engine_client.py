@@ -112,6 +112,8 @@ class ModelInfo:
     # The engine's compute dtype and why (empty: unknown), for /v1/models.
     dtype: str = ""
     dtype_reason: str = ""
+    # How the engine holds its weights: "gguf", "int8" (empty: as the checkpoint has them).
+    quantization: str = ""
 
 
 @runtime_checkable

@@ -166,6 +166,7 @@ class GrpcEngineClient:
             kv_block_size=info.block_size,
             dtype=info.dtype,
             dtype_reason=info.dtype_reason,
+            quantization=info.quantization,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(

@@ -514,6 +514,8 @@ class ModelCard(BaseModel):
     # kvmesh's additions: the engine's compute dtype and why it was chosen.
     dtype: str | None = None
     dtype_reason: str | None = None
+    # How the weights are held: "gguf" (block codes from a GGUF file) or "int8".
+    quantization: str | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

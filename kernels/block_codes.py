@@ -13,6 +13,8 @@ such files use, with the scale as stored (float16) or as computed:
 * affine, codes 0..15 (Q4_1): offset = the block's minimum, scale = range / 15;
 * symmetric, codes -127..127 (Q8_0): scale = max |w| / 127, stored as
   code + 128 with offset = -128 * scale;
+* symmetric 4-bit (Q4_0): scale = the largest-magnitude weight / -8 (signed),
+  codes 0..15 with offset = -8 * scale;
 
 then rebuilds every weight as ``code * scale + offset`` in float32 — the
 product is exact (at most 19 significant bits), so the one rounding of the sum
@@ -90,11 +92,14 @@ def _guesses(blocks: torch.Tensor) -> list[Guess]:
     high = blocks.amax(dim=-1, keepdim=True)
     amax = torch.maximum(high.abs(), low.abs())
     zero = torch.zeros_like(low)
+    signed_max = torch.where(high.abs() >= low.abs(), high, low)
     return [
         # Affine 4-bit (Q4_1): the minimum is the offset, code 15 the maximum.
         *((low, scale, 0, 15) for scale in _float16_candidates((high - low) / 15)),
         # Symmetric 8-bit (Q8_0): codes -127..127 stored shifted by 128.
         *((zero, scale, -128, 127) for scale in _float16_candidates(amax / 127)),
+        # Symmetric 4-bit (Q4_0): code 0 is the largest-magnitude weight.
+        *((-8 * scale, scale, 0, 15) for scale in _float16_candidates(signed_max / -8)),
     ]
 
 
@@ -114,11 +119,12 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     # in the order they fare on a sample: one of them solves (nearly) every
     # block of a quantized checkpoint, and it should run first.
     sample = blocks[:: max(1, blocks.shape[0] // 256)]
-    sample_guesses = _guesses(sample)
-    order = sorted(
-        range(len(sample_guesses)),
-        key=lambda i: -int(_try_layout(sample, *sample_guesses[i])[2].sum()),
-    )
+    sample_exact = [_try_layout(sample, *guess)[2] for guess in _guesses(sample)]
+    if not bool(torch.stack(sample_exact).any(dim=0).all()):
+        # A sampled block no layout rebuilds: the tensor cannot be all codes
+        # (the usual answer for a float checkpoint, found in a few microseconds).
+        return None
+    order = sorted(range(len(sample_exact)), key=lambda i: -int(sample_exact[i].sum()))
     for step, index in enumerate(order):
         rest = blocks if step == 0 else blocks[unsolved]
         offset, scale, code_min, code_max = _guesses(rest)[index]
@@ -133,27 +139,99 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
     else:
         return None  # some block is no layout's exact image: keep the dense weight
     num_blocks = in_features // BLOCK
-    return _to_panels(
+    return RowCodes(
         codes.view(out_features, in_features),
         scales.view(out_features, num_blocks),
         offsets.view(out_features, num_blocks),
-    )
+    ).to_panels()
 
 
-def _to_panels(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> BlockCodes:
-    out_features = codes.shape[0]
-    panels = cdiv(out_features, LANES)
-    pad = panels * LANES - out_features
+@dataclass(frozen=True)
+class RowCodes:
+    """Weights ``[out_features, in_features]`` as codes in plain row-major order.
 
-    def panel(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape(out_features, -1)
-        if pad:
-            t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
-        return t.view(panels, LANES, -1).permute(0, 2, 1).contiguous()
+    The form a weight has between reading and packing: rows can be sliced
+    (tensor-parallel shards, a GGUF file's q/k row permutation), concatenated
+    (fused q/k/v, gate/up) and looked up (an embedding) like a dense weight's,
+    and ``to_panels`` lays them out for the kernel. ``code * scale + offset``
+    is computed exactly as GGUF's own dequantization computes it (the product
+    is exact, the sum rounds once), so the weights are the file's, bit for bit.
+    """
 
-    return BlockCodes(
-        codes=panel(codes),
-        scales=panel(scales),
-        offsets=panel(offsets),
-        out_features=out_features,
-    )
+    codes: torch.Tensor  # [out_features, in_features] uint8
+    scales: torch.Tensor  # [out_features, in_features / 32] float32
+    offsets: torch.Tensor  # [out_features, in_features / 32] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def __getitem__(self, key: slice | torch.Tensor | tuple[slice, slice]) -> RowCodes:
+        """Rows (``w[rows]``), or whole 32-wide blocks of columns (``w[:, cols]``)."""
+        if not isinstance(key, tuple):
+            return RowCodes(self.codes[key], self.scales[key], self.offsets[key])
+        rows, cols = key
+        start, stop, step = cols.indices(self.codes.shape[1])
+        if step != 1 or start % BLOCK or stop % BLOCK:
+            raise ValueError(f"columns {cols} do not fall on {BLOCK}-wide code blocks")
+        blocks = slice(start // BLOCK, stop // BLOCK)
+        return RowCodes(
+            self.codes[rows, cols], self.scales[rows, blocks], self.offsets[rows, blocks]
+        )
+
+    @staticmethod
+    def cat(parts: list[RowCodes]) -> RowCodes:
+        return RowCodes(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.offsets for p in parts]),
+        )
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``ids`` (an embedding lookup without a dense table)."""
+        codes = self.codes[ids].float().unflatten(-1, (-1, BLOCK))
+        weight = codes.mul_(self.scales[ids].unsqueeze(-1)).add_(self.offsets[ids].unsqueeze(-1))
+        return weight.flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights (mixing with a dense part of a fused weight, tests)."""
+        return self.embedding(torch.arange(self.codes.shape[0]))
+
+    def to_panels(self) -> BlockCodes:
+        out_features = self.codes.shape[0]
+        panels = cdiv(out_features, LANES)
+        pad = panels * LANES - out_features
+
+        def panel(t: torch.Tensor) -> torch.Tensor:
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+            return t.view(panels, LANES, -1).permute(0, 2, 1).contiguous()
+
+        return BlockCodes(
+            codes=panel(self.codes),
+            scales=panel(self.scales.float()),
+            offsets=panel(self.offsets.float()),
+            out_features=out_features,
+        )
+
+
+def quantize_int8(weight: torch.Tensor) -> RowCodes:
+    """Symmetric int8 per 32 input features, as GGUF Q8_0 stores it.
+
+    scale = max |w| / 127 rounded to float16 (Q8_0's stored scale: it also
+    keeps ``code * scale`` exact, so the kernel and the dequantized prefill
+    weight agree bit for bit); codes -127..127 stored as code + 128 with
+    offset = -128 * scale. Weight-only: activations stay in float.
+    """
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+    blocks = weight.detach().float().reshape(out_features, -1, BLOCK)
+    scale = (blocks.abs().amax(dim=-1) / 127).half().float()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (blocks / safe.unsqueeze(-1)).round_().clamp_(-127, 127).add_(128)
+    return RowCodes(codes.to(torch.uint8).view(out_features, in_features), scale, -128 * scale)

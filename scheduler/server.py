@@ -109,6 +109,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         max_waiting_requests=config.max_waiting_requests,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
+        quantization=info.quantization,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

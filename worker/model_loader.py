@@ -4,7 +4,9 @@ A folder holds ``config.json`` and either one ``model.safetensors`` or several
 shards listed by ``model.safetensors.index.json``. Weights are cast to the
 model's load dtype as they are read (ModelConfig.load_dtype), so a bfloat16
 checkpoint runs in float32 on CPU, and a float32 one packs its projections for
-bfloat16 from the exact float32 weights.
+bfloat16 from the exact float32 weights. A ``.gguf`` checkpoint
+(ModelConfig.gguf_file) is read from that file instead: its quantized tensors
+stay codes (worker/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors import safe_open
 
 from services.config.process import DENSE_LINEAR
 from worker.config import ModelConfig
+from worker.gguf_weights import GGUFTensor, iterate_gguf_weights
 from worker.models import get_model_class
 from worker.models.llama import AllReduce, GatherVocab, LlamaForCausalLM
 from worker.parallel.sharding import ShardPlan
@@ -62,6 +65,18 @@ def iterate_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
                 yield name, tensor
 
 
+def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
+    """The checkpoint's tensors: its GGUF file's (codes kept), else its safetensors'."""
+    if model_config.gguf_file:
+        return iterate_gguf_weights(
+            Path(model_config.gguf_file),
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.load_dtype,
+        )
+    return iterate_weights(Path(model_config.path), model_config.load_dtype)
+
+
 def load_model(
     model_config: ModelConfig,
     device: str | torch.device = "cpu",
@@ -74,7 +89,7 @@ def load_model(
     model_class = get_model_class(model_config.architecture)
     parallel_args = {} if all_reduce is None else {"all_reduce": all_reduce}
     model = model_class(model_config, plan, gather_vocab=gather_vocab, **parallel_args).to(device)
-    model.load_weights(iterate_weights(Path(model_config.path), model_config.load_dtype))
+    model.load_weights(model_weights(model_config))
     model.eval()
     dense = DENSE_LINEAR.get()  # plain F.linear, e.g. to compare kernels
     model.pack_weights(use_onednn=not dense, use_native=not dense)
@@ -82,11 +97,21 @@ def load_model(
     logger.info(
         "%d of %d projections run small batches on exact 8-bit block codes", with_codes, total
     )
+    sizes = model.weight_bytes()
     logger.info(
-        "loaded %s from %s (%s layers, dtype %s)",
+        "weights resident: %.1f MB of projections (%d kept only as codes), %.1f MB of "
+        "embedding codes, %.1f MB of parameters",
+        sizes["projections"] / 1e6,
+        sizes["codes_only_projections"],
+        sizes["embedding_codes"] / 1e6,
+        sizes["parameters"] / 1e6,
+    )
+    logger.info(
+        "loaded %s from %s (%s layers, dtype %s%s)",
         model_config.architecture,
-        model_config.path,
+        model_config.gguf_file or model_config.path,
         model_config.num_layers,
         model_config.dtype,
+        f", weights {model_config.weights_description}" if model_config.weights_description else "",
     )
     return model

@@ -322,6 +322,7 @@ def build_runner(
         dtype=config.dtype,
         max_model_len=config.max_model_len or None,
         device=config.device,
+        quantization=config.quantization or None,
     )
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -340,7 +341,9 @@ def build_runner(
         max_lora_rank=config.max_lora_rank,
     )
     info = worker_pb2.WorkerInfo(
-        model_name=config.served_model_name or Path(path).name,
+        # A .gguf file's name, not its cache folder's.
+        model_name=config.served_model_name
+        or (Path(model_config.gguf_file).stem if model_config.gguf_file else Path(path).name),
         num_kv_blocks=runner.num_kv_blocks,
         block_size=config.block_size,
         max_model_len=model_config.max_model_len,
@@ -355,6 +358,7 @@ def build_runner(
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
         dtype=str(model_config.dtype).removeprefix("torch."),
         dtype_reason=model_config.dtype_reason,
+        quantization=model_config.weights_description,
     )
     return runner, info
 
@@ -439,7 +443,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     _KV_BLOCKS.set(info.num_kv_blocks)
     _DTYPE.labels(info.dtype).set(1)
     logger.info(
-        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s, dtype %s (%s)",
+        "model %s loaded: %d KV blocks of %d tokens, max_model_len %d, attention %s, dtype %s "
+        "(%s), weights %s",
         info.model_name,
         info.num_kv_blocks,
         info.block_size,
@@ -447,6 +452,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         info.attention_backend,
         info.dtype,
         info.dtype_reason,
+        info.quantization or "as in the checkpoint",
     )
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None

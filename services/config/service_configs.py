@@ -14,6 +14,7 @@ from services.config.choices import (
     ATTENTION_BACKENDS,
     AUTO_DTYPE,
     DTYPE_CHOICES,
+    QUANTIZATIONS,
     REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
@@ -260,7 +261,11 @@ class LoRAOptions(CommonConfig):
 class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoRAOptions):
     """The model worker service."""
 
-    model: str = opt("", "Hugging Face checkpoint folder (default: the prepared SmolLM2)")
+    model: str = opt(
+        "",
+        "Hugging Face checkpoint folder or .gguf file (Q4_0/Q4_1/Q8_0 kept as codes; "
+        "default: the prepared SmolLM2)",
+    )
     served_model_name: str = opt("", "model name reported by the API (default: folder name)")
     worker_port: int = port(50053, "gRPC port of the worker")
     worker_metrics_port: int = port(9102, "Prometheus port of the worker")
@@ -270,6 +275,12 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
         "compute dtype; auto: bfloat16 on a CPU with AMX or AVX512-BF16 (and on "
         "CUDA with bf16), float32 on other CPUs; the worker logs why",
         choices=DTYPE_CHOICES,
+    )
+    quantization: str = opt(
+        "",
+        "int8: quantize the decoder's projections at load, weight-only, symmetric int8 "
+        "per 32 input features (GGUF Q8_0's layout; CPU only)",
+        choices=QUANTIZATIONS,
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
     kv_cache_memory: int = opt(
@@ -350,7 +361,7 @@ class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions, MigrationO
 class DetokenizerConfig(CommonConfig):
     """The detokenizer service."""
 
-    model: str = opt("", "Hugging Face checkpoint folder whose tokenizer is used")
+    model: str = opt("", "Hugging Face checkpoint folder or .gguf file whose tokenizer is used")
     detokenizer_port: int = port(50054, "gRPC port of the detokenizer")
     detokenizer_metrics_port: int = port(9103, "Prometheus port of the detokenizer")
     scheduler_addr: str = opt("127.0.0.1:50052", "host:port of the scheduler")
@@ -360,7 +371,7 @@ class DetokenizerConfig(CommonConfig):
 class GatewayConfig(MigrationOptions, LoRAOptions):
     """The gateway service (OpenAI HTTP API + public gRPC API)."""
 
-    model: str = opt("", "Hugging Face checkpoint folder whose tokenizer and template are used")
+    model: str = opt("", "checkpoint folder or .gguf file whose tokenizer and template are used")
     served_model_name: str = opt("", "model name reported by the API (default: folder name)")
     http_port: int = port(
         8000, "OpenAI-compatible HTTP port (also /metrics unless --gateway-metrics-port)"

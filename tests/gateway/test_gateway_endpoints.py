@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import httpx
@@ -25,6 +26,18 @@ async def test_models_lists_the_served_model(client: httpx.AsyncClient) -> None:
     assert isinstance(card["created"], int)
     assert card["owned_by"]
     assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["quantization"] is None  # the fake engine holds its weights as they are
+
+
+async def test_models_reports_how_the_weights_are_held(
+    engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    engine.info = dataclasses.replace(engine.info, quantization="gguf")
+    app = build_app(engine, tokenizer, MODEL_NAME, metrics_registry=CollectorRegistry())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        (card,) = (await http.get("/v1/models")).json()["data"]
+    assert card["quantization"] == "gguf"
 
 
 async def test_health_and_version(client: httpx.AsyncClient) -> None:

@@ -17,6 +17,7 @@ from worker.parallel.layout import RankLayout
 from worker.parallel.local_replica import run_local_replica
 
 from .conftest import make_tiny_checkpoint
+from .gguf_files import write_tiny_gguf
 from .parallel_ranks import Result, RunSpec, run_replica, run_single
 
 LOGPROB_TOLERANCE = 1e-4
@@ -106,6 +107,25 @@ def test_pipeline_overlap_keeps_two_steps_begun_and_matches_one_process(
         sum(1 if kind == "begun" else -1 for kind, _ in events[: i + 1]) for i in range(len(events))
     )
     assert begun_at_once == pp_size
+
+
+def test_gguf_codes_shard_like_dense_weights(tmp_path: Path) -> None:
+    # Each rank keeps only its shard of the codes: q/k/v, gate/up by rows,
+    # o_proj and down by 32-wide column blocks, the Q8_0 embedding by vocab rows.
+    make_tiny_checkpoint(
+        tmp_path / "ckpt",
+        "LlamaForCausalLM",
+        torch.float32,
+        tie_word_embeddings=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=130,
+    )
+    named, _ = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
+    spec = RunSpec(str(named), PROMPTS, chunk_size=8)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
 
 
 def _broadcast_rank(layout: RankLayout, address: str, messages: list[bytes], out) -> None:

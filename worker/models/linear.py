@@ -25,15 +25,28 @@ float32 and round their output once. Measured there for a 3072x576 weight at 1
 row: codes 0.075 ms per call-equivalent, oneDNN bf16 0.061 ms but the whole
 model's projections per decode step 9 ms on codes vs 19 ms on oneDNN bf16 (the
 codes read half the bytes).
+
+Quantized weights (a GGUF file's Q4_0/Q4_1/Q8_0 tensors, ``--quantization
+int8``) keep ONLY their codes (``PackedLinear.from_codes``): up to
+``MAX_CODES_ONLY_KERNEL_ROWS`` rows (decode batches) run the kernel, larger
+ones (prefill chunks) rebuild the float32 weight into a scratch buffer shared
+by every projection of the thread (``_dequantize``), then run oneDNN on it as
+a plain dense weight (the same result, bit for bit, as the prepacked weight of
+a float checkpoint holding these values: checked in the tests). The scratch
+costs one weight's worth of float32, the largest projection's; rebuilding
+costs a pass over the weight per prefill call (README, "Quantized weights", has the
+measured price).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.block_codes import BlockCodes, find_block_codes
+from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 
 # The reorder is tuned for a typical decode batch; any batch size works with it.
 _BATCH_SIZE_HINT = 16
@@ -49,6 +62,11 @@ MAX_BLOCK_CODE_ROWS_BF16 = 12
 # (kernels/cpu_isa.py: avx512_bf16), a row costs half the multiply
 # instructions and the codes stay ahead of oneDNN's bf16 matmul to more rows.
 MAX_BLOCK_CODE_ROWS_BF16_DOT = 24
+# A weight held only as codes pays a rebuild per call off the kernel, so the
+# kernel stays ahead longer: for a 3072x576 weight on one thread of the EPYC
+# (loaded box), kernel vs rebuild + oneDNN 1.5 vs 2.6 ms at 64 rows, 3.1 vs
+# 4.9 at 128, even at ~192-256 (float32); in bfloat16 3.6 vs 3.9 ms at 128.
+MAX_CODES_ONLY_KERNEL_ROWS = 128
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -67,6 +85,38 @@ def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> 
     )
 
 
+class _Scratch(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch = _Scratch()
+
+
+def _dequantize(codes: BlockCodes) -> torch.Tensor:
+    """The float32 weight ``[out_features, in_features]`` of ``codes``, rebuilt in
+    the thread's scratch buffer (valid until the next call): ``code * scale``
+    is exact and the sum rounds once, the kernel's fused multiply-add."""
+    panels, in_features, _ = codes.codes.shape
+    size = panels * LANES * in_features
+    if _scratch.buffer is None or _scratch.buffer.numel() < size:
+        # A normal tensor even when first needed under inference mode: an
+        # inference tensor could not be written outside it (tests, no_grad callers).
+        with torch.inference_mode(False):
+            _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    weight = _scratch.buffer[:size].view(panels, LANES, in_features)
+    weight.copy_(codes.codes.permute(0, 2, 1))
+    blocks = weight.view(panels, LANES, in_features // BLOCK, BLOCK)
+    blocks.mul_(codes.scales.permute(0, 2, 1).unsqueeze(-1))
+    blocks.add_(codes.offsets.permute(0, 2, 1).unsqueeze(-1))
+    return weight.view(panels * LANES, in_features)[: codes.out_features]
+
+
+def _kernel_takes_bf16() -> bool:
+    """Whether the loaded kernels' level multiplies bfloat16 rows natively."""
+    level = native.loaded_level()
+    return level is not None and level.bf16_block_codes
+
+
 class PackedLinear:
     """A frozen weight (and bias) prepared once for inference, computing in
     ``dtype`` (default: the weight's; a float32 weight may run in bfloat16)."""
@@ -75,6 +125,9 @@ class PackedLinear:
         "_bias",
         "_codes",
         "_codes_take_bf16",
+        "_dtype",
+        "_kernel",
+        "_onednn",
         "_packed",
         "in_features",
         "out_features",
@@ -90,13 +143,16 @@ class PackedLinear:
         dtype: torch.dtype | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
-        dtype = dtype or weight.dtype
+        dtype = self._dtype = dtype or weight.dtype
+        self._onednn = use_onednn
         self._bias = None if bias is None else bias.to(dtype)
         self._codes: BlockCodes | None = None
-        if use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None:
+        self._kernel = (
+            use_block_codes and weight.device.type == "cpu" and native.unavailable_reason() is None
+        )
+        if self._kernel:
             self._codes = find_block_codes(weight)  # float32 weights only
-        level = native.loaded_level() if self._codes is not None else None
-        self._codes_take_bf16 = level is not None and level.bf16_block_codes
+        self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
         weight = weight.to(dtype)
         if use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
@@ -107,19 +163,64 @@ class PackedLinear:
             self._packed = None
             self.weight = weight
 
+    @classmethod
+    def from_codes(
+        cls,
+        codes: BlockCodes,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        use_kernel: bool = True,
+        use_onednn: bool = True,
+    ) -> PackedLinear:
+        """A quantized projection holding only its codes (no dense copy):
+        ``use_kernel`` runs small batches on the C++ kernel when it loads;
+        everything else rebuilds the weight per call and multiplies with
+        oneDNN (``use_onednn``) or F.linear (CPU only)."""
+        self = cls.__new__(cls)
+        self._onednn = use_onednn
+        self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
+        self._dtype = dtype
+        self._bias = None if bias is None else bias.to(dtype)
+        self._codes = codes
+        self._kernel = use_kernel and native.unavailable_reason() is None
+        self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
+        self._packed = None
+        self.weight = None
+        return self
+
+    @property
+    def codes(self) -> BlockCodes | None:
+        return self._codes
+
     @property
     def uses_block_codes(self) -> bool:
-        return self._codes is not None
+        return self._codes is not None and self._kernel
+
+    @property
+    def codes_only(self) -> bool:
+        """Whether the codes are all there is of this weight (a quantized one)."""
+        return self._codes is not None and self._packed is None and self.weight is None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this projection keeps for its weight (codes, packed or dense copy)."""
+        total = 0 if self._codes is None else self._codes.nbytes
+        for tensor in (self._packed, self.weight):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         codes = self._codes
-        if x.dtype == torch.float32:
+        if self.codes_only:
+            max_rows = MAX_CODES_ONLY_KERNEL_ROWS
+        elif x.dtype == torch.float32:
             max_rows = MAX_BLOCK_CODE_ROWS
         elif self._codes_take_bf16:
             max_rows = MAX_BLOCK_CODE_ROWS_BF16_DOT
         else:
             max_rows = MAX_BLOCK_CODE_ROWS_BF16
-        if codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
+        if self._kernel and codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
             # bfloat16 rows go in as they are where the kernel multiplies them
             # natively (bf16 out), else as float32 (float32 out, rounded once).
             x_in = x if self._codes_take_bf16 else x.float()
@@ -129,6 +230,17 @@ class PackedLinear:
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
             return y if self._bias is None else y.add_(self._bias)
+        if self._packed is None and self.weight is None:
+            assert codes is not None
+            weight = _dequantize(codes)
+            if self._dtype != torch.float32:
+                weight = weight.to(self._dtype)
+            if self._onednn and onednn_available(weight) and x.dim() == 2:
+                # A plain dense weight: oneDNN reorders it inside the call.
+                return torch.ops.mkldnn._linear_pointwise(
+                    x.contiguous(), weight, self._bias, "none", [], ""
+                )
+            return F.linear(x, weight, self._bias)
         if self._packed is None:
             return F.linear(x, self.weight, self._bias)
         return torch.ops.mkldnn._linear_pointwise(

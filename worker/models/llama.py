@@ -18,10 +18,12 @@ from torch import nn
 
 from kernels import native
 from kernels.backend import AttentionBackend, AttentionMetadata
+from kernels.block_codes import RowCodes, quantize_int8
 from worker.config import ModelConfig
 from worker.lora.slots import ProjectionShape, ProjectionSlots
 from worker.lora.step_batch import LoRABatch
 from worker.models.linear import PackedLinear
+from worker.models.quantized import WeightPiece, assemble, is_placeholder, placeholder, release
 from worker.models.rotary import RotaryEmbedding
 from worker.parallel.sharding import ShardPlan
 
@@ -57,6 +59,42 @@ def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _projection(config: ModelConfig, rows: int, cols: int) -> nn.Parameter:
+    """A projection's parameter: weightless when the checkpoint is a GGUF file
+    (its codes arrive as pieces, worker/models/quantized.py), else dense."""
+    if config.gguf_file:
+        return placeholder(rows, cols, config.load_dtype)
+    return _empty(rows, cols, dtype=config.load_dtype)
+
+
+def _pack(
+    weight: nn.Parameter,
+    piece: WeightPiece | None,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    quantization: str,
+    use_onednn: bool,
+    use_block_codes: bool,
+    previous: PackedLinear | None = None,
+) -> PackedLinear:
+    """One projection in its inference form: codes only when its checkpoint
+    gave codes (``piece``) or ``quantization`` asks for them, else dense.
+    ``previous``: this projection packed before (packing again, e.g. to
+    compare kernels), whose codes are all that is left of a quantized weight."""
+    if piece is None and is_placeholder(weight):
+        if previous is None or previous.codes is None:
+            raise ValueError("a quantized projection packed without its codes")
+        return PackedLinear.from_codes(previous.codes, bias, dtype, use_block_codes, use_onednn)
+    if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
+        weight.data = piece.to(weight.dtype)
+    if quantization == "int8" and not isinstance(piece, RowCodes):
+        piece = quantize_int8(weight)
+    if isinstance(piece, RowCodes):
+        release(weight)  # no-op for a placeholder; frees an int8-quantized dense weight
+        return PackedLinear.from_codes(piece.to_panels(), bias, dtype, use_block_codes, use_onednn)
+    return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 like transformers, then cast back."""
     x32 = x.float()
@@ -85,15 +123,16 @@ class LlamaDecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         self.input_norm = _empty(config.hidden_size, dtype=dtype)
         self.post_attention_norm = _empty(config.hidden_size, dtype=dtype)
-        # Projections hold the checkpoint's exact weights until pack_weights.
+        # Projections hold the checkpoint's exact weights until pack_weights
+        # (a GGUF file's codes wait beside them: _projection).
         proj = config.load_dtype
-        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=proj)
-        self.qkv_bias = (
-            _empty(self.q_size + 2 * self.kv_size, dtype=proj) if config.attention_bias else None
-        )
-        self.o_proj = _empty(config.hidden_size, self.q_size, dtype=proj)
-        self.gate_up_proj = _empty(2 * self.intermediate_size, config.hidden_size, dtype=proj)
-        self.down_proj = _empty(config.hidden_size, self.intermediate_size, dtype=proj)
+        hidden, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
+        self.qkv_proj = _projection(config, qkv, hidden)
+        self.qkv_bias = _empty(qkv, dtype=proj) if config.attention_bias else None
+        self.o_proj = _projection(config, hidden, self.q_size)
+        self.gate_up_proj = _projection(config, 2 * self.intermediate_size, hidden)
+        self.down_proj = _projection(config, hidden, self.intermediate_size)
+        self.quantization = config.quantization
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
         # Adapter slots of this layer's projections (worker/lora), when LoRA is on.
@@ -118,7 +157,11 @@ class LlamaDecoderLayer(nn.Module):
         }
 
     def pack_weights(
-        self, use_onednn: bool, use_native: bool = False, use_block_codes: bool = False
+        self,
+        use_onednn: bool,
+        use_native: bool = False,
+        use_block_codes: bool = False,
+        pieces: dict[str, WeightPiece] | None = None,
     ) -> None:
         """Freeze the projections into inference layouts (after load_weights).
 
@@ -126,16 +169,28 @@ class LlamaDecoderLayer(nn.Module):
         fit this layer's dtype (float32 or bfloat16 on CPU): fused
         RMSNorm/SwiGLU. ``use_block_codes``: small batches may run the C++
         block-code projections (any compute dtype: they take float32 rows).
+        ``pieces``: a GGUF file's weights of placeholder parameters, by name.
         """
         self._native_ops = use_native
         dtype = self.input_norm.dtype
+        pieces = pieces or {}
+        previous = self._packed or {}
         self._packed = {
-            name: PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
-            for name, weight, bias in (
-                ("qkv", self.qkv_proj, self.qkv_bias),
-                ("o", self.o_proj, None),
-                ("gate_up", self.gate_up_proj, None),
-                ("down", self.down_proj, None),
+            name: _pack(
+                weight,
+                pieces.get(param),
+                bias,
+                dtype,
+                self.quantization,
+                use_onednn,
+                use_block_codes,
+                previous.get(name),
+            )
+            for name, param, weight, bias in (
+                ("qkv", "qkv_proj", self.qkv_proj, self.qkv_bias),
+                ("o", "o_proj", self.o_proj, None),
+                ("gate_up", "gate_up_proj", self.gate_up_proj, None),
+                ("down", "down_proj", self.down_proj, None),
             )
         }
 
@@ -236,19 +291,22 @@ class LlamaForCausalLM(nn.Module):
         if self.has_head:
             vocab_rows = len(plan.vocab)
             # The LM head (maybe tied to the embedding) is a projection too.
-            head_dtype = config.load_dtype
-            self.embed_tokens = _empty(
-                vocab_rows,
-                config.hidden_size,
-                dtype=head_dtype if config.tie_word_embeddings else dtype,
+            self.embed_tokens = (
+                _projection(config, vocab_rows, config.hidden_size)
+                if config.tie_word_embeddings or config.gguf_file
+                else _empty(vocab_rows, config.hidden_size, dtype=dtype)
             )
             self.norm = _empty(config.hidden_size, dtype=dtype)
             self.lm_head = (
                 self.embed_tokens
                 if config.tie_word_embeddings
-                else _empty(vocab_rows, config.hidden_size, dtype=head_dtype)
+                else _projection(config, vocab_rows, config.hidden_size)
             )
         self._packed_lm_head: PackedLinear | None = None
+        # A GGUF file's quantized embedding: rows rebuilt per lookup, no dense table.
+        self._embed_codes: RowCodes | None = None
+        # A GGUF file's tensors for placeholder parameters, by parameter name and first row.
+        self._pieces: dict[str, dict[int, WeightPiece]] = {}
         self._native_ops = False
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -280,15 +338,20 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, self.rotary, rotary_tables, kv_cache, metadata, backend, lora)
         return hidden
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._embed_codes is None:
+            return F.embedding(ids, self.embed_tokens)
+        return self._embed_codes.embedding(ids).to(self.config.dtype)
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.plan.tp_size == 1:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._lookup(input_ids)
         # Vocab-parallel: each rank looks up the ids in its shard, zeros the rest;
         # the sum over ranks is the full lookup (exact: one non-zero term per row).
         vocab = self.plan.vocab
         local = input_ids - vocab.start
         outside = (local < 0) | (local >= len(vocab))
-        hidden = F.embedding(local.clamp(0, len(vocab) - 1), self.embed_tokens)
+        hidden = self._lookup(local.clamp(0, len(vocab) - 1))
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.all_reduce(hidden)
 
@@ -332,18 +395,51 @@ class LlamaForCausalLM(nn.Module):
             and native.unavailable_reason() is None
         )
         self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
-        for layer in self.layers:
-            layer.pack_weights(use_onednn, self._native_ops, use_codes)
+        params = dict(self.named_parameters())
+        pieces = {
+            name: assemble(rows, params[name].shape[0]) for name, rows in self._pieces.items()
+        }
+        self._pieces = {}  # now held by the packed projections (and _embed_codes)
+        for index, layer in enumerate(self.layers):
+            prefix = f"layers.{index}."
+            layer_pieces = {
+                name.removeprefix(prefix): piece
+                for name, piece in pieces.items()
+                if name.startswith(prefix)
+            }
+            layer.pack_weights(use_onednn, self._native_ops, use_codes, layer_pieces)
         self.rotary.use_native = self._native_ops
         if self.has_head:
-            self._packed_lm_head = PackedLinear(
-                self.lm_head, None, use_onednn, use_codes, self.config.dtype
-            )
+            self._pack_head(pieces, use_onednn, use_codes)
         # Packed from the exact weights; every parameter now rounds to the
         # compute dtype once (the embedding, the unpacked fallbacks).
         for param in self.parameters():
             if param.dtype != self.config.dtype:
-                param.data = param.data.to(self.config.dtype)
+                if is_placeholder(param):
+                    param.data = placeholder(*param.shape, self.config.dtype).data
+                else:
+                    param.data = param.data.to(self.config.dtype)
+
+    def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
+        """The embedding table and LM head: a GGUF file's codes stay codes (the
+        lookup rebuilds rows, the head runs like any projection); dense pieces
+        fill their parameters. --quantization leaves both as they are."""
+        embed = pieces.get("embed_tokens")
+        if isinstance(embed, RowCodes):
+            self._embed_codes = embed
+        elif embed is not None:
+            self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
+        head = embed if self.config.tie_word_embeddings else pieces.get("lm_head")
+        self._packed_lm_head = _pack(
+            self.lm_head,
+            head,
+            None,
+            self.config.dtype,
+            "",
+            use_onednn,
+            use_codes,
+            self._packed_lm_head,
+        )
 
     def set_native_elementwise(self, enabled: bool) -> None:
         """Switch the fused C++ RMSNorm/SwiGLU/rotary ops on or off after packing,
@@ -353,11 +449,27 @@ class LlamaForCausalLM(nn.Module):
             layer._native_ops = enabled
         self.rotary.use_native = enabled
 
+    def _all_packed(self) -> list[PackedLinear]:
+        packed = [self._packed_lm_head] if self.has_head and self._packed_lm_head else []
+        return packed + [p for layer in self.layers for p in (layer._packed or {}).values()]
+
     def block_code_coverage(self) -> tuple[int, int]:
         """(projections running on exact block codes for small batches, all projections)."""
-        packed = [self._packed_lm_head] if self.has_head else []
-        packed += [p for layer in self.layers for p in (layer._packed or {}).values()]
-        return sum(p is not None and p.uses_block_codes for p in packed), len(packed)
+        packed = self._all_packed()
+        return sum(p.uses_block_codes for p in packed), len(packed)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights resident after packing: the projections' (codes, packed
+        and dense copies), the embedding's codes, every parameter's own storage."""
+        params = sum(
+            p.untyped_storage().nbytes() for p in {id(p): p for p in self.parameters()}.values()
+        )
+        return {
+            "projections": sum(p.resident_bytes for p in self._all_packed()),
+            "codes_only_projections": sum(p.codes_only for p in self._all_packed()),
+            "embedding_codes": 0 if self._embed_codes is None else self._embed_codes.nbytes,
+            "parameters": params,
+        }
 
     # -- loading -------------------------------------------------------------
 
@@ -384,7 +496,7 @@ class LlamaForCausalLM(nn.Module):
         return target, row
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightPiece]]) -> None:
         """Copy checkpoint tensors into the (fused) parameters; fail on anything missing."""
         params = dict(self.named_parameters())
         names_by_param = {id(p): name for name, p in params.items()}
@@ -422,8 +534,13 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {name!r} has shape {tuple(tensor.shape)}, does not fit "
                     f"{tuple(target.shape)} at row {row}"
                 )
-            target[row : row + tensor.shape[0]].copy_(tensor)
             param_name = names_by_param[id(target)]
+            if is_placeholder(target):
+                self._pieces.setdefault(param_name, {})[row] = tensor  # packed later
+            else:
+                if isinstance(tensor, RowCodes):
+                    tensor = tensor.dequantize()
+                target[row : row + tensor.shape[0]].copy_(tensor)
             rows_loaded[param_name] = rows_loaded.get(param_name, 0) + tensor.shape[0]
         missing = sorted(
             name for name, param in params.items() if rows_loaded.get(name, 0) != param.shape[0]

@@ -1,0 +1,130 @@
+"""Read a GGUF file's tensors as the Hugging Face names and layouts the model loads.
+
+Q4_0, Q4_1 and Q8_0 tensors become ``RowCodes`` (kernels/block_codes.py)
+straight from their blocks, never a dense float32 tensor: a block of 32
+weights is a float16 scale (and, for Q4_1, a float16 minimum) and 32 codes,
+which is the kernel's ``code * scale + offset`` with
+
+* Q8_0: int8 codes c, stored as c + 128 with offset = -128 * scale;
+* Q4_0: codes 0..15 with offset = -8 * scale;
+* Q4_1: codes 0..15 with offset = the block's minimum.
+
+Each rebuilds exactly the float32 value gguf's (and so transformers') own
+dequantization gives. Every other type (F32, F16, BF16, the K-quants) is
+dequantized by the ``gguf`` package into a dense float32 tensor.
+
+llama.cpp's converter permutes the rows of a Llama's q and k projections
+(interleaved rotary halves); transformers' GGUF loader undoes it, and so do we,
+on the codes' rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from kernels.block_codes import BLOCK, RowCodes
+
+logger = logging.getLogger(__name__)
+
+GGUFTensor = torch.Tensor | RowCodes
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors llama.cpp adds that the model does not load (rotary factors come from config.json).
+_SKIPPED = ("rope_freqs.weight",)
+# Architectures whose converter permuted the q/k rows (transformers' GGUF loader list).
+_PERMUTED_ARCHITECTURES = ("llama",)
+
+# Bytes of one 32-weight block: (type, float16 fields before the codes, code bytes).
+_Q8_0, _Q4_0, _Q4_1 = (
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+)
+_BLOCK_FIELDS = {_Q8_0: (1, 32), _Q4_0: (1, 16), _Q4_1: (2, 16)}
+CODE_TYPES = tuple(_BLOCK_FIELDS)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None: not a model weight)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def block_codes(data: np.ndarray, kind: GGMLQuantizationType, rows: int, cols: int) -> RowCodes:
+    """A Q8_0/Q4_0/Q4_1 tensor's raw bytes ``[rows, bytes per row]`` as row codes."""
+    halves, code_bytes = _BLOCK_FIELDS[kind]
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // BLOCK, 2 * halves + code_bytes)
+    fields = torch.from_numpy(blocks[..., : 2 * halves].copy().view(np.float16)).float()
+    raw = torch.from_numpy(blocks[..., 2 * halves :].copy())
+    scales = fields[..., 0].contiguous()
+    if kind == _Q8_0:
+        codes = (raw.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        offsets = -128 * scales
+    else:
+        # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
+        codes = torch.cat([raw & 0x0F, raw >> 4], dim=-1)
+        offsets = fields[..., 1].contiguous() if kind == _Q4_1 else -8 * scales
+    return RowCodes(codes.reshape(rows, cols), scales, offsets)
+
+
+def _unpermute_rows(tensor: GGUFTensor, num_heads: int) -> GGUFTensor:
+    """Undo llama.cpp's q/k row permutation (transformers' reverse_permute_weights)."""
+    rows = tensor.shape[0]
+    order = torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2)
+    return tensor[order.reshape(-1)]
+
+
+def iterate_gguf_weights(
+    path: Path, num_heads: int, num_kv_heads: int, dense_dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, GGUFTensor]]:
+    """(Hugging Face name, dense tensor in ``dense_dtype`` or RowCodes) for every weight."""
+    reader = GGUFReader(str(path))
+    architecture = str(reader.fields["general.architecture"].contents())
+    permuted = architecture in _PERMUTED_ARCHITECTURES
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            if tensor.name not in _SKIPPED:
+                raise ValueError(f"unexpected tensor {tensor.name!r} in {path}")
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne: innermost first
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        value: GGUFTensor
+        if kind in CODE_TYPES and len(shape) == 2:
+            value = block_codes(tensor.data, kind, *shape)
+        else:
+            dense = dequantize(tensor.data, kind).reshape(shape)
+            value = torch.from_numpy(np.array(dense, dtype=np.float32))  # a writable copy
+            value = value.to(dense_dtype)
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            value = _unpermute_rows(value, num_heads if "q_proj" in name else num_kv_heads)
+        yield name, value
