@@ -150,11 +150,6 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
     world_size = worker.tensor_parallel_size * worker.pipeline_parallel_size
     if world_size > 1 and launcher.disaggregated:
         raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
-    if world_size > 1 and configs["scheduler"].speculative_config:
-        # The driver broadcasts one sampled token per row to the other ranks.
-        raise ValueError(
-            "--speculative-config does not combine with tensor/pipeline parallelism yet"
-        )
     if world_size > 1 and launcher.data_parallel_size > 1:
         # Replica i's ranks would need their own rendezvous ports and restart group.
         raise ValueError(

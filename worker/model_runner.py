@@ -333,11 +333,6 @@ class ModelRunner:
         inputs = prepare_step_inputs(
             self.input_batch, rows, num_scheduled, self.backend, self.device, num_drafts
         )
-        if inputs.num_logits is not None and self.layout.is_parallel:
-            # The driver would broadcast a variable number of tokens per row.
-            raise ValueError(
-                "speculative decoding does not combine with tensor/pipeline parallelism yet"
-            )
         step.req_ids, step.inputs, step.lora = req_ids, inputs, lora
         step.prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
         step.prepared = time.perf_counter()
@@ -366,7 +361,12 @@ class ModelRunner:
     def apply_sampled(self, step: StepInFlight, tokens: np.ndarray) -> None:
         """A rank other than the driver: append the driver's tokens for a finished
         step (-1: the row failed there; the scheduler drops the request next) and
-        complete it."""
+        complete it. A step with drafts sends each row's count and tokens
+        (``_verified_message``)."""
+        if step.inputs is not None and step.inputs.num_logits is not None:
+            self._apply_verified(step, tokens)
+            self._complete(step)
+            return
         sample_rows = step.sample_rows
         if len(tokens) != len(sample_rows):
             raise RuntimeError(
@@ -376,6 +376,38 @@ class ModelRunner:
         if len(tokens):
             self.input_batch.append_sampled_tokens(sample_rows, tokens)
         self._complete(step)
+
+    def _apply_verified(self, step: StepInFlight, message: np.ndarray) -> None:
+        """The driver's verified tokens of a step with drafts: per sampling row its
+        count (-1: failed there, nothing appended) and that many tokens."""
+        at = 0
+        try:
+            for row in step.sample_rows.tolist():
+                count = int(message[at])
+                at += 1
+                if count >= 0:
+                    self.input_batch.append_verified_tokens(row, message[at : at + count].tolist())
+                    at += count
+        except IndexError:
+            at = -1
+        if at != len(message):
+            raise RuntimeError(
+                f"step {step.output.step_id}: verified tokens do not match "
+                f"{len(step.sample_rows)} sampling rows (the ranks are out of step)"
+            )
+
+    @staticmethod
+    def _verified_message(tokens: list[list[int]], failed: dict[int, str]) -> np.ndarray:
+        """What the other ranks append after a step with drafts: for each sampling
+        row its number of tokens (accepted drafts + 1; -1 if it failed) and them."""
+        parts: list[int] = []
+        for position, row_tokens in enumerate(tokens):
+            if position in failed:
+                parts.append(-1)
+                continue
+            parts.append(len(row_tokens))
+            parts.extend(row_tokens)
+        return np.asarray(parts, dtype=np.int64)
 
     def _complete(self, step: StepInFlight) -> None:
         """The step is done with its rows: release them, and drop those the
@@ -513,7 +545,8 @@ class ModelRunner:
         inputs = step.inputs
         assert inputs is not None
         num_logits = inputs.num_logits
-        if logits is None or num_logits is None:
+        if not self.samples or logits is None or num_logits is None:
+            # Other ranks append the driver's verified tokens (apply_sampled).
             return [], [], prompt_logprobs, {}
         batch = self.input_batch
         sample_rows = inputs.rows[inputs.sample_mask]
@@ -551,6 +584,8 @@ class ModelRunner:
                 tokens[position], logprobs[position] = verified.token_ids[j], verified.logprobs[j]
                 batch.append_verified_tokens(int(sample_rows[position]), tokens[position])
             self.timings.sample += time.perf_counter() - sample_started
+        if self.layout.is_parallel:
+            step.sampled = self._verified_message(tokens, failed)
         return tokens, logprobs, prompt_logprobs, failed
 
     def _collect_plain_samples(

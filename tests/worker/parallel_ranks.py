@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from benchmarks.inprocess_engine import InProcessEngine
+from services.config import SpeculativeConfig
 from services.sampling_params import SamplingParams
 from services.step import ModelRunnerOutput, SchedulerOutput
 from worker.config import CacheConfig, ModelConfig
@@ -41,6 +42,10 @@ class RunSpec:
     dense: bool = False  # plain F.linear instead of oneDNN / block codes
     # > 0: the scheduler's micro-batches, that many steps begun at once.
     micro_batches: int = 0
+    # --speculative-config's fields: the real scheduler proposes drafts and the
+    # driver verifies them (synchronous steps).
+    speculative: dict[str, Any] | None = None
+    max_new_tokens: int = MAX_NEW_TOKENS
 
 
 @dataclass
@@ -65,13 +70,23 @@ class EventLog:
 
 
 def drive_scheduler(runner, spec: RunSpec) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
-    """Greedy tokens per request through the real scheduler with micro-batches,
-    and the driver's begin/finish events."""
+    """Greedy tokens per request through the real scheduler (with micro-batches or
+    speculative decoding), and the driver's begin/finish events, or with
+    speculation the accepted draft count."""
     log = EventLog(runner)
-    engine = InProcessEngine(log, max_num_seqs=16, num_micro_batches=spec.micro_batches)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    engine = InProcessEngine(
+        log,
+        max_num_seqs=16,
+        num_micro_batches=max(1, spec.micro_batches),
+        speculative=None if spec.speculative is None else SpeculativeConfig(**spec.speculative),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_new_tokens, ignore_eos=True)
     results = engine.generate(spec.prompts, params, max_concurrency=len(spec.prompts))
-    return {f"r{i}": result.output_token_ids for i, result in enumerate(results)}, log.events
+    tokens = {f"r{i}": result.output_token_ids for i, result in enumerate(results)}
+    if spec.speculative is not None:
+        stats = engine.scheduler.make_stats().spec_decoding
+        return tokens, [("accepted", stats.num_accepted_tokens if stats else 0)]
+    return tokens, log.events
 
 
 def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
@@ -107,7 +122,7 @@ def drive(runner, spec: RunSpec) -> Result:
 def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None:
     collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
     try:
-        lead = drive_scheduler if spec.micro_batches else drive
+        lead = drive_scheduler if spec.micro_batches or spec.speculative else drive
         result = lead_or_follow(
             build_runner(spec, collectives), collectives, lambda runner: lead(runner, spec)
         )
@@ -123,5 +138,6 @@ def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 24
     return run_local_replica(_rank_main, tp_size, pp_size, (spec,), timeout_s)
 
 
-def run_single(spec: RunSpec) -> Result:
-    return drive(build_runner(spec, None), spec)
+def run_single(spec: RunSpec) -> Any:
+    lead = drive_scheduler if spec.micro_batches or spec.speculative else drive
+    return lead(build_runner(spec, None), spec)

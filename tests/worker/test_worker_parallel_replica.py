@@ -142,3 +142,29 @@ def test_step_broadcast_carries_small_and_large_messages_whole() -> None:
     # Empty, one chunk exactly full, one byte over (a second broadcast), large.
     messages = [b"", b"a" * (STEP_CHUNK_BYTES - 8), b"b" * (STEP_CHUNK_BYTES - 7), b"xyz" * 50_000]
     assert run_local_replica(_broadcast_rank, 1, 2, (messages,), timeout_s=120)
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2)])
+def test_speculative_decoding_in_a_replica_matches_one_process(
+    uneven_heads: Path, tp_size: int, pp_size: int
+) -> None:
+    """n-gram drafts verified by the driver; the other ranks append its accepted
+    tokens (a count per row), so every rank's batch stays in step."""
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 0,
+    }
+    # The random model rarely repeats itself: 48 tokens give drafts that are
+    # mostly rejected (1 token per row) and one accepted (2 tokens).
+    prompts = [[5, 6, 7, 8] * 4, [9, 8, 7, 9, 8, 7, 9], [11] * 12, [3, 4] * 6, [1, 2, 3]]
+    spec = RunSpec(str(uneven_heads), prompts, speculative=speculative, max_new_tokens=48)
+    plain, _ = run_single(RunSpec(str(uneven_heads), prompts, micro_batches=1, max_new_tokens=48))
+    expected, [(_, accepted)] = run_single(spec)
+    assert expected == plain  # greedy verification keeps greedy output
+    assert accepted > 0, "no draft was accepted: the test would not exercise verification"
+    tokens, [(_, replica_accepted)] = run_replica(tp_size, pp_size, spec)
+    assert tokens == expected
+    assert replica_accepted == accepted
