@@ -150,11 +150,6 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
     world_size = worker.tensor_parallel_size * worker.pipeline_parallel_size
     if world_size > 1 and launcher.disaggregated:
         raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
-    if world_size > 1 and launcher.data_parallel_size > 1:
-        # Replica i's ranks would need their own rendezvous ports and restart group.
-        raise ValueError(
-            "--data-parallel-size does not combine with tensor/pipeline parallelism yet"
-        )
     num_workers = (launcher.data_parallel_size + launcher.disaggregated) * world_size
     if num_workers > 1 and worker.num_threads == 0:
         # Several workers on one machine: each owns its share of the cores (two
@@ -183,8 +178,11 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
             scheduler_metrics_port=launcher.prefill_scheduler_metrics_port,
             worker_addr=f"{LOCAL_HOST}:{launcher.prefill_worker_port}",
         )
-    for rank in range(1, world_size):
-        configs[f"{WORKER_RANK_PREFIX}{rank}"] = dataclasses.replace(configs["worker"], rank=rank)
+    for suffix in replica_names(configs):
+        tail = f"-{suffix}" if suffix else ""
+        driver = configs[f"worker{tail}"]
+        for rank in range(1, world_size):
+            configs[f"{WORKER_RANK_PREFIX}{rank}{tail}"] = dataclasses.replace(driver, rank=rank)
     return configs
 
 
@@ -218,6 +216,11 @@ def replica_configs(configs: dict[str, Any], i: int, offset: int) -> dict[str, A
     moved["scheduler"] = dataclasses.replace(
         moved["scheduler"], worker_addr=f"{LOCAL_HOST}:{moved['worker'].worker_port}"
     )
+    # A parallel replica's ranks meet at their own rendezvous port.
+    host, _, port = moved["worker"].dist_init_addr.rpartition(":")
+    moved["worker"] = dataclasses.replace(
+        moved["worker"], dist_init_addr=f"{host}:{int(port) + offset}"
+    )
     moved["detokenizer"] = dataclasses.replace(
         moved["detokenizer"], scheduler_addr=f"{LOCAL_HOST}:{moved['scheduler'].scheduler_port}"
     )
@@ -234,8 +237,11 @@ def service_of(name: str) -> str:
 
 def replica_of(name: str) -> str:
     """Children restarted together: a tensor/pipeline-parallel worker's ranks, as
-    one; every other child alone."""
-    return "worker" if name.startswith(WORKER_RANK_PREFIX) else name
+    one (``worker_rank2-1`` with ``worker-1``); every other child alone."""
+    if not name.startswith(WORKER_RANK_PREFIX):
+        return name
+    _, dash, suffix = name.partition("-")
+    return f"worker{dash}{suffix}"
 
 
 def replica_names(configs: dict[str, Any]) -> list[str]:
@@ -262,13 +268,20 @@ def child_order(configs: dict[str, Any]) -> list[str]:
     """The processes to start, in order: each replica's and prefill process after its twin."""
     order = []
     for name in START_ORDER:
-        if name == "worker":
-            # Ranks before their driver, so that shutdown, in reverse, stops the
-            # driver first: it tells the ranks to stop, instead of waiting in a
-            # broadcast to ranks already gone.
-            order.extend(sorted(n for n in configs if n.startswith(WORKER_RANK_PREFIX)))
-        order.append(name)
-        order.extend(n for n in configs if n.startswith(f"{name}-"))
+        replicas = [name, *(n for n in configs if n.startswith(f"{name}-"))]
+        for replica in replicas:
+            if name == "worker":
+                # Ranks before their driver, so that shutdown, in reverse, stops
+                # the driver first: it tells the ranks to stop, instead of
+                # waiting in a broadcast to ranks already gone.
+                order.extend(
+                    sorted(
+                        n
+                        for n in configs
+                        if n.startswith(WORKER_RANK_PREFIX) and replica_of(n) == replica
+                    )
+                )
+            order.append(replica)
         order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
     return order
 

@@ -164,3 +164,23 @@ def test_data_parallel_workers_split_the_cores(monkeypatch: pytest.MonkeyPatch) 
 def test_data_parallel_and_disaggregated_do_not_mix() -> None:
     with pytest.raises(ValueError, match="data-parallel-size 1"):
         stack_configs(_args(["--model", "/m", "--data-parallel-size", "2", "--disaggregated"]))
+
+
+def test_data_parallel_replicas_of_parallel_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica's ranks follow its own driver: its ports, its rendezvous port,
+    its restart group, started before it."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    argv = ["--model", "/m", "--data-parallel-size", "2", "--replica-port-offset", "50"]
+    configs = stack_configs(_args([*argv, "--tensor-parallel-size", "2"]))
+    workers = ["worker_rank1", "worker", "worker_rank1-1", "worker-1"]
+    assert child_order(configs)[1:5] == workers
+    assert [configs[n].rank for n in workers] == [1, 0, 1, 0]
+    assert configs["worker_rank1-1"].worker_port == configs["worker-1"].worker_port
+    assert configs["worker-1"].worker_port == configs["worker"].worker_port + 50
+    host, port = configs["worker"].dist_init_addr.rsplit(":", 1)
+    assert configs["worker-1"].dist_init_addr == f"{host}:{int(port) + 50}"
+    assert configs["worker_rank1-1"].dist_init_addr == configs["worker-1"].dist_init_addr
+    assert [replica_of(n) for n in workers] == ["worker", "worker", "worker-1", "worker-1"]
+    assert {configs[n].num_threads for n in workers} == {2}  # 8 cores / 4 ranks
+    assert flags_differing(configs["worker-1"], configs["worker_rank1-1"]) == ["--rank", "1"]
+    assert [r.name for r in replica_addresses(configs)] == ["replica-0", "replica-1"]
