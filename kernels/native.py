@@ -16,7 +16,8 @@ whole process into flush-to-zero mode.
 
 The elementwise ops and decode attention take float32 or bfloat16 tensors
 (``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
-bfloat16 ops round); the block-code linear is float32 only.
+bfloat16 ops round); the block-code linear is float32 only; batched LoRA
+(``add_lora``) takes either and accumulates in float32.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -54,6 +55,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),
+    # Sums of products: fused multiply-adds are both faster and closer.
+    "lora_cpu.cpp": ("-ffp-contract=fast",),
 }
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 # Element types of rms_norm, add_rms_norm, silu_and_mul, rotary_embedding and

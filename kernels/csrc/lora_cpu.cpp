@@ -1,0 +1,207 @@
+// Batched LoRA for one (possibly fused) projection, every adapter of a step in
+// one parallel region: y[t] += B_s (A_s x[t]) for each token t of a segment
+// with slot s, for CPU float32 and bfloat16 (accumulated in float32).
+//
+// Why: the torch path runs two small matmuls per adapter, segment and
+// projection (hundreds per step), each its own parallel region whose barrier
+// waits for the slowest thread, plus a dozen tensor views each built in
+// Python. Here one call covers the projection: per-step overhead is one op
+// call, and a thread preempted by a neighbour only delays its own items
+// (work stealing, work_stealing.h).
+//
+// Layout (worker/lora/slots.py):
+//   lora_a:   [slots, columns, in]   the slot's A rows; per slice, `rank` rows
+//   lora_b_t: [slots, columns, out]  B transposed, scaling folded in
+//   segments: [n, 3] int64           (first token, end token, slot); base tokens in none
+//   slices:   [slots, n_slices, 4] int64  per slot and output slice:
+//             (first column, columns, first output row, output rows); 0 columns
+//             when the slot's adapter does not target that slice
+// A fused projection's B is block-diagonal (slice i's output rows read only
+// slice i's columns), so the expand reads each slice's own block and skips
+// the zeros the torch path multiplies.
+//
+// Work items: tiles of up to kTile tokens of one segment, times parts of the
+// output rows when there are fewer tiles than threads (a decode step with one
+// adapter). An item shrinks its tokens for only the slices its rows need, then
+// expands them. Each output element is written by exactly one item.
+//
+// Rounding: the shrink and expand accumulate in float32 (the shrink's sum in
+// vector lanes, the expand in column order) and y is rounded once, as
+// y + delta; float32 agrees with torch's x @ Aᵀ @ Bᵀ up to the order of sums.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "float_or_bf16.h"
+#include "work_stealing.h"
+
+namespace {
+
+using kvmesh::from_float;
+using kvmesh::to_float;
+
+constexpr int64_t kTile = 8;          // tokens that share each load of A and B
+constexpr int64_t kMinPartRows = 128; // output rows per item, at the least
+
+struct Item {
+  int64_t start, end, slot, row_begin, row_end;
+};
+
+// s[t * ld + c] = x[t] · a[c] for N tokens at once (each A row loaded once).
+template <int N, typename T>
+void shrink_rows(const T* x, int64_t ldx, const T* a, int64_t columns, int64_t in, float* s,
+                 int64_t ld) {
+  for (int64_t c = 0; c < columns; ++c) {
+    const T* row = a + c * in;
+    float acc[N] = {};
+    if constexpr (N == 4) {
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      const T *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t k = 0; k < in; ++k) {
+        const float w = to_float(row[k]);
+        a0 += to_float(x0[k]) * w;
+        a1 += to_float(x1[k]) * w;
+        a2 += to_float(x2[k]) * w;
+        a3 += to_float(x3[k]) * w;
+      }
+      acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+    } else {
+      float a0 = 0.f;
+#pragma omp simd reduction(+ : a0)
+      for (int64_t k = 0; k < in; ++k) a0 += to_float(x[k]) * to_float(row[k]);
+      acc[0] = a0;
+    }
+    for (int t = 0; t < N; ++t) s[t * ld + c] = acc[t];
+  }
+}
+
+// y[t][i] += Σ_c s[t][c] b[c][i] for N tokens and `rows` outputs, rounded once.
+template <int N, typename T>
+void expand_rows(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t columns,
+                 int64_t rows, T* y, int64_t ldy) {
+#pragma omp simd
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc[N] = {};
+    for (int64_t c = 0; c < columns; ++c) {
+      const float w = to_float(b[c * ldb + i]);
+#pragma GCC unroll 4
+      for (int t = 0; t < N; ++t) acc[t] += s[t * ld + c] * w;
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < N; ++t) y[t * ldy + i] = from_float<T>(to_float(y[t * ldy + i]) + acc[t]);
+  }
+}
+
+void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
+              const at::Tensor& lora_b_t, const at::Tensor& segments, const at::Tensor& slices) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0),
+              "add_lora: y [tokens, out] and x [tokens, in] must have the same rows");
+  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "add_lora: rows of x and y must be contiguous");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.size(2) == x.size(1),
+              "add_lora: lora_a must be a contiguous [slots, columns, in] tensor");
+  TORCH_CHECK(lora_b_t.dim() == 3 && lora_b_t.is_contiguous() &&
+                  lora_b_t.size(0) == lora_a.size(0) && lora_b_t.size(1) == lora_a.size(1) &&
+                  lora_b_t.size(2) == y.size(1),
+              "add_lora: lora_b_t must be a contiguous [slots, columns, out] tensor");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == 3 && segments.is_contiguous(),
+              "add_lora: segments must be a contiguous int64 [n, 3] tensor");
+  TORCH_CHECK(slices.scalar_type() == at::kLong && slices.dim() == 3 && slices.size(2) == 4 &&
+                  slices.size(0) == lora_a.size(0) && slices.is_contiguous(),
+              "add_lora: slices must be a contiguous int64 [slots, n_slices, 4] tensor");
+  kvmesh::check_same_dtype(y, x, "add_lora", "y", "x");
+  kvmesh::check_same_dtype(y, lora_a, "add_lora", "y", "lora_a");
+  kvmesh::check_same_dtype(y, lora_b_t, "add_lora", "y", "lora_b_t");
+
+  const int64_t tokens = y.size(0), out = y.size(1), in = x.size(1);
+  const int64_t num_slots = lora_a.size(0), columns = lora_a.size(1);
+  const int64_t num_slices = slices.size(1);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  const int64_t* sl = slices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    const int64_t start = seg[3 * i], end = seg[3 * i + 1], slot = seg[3 * i + 2];
+    TORCH_CHECK(0 <= start && start <= end && end <= tokens && 0 <= slot && slot < num_slots,
+                "add_lora: segment ", i, " (", start, ", ", end, ", ", slot, ") is out of range");
+  }
+  for (int64_t i = 0; i < num_slots * num_slices; ++i) {
+    const int64_t* d = sl + 4 * i;
+    TORCH_CHECK(d[0] >= 0 && d[1] >= 0 && d[0] + d[1] <= columns && d[2] >= 0 && d[3] >= 0 &&
+                    d[2] + d[3] <= out,
+                "add_lora: slice entry ", i, " is out of range");
+  }
+
+  std::vector<Item> tiles;
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    for (int64_t t = seg[3 * i]; t < seg[3 * i + 1]; t += kTile) {
+      tiles.push_back({t, std::min(t + kTile, seg[3 * i + 1]), seg[3 * i + 2], 0, out});
+    }
+  }
+  if (tiles.empty()) return;
+  // Fewer tiles than threads: split the output rows too (each part shrinks
+  // again, but only the slices whose rows it covers).
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (static_cast<int64_t>(tiles.size()) < threads) {
+    parts = std::min<int64_t>((threads + tiles.size() - 1) / tiles.size(),
+                              std::max<int64_t>(1, out / kMinPartRows));
+  }
+  std::vector<Item> items;
+  items.reserve(tiles.size() * parts);
+  for (const Item& tile : tiles) {
+    for (int64_t p = 0; p < parts; ++p) {
+      items.push_back({tile.start, tile.end, tile.slot, out * p / parts, out * (p + 1) / parts});
+    }
+  }
+
+  kvmesh::dispatch_float_or_bf16(y.scalar_type(), "add_lora", [&](auto tag) {
+    using T = decltype(tag);
+    T* yp = y.data_ptr<T>();
+    const T* xp = x.data_ptr<T>();
+    const T* ap = lora_a.data_ptr<T>();
+    const T* bp = lora_b_t.data_ptr<T>();
+    const int64_t ldx = x.stride(0), ldy = y.stride(0);
+    kvmesh::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t index, bool) {
+      const Item& item = items[index];
+      const int64_t* slot_slices = sl + item.slot * num_slices * 4;
+      std::vector<float> shrunk(kTile * columns);
+      float* s = shrunk.data();
+      for (int64_t j = 0; j < num_slices; ++j) {
+        const int64_t* d = slot_slices + 4 * j;
+        const int64_t col = d[0], cols = d[1];
+        const int64_t row_begin = std::max(d[2], item.row_begin);
+        const int64_t row_end = std::min(d[2] + d[3], item.row_end);
+        if (cols == 0 || row_begin >= row_end) continue;
+        const T* a = ap + (item.slot * columns + col) * in;
+        const T* b = bp + (item.slot * columns + col) * out + row_begin;
+        int64_t t = item.start;
+        for (; t + 4 <= item.end; t += 4) {
+          shrink_rows<4>(xp + t * ldx, ldx, a, cols, in, s, columns);
+          expand_rows<4>(s, columns, b, out, cols, row_end - row_begin, yp + t * ldy + row_begin,
+                         ldy);
+        }
+        for (; t < item.end; ++t) {
+          shrink_rows<1>(xp + t * ldx, ldx, a, cols, in, s, columns);
+          expand_rows<1>(s, columns, b, out, cols, row_end - row_begin, yp + t * ldy + row_begin,
+                         ldy);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def(
+      "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor segments, "
+      "Tensor slices) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("add_lora", &add_lora); }
