@@ -36,7 +36,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "float_or_bf16.h"
 #include "work_stealing.h"
@@ -46,56 +51,145 @@ namespace {
 using kvmesh::from_float;
 using kvmesh::to_float;
 
-constexpr int64_t kTile = 8;          // tokens that share each load of A and B
-constexpr int64_t kMinPartRows = 128; // output rows per item, at the least
+constexpr int64_t kTile = 8;  // tokens per work item (in groups of 4 sharing A and B loads)
+constexpr int64_t kMinPartRows = 128;  // output rows per item, at the least
 
 struct Item {
   int64_t start, end, slot, row_begin, row_end;
 };
 
-// s[t * ld + c] = x[t] · a[c] for N tokens at once (each A row loaded once).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVMESH_LORA_AVX512 1
+// 16 lanes of float32 from float or bfloat16 (the first `n` only, rest 0).
+inline __m512 load16(const float* p, int64_t n = 16) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+
+inline __m512 load16(const c10::BFloat16* p, int64_t n = 16) {
+  const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline void store16(float* p, __m512 v, int64_t n) {
+  if (n >= 16) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+  }
+}
+
+// from_float<c10::BFloat16> on 16 lanes: the same integer rounding.
+inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i halves = _mm512_cvtepi32_epi16(rounded);
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), halves);
+  }
+}
+
+// s[t * ld + j] = x[t] · a[j] for N tokens and CB rows of A: N x CB
+// accumulators, so each load of x or A feeds several FMAs.
+template <int N, int CB, typename T>
+void shrink_block(const T* x, int64_t ldx, const T* a, int64_t in, float* s, int64_t ld) {
+  __m512 acc[N][CB];
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < CB; ++j) acc[t][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 16) {
+    const int64_t n = std::min<int64_t>(16, in - k);
+    __m512 xv[N];
+    for (int t = 0; t < N; ++t) xv[t] = load16(x + t * ldx + k, n);
+    for (int j = 0; j < CB; ++j) {
+      const __m512 av = load16(a + j * in + k, n);
+      for (int t = 0; t < N; ++t) acc[t][j] = _mm512_fmadd_ps(xv[t], av, acc[t][j]);
+    }
+  }
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < CB; ++j) s[t * ld + j] = _mm512_reduce_add_ps(acc[t][j]);
+}
+
+template <int N, typename T>
+void shrink_rows(const T* x, int64_t ldx, const T* a, int64_t columns, int64_t in, float* s,
+                 int64_t ld) {
+  int64_t c = 0;
+  for (; c + 4 <= columns; c += 4) shrink_block<N, 4>(x, ldx, a + c * in, in, s + c, ld);
+  for (; c < columns; ++c) shrink_block<N, 1>(x, ldx, a + c * in, in, s + c, ld);
+}
+
+// y[t][i] += Σ_c s[t][c] b[c][i] for N tokens, 32 outputs at a time, the sum
+// in column order, y rounded once.
+template <int N, typename T>
+void expand_rows(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t columns,
+                 int64_t rows, T* y, int64_t ldy) {
+  for (int64_t i = 0; i < rows; i += 32) {
+    const int64_t n0 = std::min<int64_t>(16, rows - i);
+    const int64_t n1 = std::max<int64_t>(0, std::min<int64_t>(16, rows - i - 16));
+    __m512 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < columns; ++c) {
+      const __m512 b0 = load16(b + c * ldb + i, n0);
+      const __m512 b1 = n1 > 0 ? load16(b + c * ldb + i + 16, n1) : _mm512_setzero_ps();
+      for (int t = 0; t < N; ++t) {
+        const __m512 w = _mm512_set1_ps(s[t * ld + c]);
+        acc[t][0] = _mm512_fmadd_ps(w, b0, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(w, b1, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < N; ++t) {
+      T* row = y + t * ldy + i;
+      store16(row, _mm512_add_ps(load16(row, n0), acc[t][0]), n0);
+      if (n1 > 0) store16(row + 16, _mm512_add_ps(load16(row + 16, n1), acc[t][1]), n1);
+    }
+  }
+}
+#else
+// Portable versions (the compiler vectorizes what it can).
 template <int N, typename T>
 void shrink_rows(const T* x, int64_t ldx, const T* a, int64_t columns, int64_t in, float* s,
                  int64_t ld) {
   for (int64_t c = 0; c < columns; ++c) {
-    const T* row = a + c * in;
-    float acc[N] = {};
-    if constexpr (N == 4) {
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      const T *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-      for (int64_t k = 0; k < in; ++k) {
-        const float w = to_float(row[k]);
-        a0 += to_float(x0[k]) * w;
-        a1 += to_float(x1[k]) * w;
-        a2 += to_float(x2[k]) * w;
-        a3 += to_float(x3[k]) * w;
-      }
-      acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
-    } else {
-      float a0 = 0.f;
-#pragma omp simd reduction(+ : a0)
-      for (int64_t k = 0; k < in; ++k) a0 += to_float(x[k]) * to_float(row[k]);
-      acc[0] = a0;
+    for (int t = 0; t < N; ++t) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < in; ++k) acc += to_float(x[t * ldx + k]) * to_float(a[c * in + k]);
+      s[t * ld + c] = acc;
     }
-    for (int t = 0; t < N; ++t) s[t * ld + c] = acc[t];
   }
 }
 
-// y[t][i] += Σ_c s[t][c] b[c][i] for N tokens and `rows` outputs, rounded once.
 template <int N, typename T>
 void expand_rows(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t columns,
                  int64_t rows, T* y, int64_t ldy) {
+  for (int t = 0; t < N; ++t) {
 #pragma omp simd
-  for (int64_t i = 0; i < rows; ++i) {
-    float acc[N] = {};
-    for (int64_t c = 0; c < columns; ++c) {
-      const float w = to_float(b[c * ldb + i]);
-#pragma GCC unroll 4
-      for (int t = 0; t < N; ++t) acc[t] += s[t * ld + c] * w;
+    for (int64_t i = 0; i < rows; ++i) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < columns; ++c) acc += s[t * ld + c] * to_float(b[c * ldb + i]);
+      y[t * ldy + i] = from_float<T>(to_float(y[t * ldy + i]) + acc);
     }
-#pragma GCC unroll 4
-    for (int t = 0; t < N; ++t) y[t * ldy + i] = from_float<T>(to_float(y[t * ldy + i]) + acc[t]);
+  }
+}
+#endif
+
+// Shrink then expand `count` (1-4) tokens: the templates unrolled per count.
+template <typename T>
+void tokens_delta(int64_t count, const T* x, int64_t ldx, const T* a, int64_t cols, int64_t in,
+                  float* s, int64_t ld, const T* b, int64_t ldb, int64_t rows, T* y, int64_t ldy) {
+  auto run = [&](auto n) {
+    constexpr int N = decltype(n)::value;
+    shrink_rows<N>(x, ldx, a, cols, in, s, ld);
+    expand_rows<N>(s, ld, b, ldb, cols, rows, y, ldy);
+  };
+  switch (count) {
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    default: run(std::integral_constant<int, 1>{}); break;
   }
 }
 
@@ -180,16 +274,9 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
         if (cols == 0 || row_begin >= row_end) continue;
         const T* a = ap + (item.slot * columns + col) * in;
         const T* b = bp + (item.slot * columns + col) * out + row_begin;
-        int64_t t = item.start;
-        for (; t + 4 <= item.end; t += 4) {
-          shrink_rows<4>(xp + t * ldx, ldx, a, cols, in, s, columns);
-          expand_rows<4>(s, columns, b, out, cols, row_end - row_begin, yp + t * ldy + row_begin,
-                         ldy);
-        }
-        for (; t < item.end; ++t) {
-          shrink_rows<1>(xp + t * ldx, ldx, a, cols, in, s, columns);
-          expand_rows<1>(s, columns, b, out, cols, row_end - row_begin, yp + t * ldy + row_begin,
-                         ldy);
+        for (int64_t t = item.start; t < item.end; t += 4) {
+          tokens_delta(std::min<int64_t>(4, item.end - t), xp + t * ldx, ldx, a, cols, in, s,
+                       columns, b, out, row_end - row_begin, yp + t * ldy + row_begin, ldy);
         }
       }
     });
