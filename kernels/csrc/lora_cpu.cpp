@@ -51,7 +51,7 @@ namespace {
 using kvmesh::from_float;
 using kvmesh::to_float;
 
-constexpr int64_t kTile = 8;  // tokens per work item (in groups of 4 sharing A and B loads)
+constexpr int64_t kTile = 8;  // tokens per work item, sharing each load of B (and of A, by 4)
 constexpr int64_t kMinPartRows = 128;  // output rows per item, at the least
 
 struct Item {
@@ -61,17 +61,17 @@ struct Item {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVMESH_LORA_AVX512 1
 // 16 lanes of float32 from float or bfloat16 (the first `n` only, rest 0).
-inline __m512 load16(const float* p, int64_t n = 16) {
+__attribute__((always_inline)) inline __m512 load16(const float* p, int64_t n = 16) {
   return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
 
-inline __m512 load16(const c10::BFloat16* p, int64_t n = 16) {
+__attribute__((always_inline)) inline __m512 load16(const c10::BFloat16* p, int64_t n = 16) {
   const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-inline void store16(float* p, __m512 v, int64_t n) {
+__attribute__((always_inline)) inline void store16(float* p, __m512 v, int64_t n) {
   if (n >= 16) {
     _mm512_storeu_ps(p, v);
   } else {
@@ -80,7 +80,7 @@ inline void store16(float* p, __m512 v, int64_t n) {
 }
 
 // from_float<c10::BFloat16> on 16 lanes: the same integer rounding.
-inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
+__attribute__((always_inline)) inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(
@@ -100,18 +100,47 @@ void shrink_block(const T* x, int64_t ldx, const T* a, int64_t in, float* s, int
   __m512 acc[N][CB];
   for (int t = 0; t < N; ++t)
     for (int j = 0; j < CB; ++j) acc[t][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 16) {
-    const int64_t n = std::min<int64_t>(16, in - k);
+  // Full vectors, then one masked tail: no branch in the hot loop.
+  auto step = [&](int64_t k, int64_t n) __attribute__((always_inline)) {
     __m512 xv[N];
     for (int t = 0; t < N; ++t) xv[t] = load16(x + t * ldx + k, n);
     for (int j = 0; j < CB; ++j) {
       const __m512 av = load16(a + j * in + k, n);
       for (int t = 0; t < N; ++t) acc[t][j] = _mm512_fmadd_ps(xv[t], av, acc[t][j]);
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + 16 <= in; k += 16) step(k, 16);
+  if (k < in) step(k, in - k);
   for (int t = 0; t < N; ++t)
     for (int j = 0; j < CB; ++j) s[t * ld + j] = _mm512_reduce_add_ps(acc[t][j]);
 }
+
+#ifdef __AVX512BF16__
+// bfloat16: 32 products per instruction (AVX512-BF16's dot product of pairs,
+// exact products accumulated in float32), no conversions. Unlike the FMA
+// loop it reads subnormal bfloat16 inputs as zero, far below any tolerance.
+template <int N, int CB>
+void shrink_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* a, int64_t in,
+                  float* s, int64_t ld) {
+  __m512 acc[N][CB];
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < CB; ++j) acc[t][j] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __mmask32 mask) __attribute__((always_inline)) {
+    __m512bh xv[N];
+    for (int t = 0; t < N; ++t) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + t * ldx + k);
+    for (int j = 0; j < CB; ++j) {
+      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + j * in + k);
+      for (int t = 0; t < N; ++t) acc[t][j] = _mm512_dpbf16_ps(acc[t][j], xv[t], av);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) step(k, ~__mmask32{0});
+  if (k < in) step(k, static_cast<__mmask32>((1u << (in - k)) - 1));
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < CB; ++j) s[t * ld + j] = _mm512_reduce_add_ps(acc[t][j]);
+}
+#endif
 
 template <int N, typename T>
 void shrink_rows(const T* x, int64_t ldx, const T* a, int64_t columns, int64_t in, float* s,
@@ -121,30 +150,39 @@ void shrink_rows(const T* x, int64_t ldx, const T* a, int64_t columns, int64_t i
   for (; c < columns; ++c) shrink_block<N, 1>(x, ldx, a + c * in, in, s + c, ld);
 }
 
-// y[t][i] += Σ_c s[t][c] b[c][i] for N tokens, 32 outputs at a time, the sum
-// in column order, y rounded once.
+// y[t][i] += Σ_c s[t][c] b[c][i] for N tokens and V x 16 outputs (`last`
+// lanes valid in the last vector), the sum in column order, y rounded once.
+// Straight-line per column, so the N x V accumulators stay in registers.
+template <int N, int V, typename T>
+inline void expand_chunk(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t columns,
+                         T* y, int64_t ldy, int64_t last) {
+  __m512 acc[N][V];
+  for (int t = 0; t < N; ++t)
+    for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < columns; ++c) {
+    __m512 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = load16(b + c * ldb + 16 * v, v == V - 1 ? last : 16);
+    for (int t = 0; t < N; ++t) {
+      const __m512 w = _mm512_set1_ps(s[t * ld + c]);
+      for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(w, bv[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < N; ++t) {
+    for (int v = 0; v < V; ++v) {
+      T* out = y + t * ldy + 16 * v;
+      const int64_t n = v == V - 1 ? last : 16;
+      store16(out, _mm512_add_ps(load16(out, n), acc[t][v]), n);
+    }
+  }
+}
+
 template <int N, typename T>
 void expand_rows(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t columns,
                  int64_t rows, T* y, int64_t ldy) {
-  for (int64_t i = 0; i < rows; i += 32) {
-    const int64_t n0 = std::min<int64_t>(16, rows - i);
-    const int64_t n1 = std::max<int64_t>(0, std::min<int64_t>(16, rows - i - 16));
-    __m512 acc[N][2];
-    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < columns; ++c) {
-      const __m512 b0 = load16(b + c * ldb + i, n0);
-      const __m512 b1 = n1 > 0 ? load16(b + c * ldb + i + 16, n1) : _mm512_setzero_ps();
-      for (int t = 0; t < N; ++t) {
-        const __m512 w = _mm512_set1_ps(s[t * ld + c]);
-        acc[t][0] = _mm512_fmadd_ps(w, b0, acc[t][0]);
-        acc[t][1] = _mm512_fmadd_ps(w, b1, acc[t][1]);
-      }
-    }
-    for (int t = 0; t < N; ++t) {
-      T* row = y + t * ldy + i;
-      store16(row, _mm512_add_ps(load16(row, n0), acc[t][0]), n0);
-      if (n1 > 0) store16(row + 16, _mm512_add_ps(load16(row + 16, n1), acc[t][1]), n1);
-    }
+  int64_t i = 0;
+  for (; i + 32 <= rows; i += 32) expand_chunk<N, 2>(s, ld, b + i, ldb, columns, y + i, ldy, 16);
+  for (; i < rows; i += 16) {
+    expand_chunk<N, 1>(s, ld, b + i, ldb, columns, y + i, ldy, std::min<int64_t>(16, rows - i));
   }
 }
 #else
@@ -176,21 +214,48 @@ void expand_rows(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t co
 }
 #endif
 
-// Shrink then expand `count` (1-4) tokens: the templates unrolled per count.
+template <template <int> class Fn, typename... Args>
+void with_count(int64_t count, Args&&... args) {
+  switch (count) {
+    case 8: Fn<8>::run(args...); break;
+    case 7: Fn<7>::run(args...); break;
+    case 6: Fn<6>::run(args...); break;
+    case 5: Fn<5>::run(args...); break;
+    case 4: Fn<4>::run(args...); break;
+    case 3: Fn<3>::run(args...); break;
+    case 2: Fn<2>::run(args...); break;
+    default: Fn<1>::run(args...); break;
+  }
+}
+
+template <int N>
+struct Shrink {
+  template <typename T>
+  static void run(const T* x, int64_t ldx, const T* a, int64_t cols, int64_t in, float* s,
+                  int64_t ld) {
+    shrink_rows<N>(x, ldx, a, cols, in, s, ld);
+  }
+};
+
+template <int N>
+struct Expand {
+  template <typename T>
+  static void run(const float* s, int64_t ld, const T* b, int64_t ldb, int64_t cols, int64_t rows,
+                  T* y, int64_t ldy) {
+    expand_rows<N>(s, ld, b, ldb, cols, rows, y, ldy);
+  }
+};
+
+// Shrink then expand `count` (1-kTile) tokens: the shrink 4 tokens at a time
+// (4 x 4 accumulators), the expand all at once (B converted once per tile).
 template <typename T>
 void tokens_delta(int64_t count, const T* x, int64_t ldx, const T* a, int64_t cols, int64_t in,
                   float* s, int64_t ld, const T* b, int64_t ldb, int64_t rows, T* y, int64_t ldy) {
-  auto run = [&](auto n) {
-    constexpr int N = decltype(n)::value;
-    shrink_rows<N>(x, ldx, a, cols, in, s, ld);
-    expand_rows<N>(s, ld, b, ldb, cols, rows, y, ldy);
-  };
-  switch (count) {
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    default: run(std::integral_constant<int, 1>{}); break;
+  for (int64_t t = 0; t < count; t += 4) {
+    with_count<Shrink>(std::min<int64_t>(4, count - t), x + t * ldx, ldx, a, cols, in, s + t * ld,
+                       ld);
   }
+  with_count<Expand>(count, s, ld, b, ldb, cols, rows, y, ldy);
 }
 
 void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
@@ -274,10 +339,8 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
         if (cols == 0 || row_begin >= row_end) continue;
         const T* a = ap + (item.slot * columns + col) * in;
         const T* b = bp + (item.slot * columns + col) * out + row_begin;
-        for (int64_t t = item.start; t < item.end; t += 4) {
-          tokens_delta(std::min<int64_t>(4, item.end - t), xp + t * ldx, ldx, a, cols, in, s,
-                       columns, b, out, row_end - row_begin, yp + t * ldy + row_begin, ldy);
-        }
+        tokens_delta(item.end - item.start, xp + item.start * ldx, ldx, a, cols, in, s, columns, b,
+                     out, row_end - row_begin, yp + item.start * ldy + row_begin, ldy);
       }
     });
   });
