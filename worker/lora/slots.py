@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from services.lora_request import LoRARequest
 from worker.lora.adapter import LoRAAdapter
 from worker.lora.step_batch import LoRABatch
@@ -164,6 +165,8 @@ class LoRASlots:
         """Switch every projection between the C++ kernel and the torch matmuls
         (chosen once at load, worker/lora/setup.py; switched by A/B benchmarks).
         The kernel needs the CPU layout and ``torch.ops.kvmesh`` loaded."""
+        if enabled and native.unavailable_reason() is not None:
+            raise ValueError(f"native kernels unavailable: {native.unavailable_reason()}")
         for projections in self.layers:
             for projection in projections.values():
                 if enabled and projection.lora_b_t is None:
