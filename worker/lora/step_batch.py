@@ -42,10 +42,14 @@ def plan_lora_batch(
 ) -> LoRABatch:
     """Segments of requests already ordered by slot (``order_by_slot``)."""
     ends = np.cumsum(num_scheduled)
-    starts = ends - num_scheduled
     segments: list[Segment] = []
-    for index in np.flatnonzero(request_slots != NO_ADAPTER):
-        slot, start, end = int(request_slots[index]), int(starts[index]), int(ends[index])
+    # Python ints, not numpy scalars: indexing numpy per request cost ~75 µs a step.
+    for slot, end, count in zip(
+        request_slots.tolist(), ends.tolist(), num_scheduled.tolist(), strict=True
+    ):
+        if slot == NO_ADAPTER:
+            continue
+        start = end - count
         if segments and segments[-1][2] == slot and segments[-1][1] == start:
             segments[-1] = (segments[-1][0], end, slot)
         else:
