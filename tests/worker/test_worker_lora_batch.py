@@ -20,6 +20,10 @@ from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lo
 SHAPE = ProjectionShape(12, (("q_proj", 0, 8), ("k_proj", 8, 4), ("v_proj", 12, 4)))
 # Sizes off the kernel's vector widths, slices of different heights (gate/up-like).
 WIDE = ProjectionShape(100, (("gate_proj", 0, 72), ("up_proj", 72, 37)))
+# Tall enough (>= 256 outputs) that with 2+ threads and one tile of tokens the
+# kernel splits the output rows between items, mid-slice.
+TALL = ProjectionShape(40, (("gate_proj", 0, 200), ("up_proj", 200, 100)))
+SHAPES = {"qkv": SHAPE, "wide": WIDE, "tall": TALL}
 MAX_RANK = 6
 CPU = torch.device("cpu")
 KERNELS = ["torch", "native"]
@@ -100,11 +104,20 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest):
+    """Run with 1 and with 2 torch threads (the kernel's work split differs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", [SHAPE, WIDE], ids=["qkv", "wide"])
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_float32_equals_the_reference(kernel: str, shape: ProjectionShape, layout: str) -> None:
-    slots = _slots(shape, kernel, torch.float32)
+def test_float32_equals_the_reference(kernel: str, shape: str, layout: str, threads: int) -> None:
+    slots = _slots(SHAPES[shape], kernel, torch.float32)
     got, expected, y, token_slots = _run(slots, *LAYOUTS[layout], seed=len(layout))
     # Only the order of float32 sums differs from the reference: every element
     # within 1e-6 of the largest delta (8 float32 ulps of it; both paths measure
@@ -118,11 +131,11 @@ def test_float32_equals_the_reference(kernel: str, shape: ProjectionShape, layou
 
 
 @pytest.mark.parametrize("layout", ["mixed", "uneven", "one_token"])
-@pytest.mark.parametrize("shape", [SHAPE, WIDE], ids=["qkv", "wide"])
-def test_bfloat16_native_rounds_once(shape: ProjectionShape, layout: str) -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bfloat16_native_rounds_once(shape: str, layout: str, threads: int) -> None:
     # The kernel accumulates in float32 and rounds y + delta once: within one
     # bfloat16 ulp of the float32 reference rounded, almost always equal to it.
-    slots = _slots(shape, "native", torch.bfloat16)
+    slots = _slots(SHAPES[shape], "native", torch.bfloat16)
     got, expected, y, token_slots = _run(slots, *LAYOUTS[layout], seed=7)
     assert_bf16_close(got, expected.to(torch.bfloat16), max_ulps=1, min_identical=0.95)
     base = token_slots < 0
