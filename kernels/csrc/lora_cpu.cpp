@@ -16,6 +16,7 @@
 //   slices:   [slots, n_slices, 4] int64  per slot and output slice:
 //             (first column, columns, first output row, output rows); 0 columns
 //             when the slot's adapter does not target that slice
+//   min_parallel_macs: below this many multiply-adds, one thread
 // A fused projection's B is block-diagonal (slice i's output rows read only
 // slice i's columns), so the expand reads each slice's own block and skips
 // the zeros the torch path multiplies.
@@ -259,7 +260,8 @@ void tokens_delta(int64_t count, const T* x, int64_t ldx, const T* a, int64_t co
 }
 
 void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
-              const at::Tensor& lora_b_t, const at::Tensor& segments, const at::Tensor& slices) {
+              const at::Tensor& lora_b_t, const at::Tensor& segments, const at::Tensor& slices,
+              int64_t min_parallel_macs) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0),
               "add_lora: y [tokens, out] and x [tokens, in] must have the same rows");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "add_lora: rows of x and y must be contiguous");
@@ -303,9 +305,20 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
     }
   }
   if (tiles.empty()) return;
+  // Small calls (a decode step's few tokens per adapter) stay on the calling
+  // thread: a parallel region ends at a barrier that waits for every thread,
+  // and on a shared box the second thread may not run for a scheduler tick
+  // (measured: 4 ms for a 33 µs call with 2 threads at load average 4).
+  int64_t macs = 0;
+  for (const Item& tile : tiles) {
+    const int64_t* d = sl + tile.slot * num_slices * 4;
+    for (int64_t j = 0; j < num_slices; ++j) {
+      macs += (tile.end - tile.start) * d[4 * j + 1] * (in + d[4 * j + 3]);
+    }
+  }
+  const int64_t threads = macs < min_parallel_macs ? 1 : at::get_num_threads();
   // Fewer tiles than threads: split the output rows too (each part shrinks
   // again, but only the slices whose rows it covers).
-  const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (static_cast<int64_t>(tiles.size()) < threads) {
     parts = std::min<int64_t>((threads + tiles.size() - 1) / tiles.size(),
@@ -326,7 +339,7 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
     const T* ap = lora_a.data_ptr<T>();
     const T* bp = lora_b_t.data_ptr<T>();
     const int64_t ldx = x.stride(0), ldy = y.stride(0);
-    kvmesh::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t index, bool) {
+    auto run_item = [&](int64_t index, bool) {
       const Item& item = items[index];
       const int64_t* slot_slices = sl + item.slot * num_slices * 4;
       std::vector<float> shrunk(kTile * columns);
@@ -342,7 +355,12 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
         tokens_delta(item.end - item.start, xp + item.start * ldx, ldx, a, cols, in, s, columns, b,
                      out, row_end - row_begin, yp + item.start * ldy + row_begin, ldy);
       }
-    });
+    };
+    if (threads <= 1) {
+      for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) run_item(i, true);
+    } else {
+      kvmesh::parallel_items(static_cast<int64_t>(items.size()), run_item);
+    }
   });
 }
 
@@ -351,7 +369,7 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor segments, "
-      "Tensor slices) -> ()");
+      "Tensor slices, int min_parallel_macs) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("add_lora", &add_lora); }

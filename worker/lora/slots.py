@@ -37,6 +37,12 @@ from worker.lora.step_batch import LoRABatch
 logger = logging.getLogger(__name__)
 
 
+# The C++ kernel's calls below this many multiply-adds (~35 µs on one core)
+# stay on the calling thread: a decode step's delta is smaller than the wait
+# for a second thread on a busy box (kernels/csrc/lora_cpu.cpp).
+NATIVE_MIN_PARALLEL_MACS = 1 << 21
+
+
 @dataclass(frozen=True)
 class ProjectionShape:
     """One projection as the model computes it: its input width and output slices."""
@@ -82,6 +88,8 @@ class ProjectionSlots:
             self.slice_table[:, index, 2:] = torch.tensor([row, size])
         # Set by LoRASlots once at load (worker/lora/setup.py): the C++ kernel.
         self.native = False
+        # Calls with fewer multiply-adds run on one thread (tests lower it).
+        self.min_parallel_macs = NATIVE_MIN_PARALLEL_MACS
 
     def fill(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         self.lora_a[slot].zero_()
@@ -118,7 +126,13 @@ class ProjectionSlots:
         if self.native:
             assert self.lora_b_t is not None and batch.segment_table is not None
             torch.ops.kvmesh.add_lora(
-                y, x, self.lora_a, self.lora_b_t, batch.segment_table, self.slice_table
+                y,
+                x,
+                self.lora_a,
+                self.lora_b_t,
+                batch.segment_table,
+                self.slice_table,
+                self.min_parallel_macs,
             )
             return
         for start, end, slot in batch.segments:
