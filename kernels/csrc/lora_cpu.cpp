@@ -22,9 +22,11 @@
 // the zeros the torch path multiplies.
 //
 // Work items: tiles of up to kTile tokens of one segment, times parts of the
-// output rows when there are fewer tiles than threads (a decode step with one
-// adapter). An item shrinks its tokens for only the slices its rows need, then
-// expands them. Each output element is written by exactly one item.
+// output rows when there are fewer tiles than threads (a few tokens of one
+// adapter on a large model). An item shrinks its tokens for only the slices
+// its rows need, then expands them. Each output element is written by exactly
+// one item. Calls under `min_parallel_macs` run their items on the calling
+// thread (a small model's decode step: no barrier to wait at).
 //
 // Rounding: the shrink and expand accumulate in float32 (the shrink's sum in
 // vector lanes, the expand in column order) and y is rounded once, as
