@@ -13,6 +13,7 @@ from kernels.lora_reference import add_lora_reference
 from services.lora_files import AdapterConfig
 from tests.kernels.ulp import assert_bf16_close
 from worker.lora.adapter import LoRAAdapter
+from worker.lora.setup import native_lora_unavailable_reason
 from worker.lora.slots import ProjectionShape, ProjectionSlots
 from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 
@@ -169,3 +170,9 @@ def test_native_kernel_checks_its_tables() -> None:
         slots.add_delta(y, x, past_end)
     with pytest.raises(RuntimeError, match="share one dtype"):
         slots.add_delta(y, x.double(), LoRABatch([], segment_table=torch.zeros(0, 3).long()))
+
+
+def test_kernel_choice_says_why_not() -> None:
+    assert "float16" in (native_lora_unavailable_reason(CPU, torch.float16) or "")
+    assert "cuda" in (native_lora_unavailable_reason(torch.device("cuda"), torch.float32) or "")
+    assert native_lora_unavailable_reason(CPU, torch.bfloat16) == native.unavailable_reason()
