@@ -29,13 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from kernels import native as native_kernels
 from services.lora_request import LoRARequest
 from worker.lora.adapter import LoRAAdapter
 from worker.lora.step_batch import LoRABatch
 
 logger = logging.getLogger(__name__)
-
 
 # The C++ kernel's calls below this many multiply-adds (~35 µs on one core)
 # stay on the calling thread: a decode step's delta is smaller than the wait
@@ -179,8 +178,9 @@ class LoRASlots:
         """Switch every projection between the C++ kernel and the torch matmuls
         (chosen once at load, worker/lora/setup.py; switched by A/B benchmarks).
         The kernel needs the CPU layout and ``torch.ops.kvmesh`` loaded."""
-        if enabled and native.unavailable_reason() is not None:
-            raise ValueError(f"native kernels unavailable: {native.unavailable_reason()}")
+        reason = native_kernels.unavailable_reason()
+        if enabled and reason is not None:
+            raise ValueError(f"native kernels unavailable: {reason}")
         for projections in self.layers:
             for projection in projections.values():
                 if enabled and projection.lora_b_t is None:

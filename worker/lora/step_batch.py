@@ -43,7 +43,8 @@ def plan_lora_batch(
     """Segments of requests already ordered by slot (``order_by_slot``)."""
     ends = np.cumsum(num_scheduled)
     segments: list[Segment] = []
-    # Python ints, not numpy scalars: indexing numpy per request cost ~75 µs a step.
+    # Python ints, not numpy scalars: indexing numpy per request took ~75 µs
+    # a step of 32 requests on the dev box, about twice this loop's time.
     for slot, end, count in zip(
         request_slots.tolist(), ends.tolist(), num_scheduled.tolist(), strict=True
     ):
