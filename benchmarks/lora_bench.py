@@ -1,6 +1,7 @@
 """Multi-LoRA throughput: requests spread over 1, 4 and 8 adapters vs the base model alone.
 
 Usage: .venv/bin/python -m benchmarks.lora_bench [--model PATH] [--num-requests N]
+       [--threads T] [--dtype auto|float32|bfloat16] [--lora-kernel auto|torch|both]
 
 The real Scheduler drives a ModelRunner in one process (benchmarks/inprocess_engine.py),
 with ``--max-loras 8 --max-lora-rank 16``. Each run submits the same prompts at once
@@ -8,9 +9,15 @@ with ``--max-loras 8 --max-lora-rank 16``. Each run submits the same prompts at 
 every step mixes all of a run's adapters. Adapters are rank 16 on all seven
 projections (q, k, v, o, gate, up, down), with random nonzero A and B, written
 in PEFT's layout; each is loaded into its slot by an untimed warm-up request, so
-the runs measure serving, not loading. Runs alternate (base, 1, 4, 8) for
-``--rounds`` rounds and each configuration keeps its best round: this box is
-shared and noisy. Prints output tokens/s and the ratio to the base model.
+the runs measure serving, not loading. Runs alternate (base, then each adapter
+count per LoRA kernel) for ``--rounds`` rounds and each configuration keeps its
+best round: this box is shared and noisy. Prints output tokens per second and
+per CPU second (steadier on a shared box with ``--threads 1``), each with its
+ratio to the base model.
+
+``--lora-kernel``: ``auto`` is what the worker chose at load (the C++ kernel on
+CPU where it builds), ``torch`` the per-adapter torch matmuls, ``both`` runs
+each adapter count with both in the same rounds (before/after in one run).
 """
 
 from __future__ import annotations
@@ -70,16 +77,18 @@ def run_once(
     params: SamplingParams,
     adapters: list[LoRARequest | None],
     tag: str,
-) -> float:
-    """Output tokens per second of all prompts submitted at once."""
+) -> tuple[float, float]:
+    """Output tokens per second of all prompts submitted at once: per wall-clock
+    second and per CPU second of this process (all its threads)."""
     engine = InProcessEngine(runner, max_num_seqs=len(prompts), max_num_batched_tokens=2048)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", prompt, params, adapters[index % len(adapters)])
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         engine.step()
-    elapsed = time.perf_counter() - started
-    return sum(len(r.output_token_ids) for r in engine.results.values()) / elapsed
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+    tokens = sum(len(r.output_token_ids) for r in engine.results.values())
+    return tokens / elapsed, tokens / cpu
 
 
 def main() -> None:
@@ -89,15 +98,23 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--dtype", default="auto", help="auto (as served), float32 or bfloat16")
+    parser.add_argument("--lora-kernel", choices=["auto", "torch", "both"], default="auto")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     runner = ModelRunner(
-        ModelConfig.from_pretrained(args.model, max_model_len=512),
+        ModelConfig.from_pretrained(args.model, dtype=args.dtype, max_model_len=512),
         CacheConfig(block_size=16, num_kv_blocks=1024),
+        num_threads=args.threads,
         max_loras=max(ADAPTER_COUNTS),
         max_lora_rank=RANK,
     )
+    slots = runner.lora_slots
+    assert slots is not None
+    chosen = "native" if slots.native else "torch"
+    kernels = {"auto": [chosen], "torch": ["torch"], "both": sorted({chosen, "torch"})}
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(
         3, runner.vocab_size, (args.num_requests, args.prompt_len), generator=generator
@@ -107,21 +124,40 @@ def main() -> None:
         loras = [write_adapter(Path(tmp) / f"a{i}", runner, i) for i in range(max(ADAPTER_COUNTS))]
         warm = SamplingParams(temperature=0.0, max_tokens=2)
         run_once(runner, [prompts[0]] * len(loras), warm, list(loras), "warm")  # fill the slots
-        runs: dict[str, list[LoRARequest | None]] = {"base": [None]}
-        runs.update({f"{n} adapters": loras[:n] for n in ADAPTER_COUNTS})
+        # name -> (adapters, LoRA kernel or None for the base model)
+        runs: dict[str, tuple[list[LoRARequest | None], str | None]] = {"base": ([None], None)}
+        for kernel in kernels[args.lora_kernel]:
+            runs.update({f"{n} adapters {kernel}": (loras[:n], kernel) for n in ADAPTER_COUNTS})
         best = dict.fromkeys(runs, 0.0)
+        best_cpu = dict.fromkeys(runs, 0.0)
         for round_index in range(args.rounds):
-            for name, adapters in runs.items():
-                rate = run_once(runner, prompts, params, adapters, f"{name}-{round_index}")
+            for name, (adapters, kernel) in runs.items():
+                if kernel is not None:
+                    slots.set_native(kernel == "native")
+                rate, cpu_rate = run_once(
+                    runner, prompts, params, adapters, f"{name}-{round_index}"
+                )
                 best[name] = max(best[name], rate)
-                print(f"round {round_index + 1}: {name} {rate:.1f} tok/s", flush=True)
+                best_cpu[name] = max(best_cpu[name], cpu_rate)
+                print(
+                    f"round {round_index + 1}: {name} {rate:.1f} tok/s, {cpu_rate:.1f} tok/cpu-s",
+                    flush=True,
+                )
     print(
         f"{args.num_requests} requests at once, {args.prompt_len} prompt + {args.output_len} "
-        f"output tokens, rank {RANK} on q/k/v/o/gate/up/down, best of {args.rounds} rounds"
+        f"output tokens, rank {RANK} on q/k/v/o/gate/up/down, {runner.model_config.dtype}, "
+        f"{torch.get_num_threads()} threads, best of {args.rounds} rounds; "
+        f"LoRA kernel chosen at load: {chosen}"
     )
-    print(f"{'run':<12} {'tok/s':>8} {'vs base':>8}")
+    # Per CPU second: what a neighbour's load does not take away (with one
+    # thread, preemption stops the clock); wall-clock is what a user sees.
+    print(f"{'run':<20} {'tok/s':>8} {'vs base':>8} {'tok/cpu-s':>10} {'vs base':>8}")
     for name, rate in best.items():
-        print(f"{name:<12} {rate:8.1f} {rate / best['base']:8.2f}")
+        cpu_rate = best_cpu[name]
+        print(
+            f"{name:<20} {rate:8.1f} {rate / best['base']:8.2f} "
+            f"{cpu_rate:10.1f} {cpu_rate / best_cpu['base']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ hidden visibility, so no level's library can bind another level's copy.
 The elementwise ops and decode attention take float32 or bfloat16 tensors
 (``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
 bfloat16 ops round); the block-code linear takes float32 activations, and
-bfloat16 ones where the level has AVX512-BF16 (``block_code_linear_bf16``).
+bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``);
+batched LoRA (``add_lora``) takes either and accumulates in float32.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -64,6 +65,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),
+    # Sums of products: fused multiply-adds are both faster and closer.
+    "lora_cpu.cpp": ("-ffp-contract=fast",),
 }
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 # Element types of rms_norm, add_rms_norm, silu_and_mul, rotary_embedding and

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import native
 from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from tests.lora_adapters import lora_request, make_lora_adapter
@@ -78,9 +79,17 @@ def _run(runner: ModelRunner, jobs: list[tuple[str, list[int], LoRARequest | Non
     return driver.run()
 
 
-def test_each_adapter_alone_equals_transformers_peft(tiny) -> None:
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_each_adapter_alone_equals_transformers_peft(tiny, kernel: str) -> None:
     base_folder, requests, expected = tiny
     runner = _runner(base_folder, max_loras=2)
+    assert runner.lora_slots is not None
+    # On CPU the C++ kernel is chosen at load wherever it builds.
+    assert runner.lora_slots.native == (native.unavailable_reason() is None)
+    if kernel == "torch":
+        runner.lora_slots.set_native(False)
+    elif not runner.lora_slots.native:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     for name in [None, *requests]:
         jobs = [(f"{name}-{i}", p, requests.get(name)) for i, p in enumerate(PROMPTS)]
         finished = _run(runner, jobs)

@@ -10,6 +10,12 @@ Columns are packed per slot (an adapter of rank r uses ``r`` per targeted
 slice); the rest of the slot stays zero, so a kernel that reads the whole
 padded slot (the Triton path) adds exact zeros there.
 
+On CPU, B is stored transposed (``[slots, columns, out]``; ``lora_b`` is a
+view of it with the usual shape), the layout the C++ kernel
+(kernels/csrc/lora_cpu.cpp) streams along output rows; with the table of
+each slot's column and row ranges per slice it reads only B's diagonal
+blocks. The torch matmuls take either layout, so the kernel is a switch.
+
 The scheduler never puts more distinct adapters into a step than ``max_loras``,
 so ``activate`` can always make room by evicting adapters the step does not use.
 """
@@ -23,13 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native as native_kernels
 from services.lora_request import LoRARequest
 from worker.lora.adapter import LoRAAdapter
+from worker.lora.step_batch import LoRABatch
 
 logger = logging.getLogger(__name__)
 
-# (first token, end token, slot): a run of the step's tokens that share an adapter.
-Segment = tuple[int, int, int]
+# The C++ kernel's calls below this many multiply-adds (~35 µs on one core)
+# stay on the calling thread: a decode step's delta is smaller than the wait
+# for a second thread on a busy box (kernels/csrc/lora_cpu.cpp).
+NATIVE_MIN_PARALLEL_MACS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -59,20 +69,37 @@ class ProjectionSlots:
         self.shape = shape
         columns = len(shape.slices) * max_rank
         self.lora_a = torch.zeros(max_loras, columns, shape.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(
-            max_loras, shape.out_features, columns, dtype=dtype, device=device
-        )
+        # [slots, columns, out] on CPU (the C++ kernel's layout), else None.
+        self.lora_b_t: torch.Tensor | None = None
+        if device.type == "cpu":
+            self.lora_b_t = torch.zeros(max_loras, columns, shape.out_features, dtype=dtype)
+            self.lora_b = self.lora_b_t.transpose(1, 2)
+        else:
+            self.lora_b = torch.zeros(
+                max_loras, shape.out_features, columns, dtype=dtype, device=device
+            )
         # Columns in use per slot; 0 when the slot's adapter targets no slice here.
         self.num_columns = [0] * max_loras
+        # Per slot and slice: (first column, columns, first output row, rows),
+        # what the C++ kernel reads of the slot (kernels/csrc/lora_cpu.cpp).
+        self.slice_table = torch.zeros(max_loras, len(shape.slices), 4, dtype=torch.int64)
+        for index, (_, row, size) in enumerate(shape.slices):
+            self.slice_table[:, index, 2:] = torch.tensor([row, size])
+        # Set by LoRASlots once at load (worker/lora/setup.py): the C++ kernel.
+        self.native = False
+        # Calls with fewer multiply-adds run on one thread (tests lower it).
+        self.min_parallel_macs = NATIVE_MIN_PARALLEL_MACS
 
     def fill(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slice_table[slot, :, :2] = 0
         rank, column = adapter.config.rank, 0
-        for module, row, size in self.shape.slices:
+        for index, (module, row, size) in enumerate(self.shape.slices):
             weights = adapter.modules.get((layer, module))
             if weights is None:
                 continue
+            self.slice_table[slot, index, :2] = torch.tensor([column, rank])
             lora_a, lora_b = weights
             self.lora_a[slot, column : column + rank] = lora_a
             self.lora_b[slot, row : row + size, column : column + rank] = (
@@ -81,26 +108,33 @@ class ProjectionSlots:
             column += rank
         self.num_columns[slot] = column
 
-    def add_delta(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        segments: Sequence[Segment],
-        token_slots: torch.Tensor | None = None,
-    ) -> None:
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """y[t] += B_s (A_s x[t]) for every token t of a segment with slot s (in place).
 
-        On CPU the segments are contiguous token runs, so each adapter is two
-        plain matmuls over a row slice: Punica's segmented shrink/expand without
-        any gather. Given ``token_slots`` (a GPU step), one launch of the Triton
+        On CPU the segments are contiguous token runs: the C++ kernel serves
+        all of them in one call, or (``native`` off) each adapter is two plain
+        matmuls over a row slice, Punica's segmented shrink/expand without any
+        gather. Given per-token slots (a GPU step), one launch of the Triton
         kernels serves every adapter.
         """
-        if token_slots is not None:
+        if batch.token_slots is not None:
             from kernels.triton_lora import add_lora_triton  # imports triton
 
-            add_lora_triton(y, x, self.lora_a, self.lora_b, token_slots)
+            add_lora_triton(y, x, self.lora_a, self.lora_b, batch.token_slots)
             return
-        for start, end, slot in segments:
+        if self.native:
+            assert self.lora_b_t is not None and batch.segment_table is not None
+            torch.ops.kvmesh.add_lora(
+                y,
+                x,
+                self.lora_a,
+                self.lora_b_t,
+                batch.segment_table,
+                self.slice_table,
+                self.min_parallel_macs,
+            )
+            return
+        for start, end, slot in batch.segments:
             columns = self.num_columns[slot]
             if columns:
                 shrunk = torch.mm(x[start:end], self.lora_a[slot, :columns].t())
@@ -134,6 +168,24 @@ class LoRASlots:
         # lora_id -> slot, least recently used first.
         self._slot_of: OrderedDict[str, int] = OrderedDict()
         self._free = list(range(max_loras - 1, -1, -1))
+
+    @property
+    def native(self) -> bool:
+        """Whether the C++ kernel computes the delta (else torch matmuls or Triton)."""
+        return all(p.native for projections in self.layers for p in projections.values())
+
+    def set_native(self, enabled: bool) -> None:
+        """Switch every projection between the C++ kernel and the torch matmuls
+        (chosen once at load, worker/lora/setup.py; switched by A/B benchmarks).
+        The kernel needs the CPU layout and ``torch.ops.kvmesh`` loaded."""
+        reason = native_kernels.unavailable_reason()
+        if enabled and reason is not None:
+            raise ValueError(f"native kernels unavailable: {reason}")
+        for projections in self.layers:
+            for projection in projections.values():
+                if enabled and projection.lora_b_t is None:
+                    raise ValueError("the C++ LoRA kernel runs on CPU only")
+                projection.native = enabled
 
     @property
     def loaded_ids(self) -> list[str]:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.lora.slots import Segment
-
 NO_ADAPTER = -1
+
+# (first token, end token, slot): a run of the step's tokens that share an adapter.
+Segment = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class LoRABatch:
     """The adapter of every token of a step, as runs and (off CPU) per token."""
 
     segments: list[Segment]
+    # The segments as an int64 [n, 3] tensor, built once per step for the C++
+    # kernel's every call (CPU only, else None).
+    segment_table: torch.Tensor | None = None
     # [num_tokens] int32 slot per token, -1 for the base model; None on CPU,
     # where the segments are all the CPU path reads.
     token_slots: torch.Tensor | None = None
@@ -38,16 +42,21 @@ def plan_lora_batch(
 ) -> LoRABatch:
     """Segments of requests already ordered by slot (``order_by_slot``)."""
     ends = np.cumsum(num_scheduled)
-    starts = ends - num_scheduled
     segments: list[Segment] = []
-    for index in np.flatnonzero(request_slots != NO_ADAPTER):
-        slot, start, end = int(request_slots[index]), int(starts[index]), int(ends[index])
+    # Python ints, not numpy scalars: indexing numpy per request took ~75 µs
+    # a step of 32 requests on the dev box, about twice this loop's time.
+    for slot, end, count in zip(
+        request_slots.tolist(), ends.tolist(), num_scheduled.tolist(), strict=True
+    ):
+        if slot == NO_ADAPTER:
+            continue
+        start = end - count
         if segments and segments[-1][2] == slot and segments[-1][1] == start:
             segments[-1] = (segments[-1][0], end, slot)
         else:
             segments.append((start, end, slot))
-    token_slots = None
-    if device.type != "cpu":
-        per_token = np.repeat(request_slots.astype(np.int32), num_scheduled)
-        token_slots = torch.from_numpy(per_token).to(device)
-    return LoRABatch(segments, token_slots)
+    if device.type == "cpu":
+        table = torch.tensor(segments, dtype=torch.int64).reshape(len(segments), 3)
+        return LoRABatch(segments, segment_table=table)
+    per_token = np.repeat(request_slots.astype(np.int32), num_scheduled)
+    return LoRABatch(segments, token_slots=torch.from_numpy(per_token).to(device))

@@ -204,7 +204,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         y = F.linear(x, weight, bias) if self._packed is None else self._packed[name](x)
         if lora is not None and self.lora is not None:
-            self.lora[name].add_delta(y, x, lora.segments, lora.token_slots)
+            self.lora[name].add_delta(y, x, lora)
         return y
 
     def forward(
