@@ -59,9 +59,12 @@ MAX_BLOCK_CODE_ROWS = 32
 # lower still (not measured: no AMX machine in reach).
 MAX_BLOCK_CODE_ROWS_BF16 = 12
 # Where the kernels' level multiplies bfloat16 activations with vdpbf16ps
-# (kernels/cpu_isa.py: avx512_bf16), a row costs half the multiply
-# instructions and the codes stay ahead of oneDNN's bf16 matmul to more rows.
-MAX_BLOCK_CODE_ROWS_BF16_DOT = 24
+# (kernels/cpu_isa.py: avx512_bf16) the codes stay ahead of oneDNN's bf16
+# matmul to 16 rows on the AVX512-BF16 EPYC (`linear_bench.py --dtype
+# bfloat16`, quiet box: 1 row 6.2 vs 12.0 ms per step, 16 rows 17.1 vs 19.3,
+# 20 rows 23.8 vs 23.4). Zen 4 runs 512-bit ops in two halves, so vdpbf16ps
+# gained little per row over the float32 path there; AMX is unmeasured.
+MAX_BLOCK_CODE_ROWS_BF16_DOT = 16
 # A weight held only as codes pays a rebuild per call off the kernel, so the
 # kernel stays ahead longer: for a 3072x576 weight on one thread of the EPYC
 # (loaded box), kernel vs rebuild + oneDNN 1.5 vs 2.6 ms at 64 rows, 3.1 vs
