@@ -7,6 +7,7 @@ end of their known tokens in the step, exactly as the step contract says.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -121,3 +122,37 @@ def run_step(
     scheduler_output = scheduler.schedule()
     model_output = make_output(scheduler_output, tokens, errors, scheduler=scheduler)
     return scheduler_output, scheduler.update_from_output(scheduler_output, model_output)
+
+
+# (request id, prompt, max_tokens, ignore_eos, arrival step) of a random workload.
+WorkloadSpec = tuple[str, list[int], int, bool, int]
+
+
+def random_workload(
+    rng: random.Random, block_size: int
+) -> tuple[list[WorkloadSpec], dict[str, Any]]:
+    """A few requests (some sharing a prefix) arriving over the first steps, and a
+    scheduler config small enough to preempt, chunk and hit the prefix cache."""
+    shared = [rng.randrange(10, 1000) for _ in range(12)]
+    specs: list[WorkloadSpec] = []
+    for index in range(rng.randint(4, 10)):
+        n_prompt = rng.randint(1, 14)
+        prompt = (
+            shared[:n_prompt]
+            if rng.random() < 0.3
+            else [rng.randrange(10, 1000) for _ in range(n_prompt)]
+        )
+        specs.append(
+            (f"r{index}", prompt, rng.randint(1, 12), rng.random() < 0.5, rng.randint(0, 6))
+        )
+    config = dict(
+        num_kv_blocks=rng.choice([6, 8, 12, 64]),
+        block_size=block_size,
+        max_model_len=24,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([5, 9, 32]),
+        long_prefill_token_threshold=rng.choice([0, 5]),
+        enable_prefix_caching=rng.random() < 0.7,
+        watermark=0.0,
+    )
+    return specs, config

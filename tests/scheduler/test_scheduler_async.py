@@ -21,7 +21,7 @@ from scheduler.output import FinishReason, RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from services.step import ModelRunnerOutput, SchedulerOutput
-from tests.scheduler.factories import make_request, make_scheduler
+from tests.scheduler.factories import make_request, make_scheduler, random_workload
 
 EOS = 2
 BLOCK_SIZE = 4
@@ -292,35 +292,7 @@ def test_abort_with_steps_in_flight_frees_blocks_and_tells_the_worker() -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_give_identical_tokens_sync_and_async(seed: int) -> None:
-    rng = random.Random(seed)
-    shared = [rng.randrange(10, 1000) for _ in range(12)]
-    specs = []
-    for index in range(rng.randint(4, 10)):
-        n_prompt = rng.randint(1, 14)
-        prompt = (
-            shared[:n_prompt]
-            if rng.random() < 0.3
-            else [rng.randrange(10, 1000) for _ in range(n_prompt)]
-        )
-        specs.append(
-            (
-                f"r{index}",
-                prompt,
-                rng.randint(1, 12),
-                rng.random() < 0.5,
-                rng.randint(0, 6),
-            )
-        )
-    config = dict(
-        num_kv_blocks=rng.choice([6, 8, 12, 64]),
-        block_size=BLOCK_SIZE,
-        max_model_len=24,
-        max_num_seqs=rng.choice([2, 4, 8]),
-        max_num_batched_tokens=rng.choice([5, 9, 32]),
-        long_prefill_token_threshold=rng.choice([0, 5]),
-        enable_prefix_caching=rng.random() < 0.7,
-        watermark=0.0,
-    )
+    specs, config = random_workload(random.Random(seed), BLOCK_SIZE)
     runs = {}
     for async_scheduling in (False, True):
         sched = make_scheduler(async_scheduling=async_scheduling, **config)

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
-from tests.scheduler.factories import make_scheduler
+from tests.scheduler.factories import make_scheduler, random_workload
 from tests.scheduler.test_scheduler_async import BLOCK_SIZE, SimulatedWorker, _request, drive
 
 
@@ -134,29 +134,8 @@ def test_request_preempted_in_flight_waits_for_its_step_before_readmission() -> 
 def test_random_workloads_give_the_synchronous_tokens(seed: int, num_micro_batches: int) -> None:
     """Budgets, preemption (small pools), prefix hits and aborts with P steps in flight."""
     rng = random.Random(1000 + seed)
-    shared = [rng.randrange(10, 1000) for _ in range(12)]
-    specs = []
-    for index in range(rng.randint(4, 10)):
-        n_prompt = rng.randint(1, 14)
-        prompt = (
-            shared[:n_prompt]
-            if rng.random() < 0.3
-            else [rng.randrange(10, 1000) for _ in range(n_prompt)]
-        )
-        specs.append(
-            (f"r{index}", prompt, rng.randint(1, 12), rng.random() < 0.5, rng.randint(0, 6))
-        )
+    specs, config = random_workload(rng, BLOCK_SIZE)
     aborted_ids = {spec[0] for spec in specs if rng.random() < 0.2}
-    config = dict(
-        num_kv_blocks=rng.choice([6, 8, 12, 64]),
-        block_size=BLOCK_SIZE,
-        max_model_len=24,
-        max_num_seqs=rng.choice([2, 4, 8]),
-        max_num_batched_tokens=rng.choice([5, 9, 32]),
-        long_prefill_token_threshold=rng.choice([0, 5]),
-        enable_prefix_caching=rng.random() < 0.7,
-        watermark=0.0,
-    )
     abort_at = {req_id: rng.randint(1, 10) for req_id in aborted_ids}
     runs = {}
     for micro in (0, num_micro_batches):

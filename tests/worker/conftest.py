@@ -89,6 +89,18 @@ def runner(model_path: Path) -> ModelRunner:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """A random tiny Llama in a small cache with 4-token blocks, one per module."""
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_checkpoint(folder, "LlamaForCausalLM", torch.float32)
+    return ModelRunner(
+        ModelConfig.from_pretrained(folder),
+        CacheConfig(block_size=4, num_kv_blocks=64),
+        num_threads=1,
+    )
+
+
 def make_tiny_checkpoint(
     folder: Path,
     architecture: str,

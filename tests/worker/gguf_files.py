@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from services.model_prep import GGUF_MARKER
+from worker.gguf_weights import LAYER_NAMES
 
 Q8_0, Q4_0, Q4_1, F32, F16 = (
     GGMLQuantizationType.Q8_0,
@@ -30,17 +31,6 @@ LAYER_TYPES = {
     "ffn_gate": Q4_1,
     "ffn_up": Q8_0,
     "ffn_down": Q4_1,
-}
-HF_PARTS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -90,7 +80,7 @@ def write_tiny_gguf(
     if "lm_head.weight" in state:
         add("output.weight", "lm_head.weight", Q8_0)
     for layer in range(config["num_hidden_layers"]):
-        for part, hf_part in HF_PARTS.items():
+        for part, hf_part in LAYER_NAMES.items():
             kind = LAYER_TYPES.get(part, F32)
             permute = {"attn_q": heads, "attn_k": kv_heads}.get(part, 0)
             add(

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from services.sampling_params import SamplingParams
 from services.step import NewRequestData, SchedulerOutput
-from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
-
-from .conftest import make_tiny_checkpoint
 
 PROMPT = [3, 17, 42, 99, 5, 8]
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    folder: Path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_checkpoint(folder, "LlamaForCausalLM", torch.float32)
-    return ModelRunner(
-        ModelConfig.from_pretrained(folder),
-        CacheConfig(block_size=4, num_kv_blocks=64),
-        num_threads=1,
-    )
+def runner(tiny_runner: ModelRunner) -> ModelRunner:
+    return tiny_runner
 
 
 def _run_alone(runner: ModelRunner, params: SamplingParams, num_tokens: int = 8) -> list[int]:
