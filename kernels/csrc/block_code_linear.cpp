@@ -47,7 +47,6 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include <c10/util/BFloat16.h>
 
 #include "work_stealing.h"
 
