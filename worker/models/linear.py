@@ -68,12 +68,12 @@ MAX_BLOCK_CODE_ROWS_BF16_DOT = 16
 # Where the level multiplies them on AMX tiles (kernels/cpu_isa.py: amx) the
 # multiplies barely grow with the rows, and the codes stay ahead to 64 rows:
 # `linear_bench.py --dtype bfloat16` on the 2-core AMX Xeon (Intel(R) Xeon(R)
-# Processor, AMX-BF16/INT8, AVX512-BF16; shared, load 1.5-3.8, runs ranged
-# widely), oneDNN bf16 vs codes ms per step in the quietest run: 1 row -- vs
-# 14 (the vdpbf16ps level: 13.6), 12 rows 30.6 vs 15.1, 16: 30.2 vs 16.4 (the
-# vdpbf16ps level: 48-61), 32: 42.9 vs 20.3, 48: 35.5 vs 27.1, 64: 38.9 vs
-# 34.4; codes ahead at 64 rows in 3 of 3 runs (1.07-1.29x), at 96 rows by 1.05x
-# once.
+# Processor, AMX-BF16/INT8, AVX512-BF16; shared, load 1.5-3.8), oneDNN bf16 vs
+# codes ms per step in the two quietest runs: 12 rows 30.6-34.3 vs 15.1-17.1,
+# 16: 30.2-36.6 vs 16.4-18.3 (the vdpbf16ps level: 48-64), 32: 42.9-45.0 vs
+# 20.3-24.0, 48: 35.5 vs 27.1 (one loaded run 39.2 vs 54.9), 64: 38.9-44.9 vs
+# 34.4-42.6; codes ahead at 64 rows in 4 of 4 runs (1.06-1.29x), at 96 by
+# 1.05x in the one run that tried it.
 MAX_BLOCK_CODE_ROWS_BF16_AMX = 64
 # A weight held only as codes pays a rebuild per call off the kernel, so the
 # kernel stays ahead longer: for a 3072x576 weight on one thread of the EPYC
