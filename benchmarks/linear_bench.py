@@ -9,7 +9,7 @@ this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]
 kernel fed bf16 rows, as the bf16 model runs them).
 
 The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` (and ``_BF16``,
-``_BF16_DOT``) in worker/models/linear.py are set from; the codes kernel runs
+``_BF16_DOT``, ``_BF16_AMX``) in worker/models/linear.py are set from; the codes kernel runs
 at the loaded instruction-set level (``KVMESH_CPU_ISA``, printed).
 """
 
@@ -35,7 +35,12 @@ def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], fo
     """Best of 5 passes over every projection; ``force`` picks the path."""
     import worker.models.linear as linear_module
 
-    names = ("MAX_BLOCK_CODE_ROWS", "MAX_BLOCK_CODE_ROWS_BF16", "MAX_BLOCK_CODE_ROWS_BF16_DOT")
+    names = (
+        "MAX_BLOCK_CODE_ROWS",
+        "MAX_BLOCK_CODE_ROWS_BF16",
+        "MAX_BLOCK_CODE_ROWS_BF16_DOT",
+        "MAX_BLOCK_CODE_ROWS_BF16_AMX",
+    )
     saved = [getattr(linear_module, name) for name in names]
     for name in names:
         setattr(linear_module, name, 1 << 30 if force == "codes" else 0)

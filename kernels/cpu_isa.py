@@ -11,15 +11,17 @@ level          compiler flags                               CPUs
 generic        ``-march=x86-64-v2`` (SSE4.2)                any x86-64 server since ~2009
 avx2           ``-march=x86-64-v3`` (AVX2, FMA, F16C)       Haswell+, Zen 1+
 avx512         ``-march=x86-64-v4`` (AVX-512 F/BW/CD/DQ/VL) Skylake-SP+, Zen 4+
-avx512_bf16    ``x86-64-v4`` + AVX512-BF16 + VNNI           Cooper Lake, Sapphire Rapids+, Zen 4+
+avx512_bf16    ``x86-64-v4`` + AVX512-BF16 + VNNI           Cooper Lake, Zen 4+
+amx            ``avx512_bf16`` + AMX-TILE + AMX-BF16        Sapphire Rapids+
 =============  ===========================================  ==========================
 
 What changes between levels: the compiler's auto-vectorization width in every
 op, and the block-code linear's hand-written paths (AVX2: two 8-lane halves
 per 16-output panel; AVX-512: one register; AVX512-BF16: bfloat16 activations
-multiplied with ``vdpbf16ps``, two input features per instruction). There is
-no AMX level: no kernel of ours uses AMX tiles (oneDNN runs the large
-bfloat16 matmuls on them), so an AMX CPU loads ``avx512_bf16``.
+multiplied with ``vdpbf16ps``, two input features per instruction; AMX:
+bfloat16 activations multiplied on AMX tiles with ``tdpbf16ps``, 16 rows x 32
+input features x 16 outputs per instruction, so that decode batches of many
+rows still only read the codes; float32 activations as at ``avx512_bf16``).
 
 Other architectures (aarch64) have one level, ``native``, built for the
 machine that builds it. ``KVMESH_CPU_ISA`` picks a lower level than the best,
@@ -44,6 +46,8 @@ class IsaLevel:
     required_cpu_flags: frozenset[str]
     # The block-code linear takes bfloat16 activations (vdpbf16ps).
     bf16_block_codes: bool = False
+    # ... and multiplies them on AMX tiles (tdpbf16ps).
+    amx_tiles: bool = False
 
     def missing(self, cpu: CpuFeatures) -> list[str]:
         """The flags this level needs that the CPU lacks (empty: it runs here)."""
@@ -64,6 +68,13 @@ X86_LEVELS: tuple[IsaLevel, ...] = (
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
         _X86_V4 | {"avx512_bf16", "avx512_vnni"},
         bf16_block_codes=True,
+    ),
+    IsaLevel(
+        "amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+        _X86_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+        bf16_block_codes=True,
+        amx_tiles=True,
     ),
 )
 NATIVE_LEVEL = IsaLevel("native", ("-march=native",), frozenset())

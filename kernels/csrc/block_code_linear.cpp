@@ -29,6 +29,14 @@
 //                 bfloat16 model's decode rows then cost half the multiply
 //                 instructions, which moves the batch size up to which codes
 //                 beat oneDNN's bfloat16 matmul.
+//   AMX:          bfloat16 activations on AMX tiles: each 32-feature block's
+//                 weights rebuilt as above (one B tile: 16 pairs x 16 outputs,
+//                 the same bfloat16 values), then one tdpbf16ps per 16 rows
+//                 multiplies all 32 features; float32 accumulators in tiles,
+//                 bfloat16 output. The codes are still read once per call, but
+//                 the multiplies no longer grow ~linearly with the rows, so a
+//                 decode batch of 32+ rows stays near the 1-row time. float32
+//                 activations run the AVX-512 path.
 //   otherwise:    portable C++ (the compiler vectorizes what the level allows;
 //                 multiply and add are separate roundings there).
 
@@ -46,6 +54,12 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #endif
 
 #include "work_stealing.h"
@@ -173,7 +187,8 @@ constexpr bool kBf16Activations = true;
 
 // Two input features (k, k + 1) of the panel's 16 outputs, rebuilt in float32
 // and rounded to bfloat16 pairs: word 2l is W[l, k], word 2l + 1 is W[l, k + 1],
-// the layout vdpbf16ps multiplies against a broadcast (x[k], x[k + 1]) pair.
+// the layout vdpbf16ps multiplies against a broadcast (x[k], x[k + 1]) pair
+// (and one row of an AMX B tile).
 inline __m512bh weight_pairs(const uint8_t* codes_k, __m512 scale_lo, __m512 scale_hi,
                              __m512 offset_lo, __m512 offset_hi) {
   const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_k));
@@ -185,27 +200,44 @@ inline __m512bh weight_pairs(const uint8_t* codes_k, __m512 scale_lo, __m512 sca
   return _mm512_cvtne2ps_pbh(w_hi, w_lo);  // low 16 words from w_lo
 }
 
+// One 32-feature block's scale and offset, each lane's value for both
+// features of its pair (the word order of weight_pairs).
+struct PairScales {
+  __m512 scale_lo, scale_hi, offset_lo, offset_hi;
+};
+
+inline PairScales pair_scales(const float* scales_kb, const float* offsets_kb) {
+  const __m512i pair_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pair_hi =
+      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512 scale = _mm512_loadu_ps(scales_kb);
+  const __m512 offset = _mm512_loadu_ps(offsets_kb);
+  return {_mm512_permutexvar_ps(pair_lo, scale), _mm512_permutexvar_ps(pair_hi, scale),
+          _mm512_permutexvar_ps(pair_lo, offset), _mm512_permutexvar_ps(pair_hi, offset)};
+}
+
+inline __m512bh weight_pairs(const uint8_t* codes_k, const PairScales& s) {
+  return weight_pairs(codes_k, s.scale_lo, s.scale_hi, s.offset_lo, s.offset_hi);
+}
+
+// Rounds 16 float32 lanes to bfloat16 and stores the first valid_lanes.
+inline void store_bf16_row(uint16_t* y, __m512 acc, int64_t valid_lanes) {
+  const __mmask16 mask = valid_lanes >= kLanes ? 0xFFFF : (__mmask16)((1u << valid_lanes) - 1);
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
 template <int ROWS>
 void panel_tile_bf16(const uint16_t* x, int64_t K, const uint8_t* codes,
                      const uint8_t* next_codes, const float* scales, const float* offsets,
                      uint16_t* y, int64_t ldy, int64_t valid_lanes) {
-  // Lane l's scale and offset, for the two features of each pair.
-  const __m512i pair_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i pair_hi =
-      _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
-    const __m512 scale = _mm512_loadu_ps(scales + kb * kLanes);
-    const __m512 offset = _mm512_loadu_ps(offsets + kb * kLanes);
-    const __m512 scale_lo = _mm512_permutexvar_ps(pair_lo, scale);
-    const __m512 scale_hi = _mm512_permutexvar_ps(pair_hi, scale);
-    const __m512 offset_lo = _mm512_permutexvar_ps(pair_lo, offset);
-    const __m512 offset_hi = _mm512_permutexvar_ps(pair_hi, offset);
+    const PairScales s = pair_scales(scales + kb * kLanes, offsets + kb * kLanes);
     prefetch_codes(codes, next_codes, K, kb);
     for (int64_t kk = 0; kk < kCodeBlock; kk += 2) {
       const int64_t k = kb * kCodeBlock + kk;
-      const __m512bh w = weight_pairs(codes + k * kLanes, scale_lo, scale_hi, offset_lo, offset_hi);
+      const __m512bh w = weight_pairs(codes + k * kLanes, s);
       for (int m = 0; m < ROWS; ++m) {
         int32_t pair;
         std::memcpy(&pair, x + m * K + k, sizeof(pair));
@@ -213,10 +245,7 @@ void panel_tile_bf16(const uint16_t* x, int64_t K, const uint8_t* codes,
       }
     }
   }
-  const __mmask16 mask = valid_lanes >= kLanes ? 0xFFFF : (__mmask16)((1u << valid_lanes) - 1);
-  for (int m = 0; m < ROWS; ++m) {
-    _mm256_mask_storeu_epi16(y + m * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
-  }
+  for (int m = 0; m < ROWS; ++m) store_bf16_row(y + m * ldy, acc[m], valid_lanes);
 }
 
 using TileFnBf16 = void (*)(const uint16_t*, int64_t, const uint8_t*, const uint8_t*,
@@ -227,6 +256,145 @@ constexpr auto make_tiles_bf16(std::integer_sequence<int, R...>) {
   return std::array<TileFnBf16, sizeof...(R)>{&panel_tile_bf16<R + 1>...};
 }
 constexpr auto kTilesBf16 = make_tiles_bf16(std::make_integer_sequence<int, kMaxRows>{});
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Linux hands out AMX tile state only to processes that ask for it (the
+// register file is 8 KB of every context switch's save area); once per
+// process, for all its threads.
+void require_amx_permission() {
+  static const int refused = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : errno;
+  }();
+  TORCH_CHECK(refused == 0,
+              "block_code_linear: Linux refused AMX tile data to this process "
+              "(arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): ",
+              std::strerror(refused), "); run a lower level (KVMESH_CPU_ISA=avx512_bf16)");
+}
+
+// The tiles one pass uses. GCC's AMX intrinsics paste the tile number into
+// their asm text, so these are macros of literal numbers, not constants.
+#define KVMESH_TILE_B 0       // 16 pairs of features x 16 outputs: one 32-feature block
+#define KVMESH_TILE_A 1       // 16 rows x 32 features of the activations
+#define KVMESH_TILE_A_LAST 2  // the pass's last row tile (maybe fewer rows)
+// Accumulators: tiles 3..6, one per 16 rows of the pass.
+// On the 2-core AMX Xeon VM this was measured on, one tdpbf16ps costs ~16-22 ns
+// and one tileloadd of 16 rows ~10-13 ns (a standalone loop of each), so a
+// row tile is ~30 ns per block: giving each row tile its own A tile and
+// alternating two B tiles (3 row tiles per pass) measured no faster, and
+// 64 rows in two passes of 32 (rebuilding twice) slower, than this layout.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kRowTilesPerPass = 4;
+constexpr int64_t kPassRows = kTileRows * kRowTilesPerPass;
+constexpr int64_t kTileBytesPerRow = 64;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// The tile shapes of a pass over `rows` (1..kPassRows) activation rows.
+TileConfig pass_config(int64_t rows) {
+  TileConfig config{};
+  config.palette_id = 1;
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const auto last_rows = static_cast<uint8_t>(rows - (row_tiles - 1) * kTileRows);
+  const auto set = [&](int tile, uint8_t tile_rows) {
+    config.rows[tile] = tile_rows;
+    config.colsb[tile] = kTileBytesPerRow;
+  };
+  set(KVMESH_TILE_B, kTileRows);
+  set(KVMESH_TILE_A, kTileRows);
+  set(KVMESH_TILE_A_LAST, last_rows);
+  for (int64_t t = 0; t < row_tiles; ++t) {
+    set(3 + static_cast<int>(t), t + 1 == row_tiles ? last_rows : kTileRows);
+  }
+  return config;
+}
+
+// GCC's tile loads take their address as a plain register operand: without
+// this barrier the compiler may sink (or drop) the stores they read.
+inline void compiler_barrier() { asm volatile("" ::: "memory"); }
+
+// Accumulator `row_tile` += (its 16 rows of x, 32 features) x tile B.
+inline void multiply_row_tile(int64_t row_tile, bool last, const uint16_t* x, int64_t x_stride) {
+#define KVMESH_MULTIPLY(C)                                 \
+  if (last) {                                              \
+    _tile_loadd(KVMESH_TILE_A_LAST, x, x_stride);          \
+    _tile_dpbf16ps(C, KVMESH_TILE_A_LAST, KVMESH_TILE_B);  \
+  } else {                                                 \
+    _tile_loadd(KVMESH_TILE_A, x, x_stride);               \
+    _tile_dpbf16ps(C, KVMESH_TILE_A, KVMESH_TILE_B);       \
+  }                                                        \
+  break;
+  switch (row_tile) {
+    case 0: KVMESH_MULTIPLY(3)
+    case 1: KVMESH_MULTIPLY(4)
+    case 2: KVMESH_MULTIPLY(5)
+    default: KVMESH_MULTIPLY(6)
+  }
+#undef KVMESH_MULTIPLY
+}
+
+inline void store_row_tile(int64_t row_tile, float* out) {
+  constexpr long stride = kLanes * sizeof(float);
+  switch (row_tile) {
+    case 0: _tile_stored(3, out, stride); break;
+    case 1: _tile_stored(4, out, stride); break;
+    case 2: _tile_stored(5, out, stride); break;
+    default: _tile_stored(6, out, stride); break;
+  }
+}
+
+// One panel (16 outputs) for all M bfloat16 rows on AMX tiles: each 32-feature
+// block's weights are rebuilt from the codes exactly as panel_tile_bf16
+// rebuilds them (weight_pairs: one B-tile row per pair of features) into a
+// 1 KB buffer, then multiplied against up to four 16-row tiles of x with
+// tdpbf16ps (float32 accumulators, each rebuilt block reused by every row
+// tile of the pass; more than 64 rows take further passes, rebuilding again).
+// The tile configuration is this thread's, set per panel and released after,
+// since oneDNN's matmuls configure tiles of their own on the same threads.
+void panel_amx_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes,
+                    const uint8_t* next_codes, const float* scales, const float* offsets,
+                    uint16_t* y, int64_t ldy, int64_t valid_lanes) {
+  // Two buffers, alternating by block, so that rebuilding block kb + 1 need
+  // not wait for the tile load of block kb.
+  alignas(64) uint16_t b_tiles[2][kCodeBlock * kLanes];
+  alignas(64) float out[kPassRows * kLanes];
+  const int64_t x_stride = K * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
+    const int64_t rows = std::min(kPassRows, M - m0);
+    const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+    const TileConfig config = pass_config(rows);
+    compiler_barrier();
+    _tile_loadconfig(&config);  // also zeroes every tile: the accumulators start at 0
+    for (int64_t kb = 0; kb < K / kCodeBlock; ++kb) {
+      const PairScales s = pair_scales(scales + kb * kLanes, offsets + kb * kLanes);
+      if (m0 == 0) prefetch_codes(codes, next_codes, K, kb);
+      uint16_t* b = b_tiles[kb & 1];
+      for (int64_t pair = 0; pair < kCodeBlock / 2; ++pair) {
+        const uint8_t* codes_k = codes + (kb * kCodeBlock + 2 * pair) * kLanes;
+        _mm512_store_si512(b + pair * 2 * kLanes, (__m512i)weight_pairs(codes_k, s));
+      }
+      compiler_barrier();
+      _tile_loadd(KVMESH_TILE_B, b, kTileBytesPerRow);
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        multiply_row_tile(t, t + 1 == row_tiles, x + (m0 + t * kTileRows) * K + kb * kCodeBlock,
+                          x_stride);
+      }
+    }
+    for (int64_t t = 0; t < row_tiles; ++t) store_row_tile(t, out + t * kTileRows * kLanes);
+    _tile_release();
+    for (int64_t m = 0; m < rows; ++m) {
+      store_bf16_row(y + (m0 + m) * ldy, _mm512_load_ps(out + m * kLanes), valid_lanes);
+    }
+  }
+}
+#endif  // AMX
 #else
 constexpr bool kBf16Activations = false;
 #endif
@@ -266,6 +434,9 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
   const void* x_data = x.data_ptr();  // float or bfloat16, as y
   void* y_data = y.data_ptr();
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (bf16) require_amx_permission();
+#endif
   kvmesh::parallel_items(panels, [&](int64_t p, bool forward) {
     const int64_t n0 = p * kLanes;
     const int64_t valid = std::min(kLanes, out_features - n0);
@@ -275,6 +446,14 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
     const uint8_t* panel_codes = cp + p * K * kLanes;
     const float* panel_scales = sp + p * blocks * kLanes;
     const float* panel_offsets = op + p * blocks * kLanes;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (bf16) {
+      panel_amx_bf16(static_cast<const uint16_t*>(x_data), M, K, panel_codes, next_codes,
+                     panel_scales, panel_offsets, static_cast<uint16_t*>(y_data) + n0,
+                     out_features, valid);
+      return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, M - m0);
 #if defined(__AVX512BF16__)

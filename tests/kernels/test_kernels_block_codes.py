@@ -114,11 +114,13 @@ def _bf16_level_or_skip() -> None:
         pytest.skip(f"the loaded {level.name} level multiplies float32 activations only")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 24, 40])
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 24, 40, 64, 65, 130])
 @pytest.mark.parametrize("out_features", [16, 37, 200])
 def test_bf16_kernel_matches_bf16_weights_in_float64(rows: int, out_features: int) -> None:
     """bfloat16 activations times the weights rounded to bfloat16 (as torch rounds a
-    bf16 model's weights), accumulated in float32, rounded once to bfloat16."""
+    bf16 model's weights), accumulated in float32, rounded once to bfloat16.
+    At the amx level: one and several 16-row tiles, a partial last tile, and
+    more than one 64-row pass."""
     _bf16_level_or_skip()
     weight = q8_0_weight(out_features, 128, seed=rows)
     codes = find_block_codes(weight)
@@ -191,15 +193,19 @@ def test_kernel_rejects_bad_inputs(change: dict, message: str) -> None:
         torch.ops.kvmesh.block_code_linear(*args.values())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
-def test_kernel_result_does_not_depend_on_thread_count(threads: int) -> None:
+def test_kernel_result_does_not_depend_on_thread_count(threads: int, dtype: torch.dtype) -> None:
     """Threads steal panels from each other (work_stealing.h): every panel must
     be computed exactly once whatever the split, and each panel's arithmetic is
-    the same on any thread, so results are bitwise equal."""
+    the same on any thread, so results are bitwise equal (bfloat16 on AMX
+    tiles too: each thread configures and releases its own)."""
+    if dtype == torch.bfloat16:
+        _bf16_level_or_skip()
     weight = q8_0_weight(16 * 37 + 5, 64, seed=9)
     codes = find_block_codes(weight)
     assert codes is not None
-    x = torch.randn(19, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(19, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     args = (x, codes.codes, codes.scales, codes.offsets, codes.out_features)
     before = torch.get_num_threads()
     try:

@@ -4,7 +4,10 @@ One library is loaded per process, so each other level runs in a child
 process: the kernel test files with their own tolerances, and the block-code
 linear's float32 results, which must be bitwise equal on the vector levels
 (AVX2 splits each 16-lane panel into two halves but keeps every operation and
-its order). Levels the CPU lacks are skipped with the flags it lacks.
+its order; amx runs float32 rows as avx512_bf16 does). Its bfloat16 results on
+AMX tiles and with vdpbf16ps (avx512_bf16) round the same bfloat16 weights and
+differ only by float32 summation order. Levels the CPU lacks are skipped with
+the flags it lacks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ KERNEL_TESTS = (
     "tests/kernels/test_kernels_elementwise.py",
     "tests/kernels/test_kernels_cpu_native.py",
 )
-VECTOR_LEVELS = ("avx2", "avx512", "avx512_bf16")
+VECTOR_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 def _runnable_or_skip(level: IsaLevel) -> None:
@@ -57,11 +60,17 @@ def _fake_cpu(*flag_sets: frozenset[str]) -> CpuFeatures:
 
 @pytest.mark.skipif(not is_x86(), reason="x86 levels")
 def test_choice_follows_the_flags_and_refuses_what_the_cpu_lacks() -> None:
-    generic, avx2, avx512, avx512_bf16 = all_levels()
+    generic, avx2, avx512, avx512_bf16, amx = all_levels()
     assert choose_level(_fake_cpu(avx2.required_cpu_flags)).level == avx2
+    # AMX-BF16 without the tile flag (never seen, but each is its own cpuid bit).
     assert choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16"})).level == (
         avx512_bf16
     )
+    assert (
+        choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16", "amx_tile"})).level
+        == amx
+    )
+    assert amx.bf16_block_codes and amx.amx_tiles and not avx512_bf16.amx_tiles
     assert choose_level(_fake_cpu(avx512.required_cpu_flags), "generic").level == generic
     with pytest.raises(ValueError, match=r"cannot run the avx512 level: no \['avx512bw'"):
         choose_level(_fake_cpu(avx2.required_cpu_flags, {"avx512f"}), "avx512")
@@ -124,3 +133,46 @@ def test_block_code_linear_float32_is_bitwise_equal_on_vector_levels(tmp_path: P
     for level in others:
         for rows, expected in outputs[first.name].items():
             assert torch.equal(outputs[level.name][rows], expected), (level.name, rows)
+
+
+_BF16_BLOCK_CODE_OUTPUTS = """
+import sys, torch
+from kernels import native
+from kernels.block_codes import find_block_codes
+from tests.kernels.test_kernels_block_codes import q4_1_weight
+native.ensure_loaded()
+assert native.loaded_level().name == sys.argv[2], native.loaded_level()
+codes = find_block_codes(q4_1_weight(200, 576, seed=5))
+outputs = {}
+for rows in (1, 7, 16, 33, 64, 100):
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    outputs[rows] = torch.ops.kvmesh.block_code_linear(
+        x, codes.codes, codes.scales, codes.offsets, codes.out_features
+    )
+torch.save(outputs, sys.argv[1])
+"""
+
+
+def test_block_code_linear_bf16_on_amx_tiles_agrees_with_vdpbf16ps(tmp_path: Path) -> None:
+    """Same bfloat16 weights and activations, float32 sums in another order:
+    at most one bfloat16 rounding step apart, and rarely that."""
+    levels = [level for level in all_levels() if level.name in ("avx512_bf16", "amx")]
+    for level in levels:
+        _runnable_or_skip(level)
+    outputs = {}
+    for level in levels:
+        path = tmp_path / f"{level.name}.pt"
+        subprocess.run(
+            [sys.executable, "-c", _BF16_BLOCK_CODE_OUTPUTS, str(path), level.name],
+            cwd=REPO_ROOT,
+            env=_child_env(level),
+            check=True,
+            timeout=300,
+        )
+        outputs[level.name] = torch.load(path)
+    for rows, dot in outputs["avx512_bf16"].items():
+        tiles = outputs["amx"][rows]
+        assert tiles.dtype == torch.bfloat16 and tiles.shape == dot.shape
+        torch.testing.assert_close(tiles.float(), dot.float(), atol=1e-2, rtol=2**-7)
+        mismatched = (tiles != dot).float().mean().item()
+        assert mismatched < 0.05, f"{rows} rows: {mismatched:.1%} differ by a bf16 rounding"
