@@ -22,6 +22,7 @@ import torch
 # that a checkout's own packages win over an editable install's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import native
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
@@ -40,10 +41,14 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return min(times) * 1e3
 
 
-def time_decode(backend: AttentionBackend, batch_size: int, context: int, repeats: int) -> float:
+def time_decode(
+    backend: AttentionBackend, batch_size: int, context: int, repeats: int, dtype: torch.dtype
+) -> float:
     # Ragged contexts around ``context`` so that most end mid-block.
     seqs = [(context - 1 - (i * 7) % 32, 1) for i in range(batch_size)]
-    batch = make_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    batch = make_paged_batch(
+        seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype
+    )
     k_cache, v_cache = batch.fresh_caches()
     backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
     metadata = batch.metadata(backend)  # once per step, as the worker does
@@ -58,21 +63,30 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    dtype = getattr(torch, args.dtype)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+        f"C++ kernels at the {native.loaded_level().name} level"
+    )
     print(
         f"{'batch':>5} {'context':>7} {'reference ms':>13} {'cpu ms':>8} {'native ms':>10} "
         f"{'native/ref':>11} {'native/cpu':>11}"
     )
     for batch_size in args.batch_sizes:
-        reference = time_decode(TorchReferenceBackend(), batch_size, args.context, args.repeats)
-        fast = time_decode(CpuAttentionBackend(), batch_size, args.context, args.repeats)
-        native = time_decode(NativeCpuAttentionBackend(), batch_size, args.context, args.repeats)
+        reference = time_decode(
+            TorchReferenceBackend(), batch_size, args.context, args.repeats, dtype
+        )
+        fast = time_decode(CpuAttentionBackend(), batch_size, args.context, args.repeats, dtype)
+        native_ms = time_decode(
+            NativeCpuAttentionBackend(), batch_size, args.context, args.repeats, dtype
+        )
         print(
-            f"{batch_size:>5} {args.context:>7} {reference:>13.3f} {fast:>8.3f} {native:>10.3f} "
-            f"{reference / native:>10.1f}x {fast / native:>10.1f}x"
+            f"{batch_size:>5} {args.context:>7} {reference:>13.3f} {fast:>8.3f} {native_ms:>10.3f} "
+            f"{reference / native_ms:>10.1f}x {fast / native_ms:>10.1f}x"
         )
 
 
