@@ -165,6 +165,60 @@ void pack_block(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16
   }
 }
 
+// The online softmax of one 64-key block for 16 rows, one row at a time (4
+// registers of 16 keys): new running max of the scaled scores, alpha =
+// exp(old max - new max) per row, p = exp(scaled scores - new max) rounded to
+// bfloat16 (0 past the row's causal limit unless WHOLE: no key of the block is
+// past any row's limit), row sums rescaled by alpha plus the rounded p.
+//   first_limit: the last key row 0 may see (prefix + its index in the chunk)
+template <bool WHOLE>
+void softmax_block(const float* s, uint16_t* p, float* row_max, float* row_sum, float* alpha,
+                   int64_t key0, int64_t first_limit, int64_t context_len, float scale) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float old_max[kTileRows], block_sum[kTileRows];
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    __m512 x[4];
+    __mmask16 keep[4];
+    const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
+    __m512 block_max = _mm512_set1_ps(kNoScore);
+    for (int t = 0; t < 4; ++t) {
+      x[t] = _mm512_load_ps(s + r * kKeyBlock + t * kKeyTile);
+      if constexpr (WHOLE) {
+        keep[t] = 0xFFFF;
+        block_max = _mm512_max_ps(block_max, x[t]);
+      } else {
+        keep[t] = _mm512_cmplt_epi32_mask(
+            lane, _mm512_set1_epi32(
+                      static_cast<int>(std::clamp<int64_t>(visible - t * kKeyTile, 0, 16))));
+        block_max = _mm512_mask_max_ps(block_max, keep[t], block_max, x[t]);
+      }
+    }
+    // scale > 0, so the max of the scaled scores is the scaled max.
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(block_max) * scale);
+    old_max[r] = row_max[r];
+    row_max[r] = new_max;
+    const __m512 max_v = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      __m512 e = exp_ps(_mm512_fmsub_ps(x[t], scale_v, max_v));
+      if constexpr (!WHOLE) e = _mm512_maskz_mov_ps(keep[t], e);
+      // Sum what P V will multiply: the bfloat16-rounded probabilities.
+      const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
+      sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e_bf16));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p + r * kKeyBlock + t * kKeyTile),
+                         (__m256i)e_bf16);
+    }
+    block_sum[r] = _mm512_reduce_add_ps(sum);
+  }
+  // All 16 rows' alpha in one register (one exp_ps instead of 16 calls).
+  static_assert(kTileRows == 16, "one register per 16 rows");
+  const __m512 a = exp_ps(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_loadu_ps(row_max)));
+  _mm512_storeu_ps(alpha, a);
+  _mm512_storeu_ps(row_sum,
+                   _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(block_sum)));
+}
+
 // Pass 2 for one query head and up to 16 query rows of one chunk.
 //   q: the rows' query vectors (bfloat16 words), `q_stride` words apart
 //   first_limit: the last key query row 0 may see (prefix + its chunk index)
@@ -192,8 +246,6 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   const int64_t dim_chunks = head_dim / kDimChunk, dim_tiles = head_dim / kDimTile;
   const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
   const int64_t key_blocks = last_key / kKeyBlock + 1;
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
   for (int64_t kb = 0; kb < key_blocks; ++kb) {
     const int64_t key0 = kb * kKeyBlock;
@@ -211,35 +263,10 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       store_accumulator(t, s + t * kKeyTile, kKeyBlock * sizeof(float));
     }
     kvmesh::compiler_barrier();
-    // Online softmax, one row at a time (4 registers of 16 keys).
-    const bool whole = key0 + kKeyBlock - 1 <= first_limit;  // no key past any row's limit
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      __m512 x[4];
-      __mmask16 keep[4];
-      const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
-      __m512 block_max = _mm512_set1_ps(kNoScore);
-      for (int t = 0; t < 4; ++t) {
-        x[t] = _mm512_mul_ps(_mm512_load_ps(s + r * kKeyBlock + t * kKeyTile), scale_v);
-        keep[t] = whole ? __mmask16(0xFFFF)
-                        : _mm512_cmplt_epi32_mask(
-                              lane, _mm512_set1_epi32(static_cast<int>(
-                                        std::clamp<int64_t>(visible - t * kKeyTile, 0, 16))));
-        block_max = _mm512_mask_max_ps(block_max, keep[t], block_max, x[t]);
-      }
-      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(block_max));
-      alpha[r] = std::exp(row_max[r] - new_max);
-      row_max[r] = new_max;
-      const __m512 max_v = _mm512_set1_ps(new_max);
-      __m512 sum = _mm512_setzero_ps();
-      for (int t = 0; t < 4; ++t) {
-        const __m512 e = _mm512_maskz_mov_ps(keep[t], exp_ps(_mm512_sub_ps(x[t], max_v)));
-        // Sum what P V will multiply: the bfloat16-rounded probabilities.
-        const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e_bf16));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p + r * kKeyBlock + t * kKeyTile),
-                           (__m256i)e_bf16);
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    if (key0 + kKeyBlock - 1 <= first_limit) {  // no key past any row's limit
+      softmax_block<true>(s, p, row_max, row_sum, alpha, key0, first_limit, context_len, scale);
+    } else {
+      softmax_block<false>(s, p, row_max, row_sum, alpha, key0, first_limit, context_len, scale);
     }
     // P V: 16 rows x head_dim, up to 4 output tiles of 16 dims at a time.
     for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
