@@ -1,12 +1,13 @@
 """The CPU path with decode attention in C++ (``kernels/csrc/paged_attention_cpu.cpp``).
 
 Same plan as ``cpu`` (kernels/cpu_attention.py); the batched decode differs,
-and at the ``amx`` level so do bfloat16 prefill chunks (below). There, the torch path gathers every decode's context
-into a padded tensor (a copy of all K/V rows per layer) and runs a masked
-SDPA whose query length is the GQA group; this backend reads K/V in place
-through the block tables, skips padding, and splits (sequence, KV head) pairs
-over torch's threads — about 5x less time per layer for SmolLM2-135M at batch
-16 (benchmarks/attention_bench.py).
+and at the ``amx`` level so do bfloat16 prefill chunks (below). For decodes,
+the torch path gathers every decode's context into a padded tensor (a copy
+of all K/V rows per layer) and runs a masked SDPA whose query length is the
+GQA group; this backend reads K/V in place through the block tables, skips
+padding, and splits (sequence, KV head) pairs over torch's threads — about
+5x less time per layer for SmolLM2-135M at batch 16
+(benchmarks/attention_bench.py).
 
 Refused (with the reason) when the ops cannot be built or loaded: no
 compiler, ``KVMESH_NATIVE_KERNELS=0``, a non-CPU device. float32 and bfloat16
