@@ -25,6 +25,8 @@ The elementwise ops and decode attention take float32 or bfloat16 tensors
 bfloat16 ops round); the block-code linear takes float32 activations, and
 bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
+Prefill attention (``paged_prefill_attention``) exists only at levels with AMX
+tiles (``IsaLevel.amx_tiles``) and takes bfloat16.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
