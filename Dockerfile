@@ -44,7 +44,7 @@ RUN pip install . \
     && python -c "import torch, sys; sys.exit(torch.version.cuda is not None)"
 
 # The C++ kernels, built into the cache the runtime user reads: every
-# instruction-set level (generic, avx2, avx512, avx512_bf16: fixed
+# instruction-set level (generic, avx2, avx512, avx512_bf16, amx: fixed
 # -march flags, kernels/cpu_isa.py), so the image runs on any x86 server and
 # each worker loads the best level its CPU has, without a compiler at start.
 RUN python -m kernels.native build --all

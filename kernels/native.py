@@ -2,7 +2,7 @@
 
 The ops are compiled with the machine's g++ against the installed torch, once
 per instruction-set level (``kernels/cpu_isa.py``: generic, avx2, avx512,
-avx512_bf16 on x86), each level into its own library in a cache folder keyed
+avx512_bf16, amx on x86), each level into its own library in a cache folder keyed
 by everything that binary depends on (sources, torch version, compiler and
 level flags). The flags are fixed per level rather than ``-march=native``, so
 one build serves every CPU (a container image carries all levels) and a
@@ -23,7 +23,8 @@ hidden visibility, so no level's library can bind another level's copy.
 The elementwise ops and decode attention take float32 or bfloat16 tensors
 (``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
 bfloat16 ops round); the block-code linear takes float32 activations, and
-bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``);
+bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``;
+on AMX tiles at ``amx``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
 Prefill attention (``paged_prefill_attention``) exists only at levels with AMX
 tiles (``IsaLevel.amx_tiles``) and takes bfloat16.

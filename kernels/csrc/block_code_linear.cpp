@@ -29,6 +29,14 @@
 //                 bfloat16 model's decode rows then cost half the multiply
 //                 instructions, which moves the batch size up to which codes
 //                 beat oneDNN's bfloat16 matmul.
+//   AMX:          bfloat16 activations on AMX tiles: each 32-feature block's
+//                 weights rebuilt as above (one B tile: 16 pairs x 16 outputs,
+//                 the same bfloat16 values), then one tdpbf16ps per 16 rows
+//                 multiplies all 32 features; float32 accumulators in tiles,
+//                 bfloat16 output. The codes are still read once per call, but
+//                 the multiplies no longer grow ~linearly with the rows, so a
+//                 decode batch of 32+ rows stays near the 1-row time. float32
+//                 activations run the AVX-512 path.
 //   otherwise:    portable C++ (the compiler vectorizes what the level allows;
 //                 multiply and add are separate roundings there).
 

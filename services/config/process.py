@@ -69,7 +69,7 @@ CPU_ISA = EnvSetting(
     str,
     "auto",
     "instruction-set level of the C++ CPU kernels: auto (the best this CPU runs) or one of "
-    "generic, avx2, avx512, avx512_bf16 (kernels/cpu_isa.py): an A/B and test switch",
+    "generic, avx2, avx512, avx512_bf16, amx (kernels/cpu_isa.py): an A/B and test switch",
 )
 DENSE_LINEAR = EnvSetting(
     "KVMESH_DENSE_LINEAR",

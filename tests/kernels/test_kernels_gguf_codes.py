@@ -11,7 +11,12 @@ from gguf.quants import dequantize, quantize
 from kernels import native
 from kernels.block_codes import BLOCK, find_block_codes, quantize_int8
 from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes, hf_name
-from worker.models.linear import MAX_BLOCK_CODE_ROWS, MAX_CODES_ONLY_KERNEL_ROWS, PackedLinear
+from worker.models.linear import (
+    MAX_BLOCK_CODE_ROWS,
+    MAX_CODES_ONLY_KERNEL_ROWS,
+    MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX,
+    PackedLinear,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,7 +82,8 @@ def test_bfloat16_compute_from_codes() -> None:
         None,
         torch.bfloat16,
     )
-    for rows in (3, 64, MAX_CODES_ONLY_KERNEL_ROWS + 1):
+    # Past each limit: rebuilt + oneDNN at every level, amx's included.
+    for rows in (3, 64, MAX_CODES_ONLY_KERNEL_ROWS + 1, MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX + 1):
         x = torch.randn(rows, weight.shape[1]).bfloat16()
         y = linear(x)
         assert y.dtype == torch.bfloat16

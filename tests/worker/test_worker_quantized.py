@@ -16,6 +16,7 @@ from benchmarks.quant_accuracy import agreement
 from kernels.block_codes import RowCodes, quantize_int8
 from worker.config import CacheConfig, ModelConfig
 from worker.model_runner import ModelRunner
+from worker.models import linear
 from worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 
 from .conftest import make_tiny_checkpoint
@@ -78,7 +79,13 @@ def test_gguf_runs_from_codes_with_the_logits_of_its_dequantized_weights(
     torch.testing.assert_close(_our_logits(ours, PROMPTS[1]), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_gguf_in_bfloat16_equals_its_converted_checkpoint_in_bfloat16(tmp_path: Path) -> None:
+def test_gguf_in_bfloat16_equals_its_converted_checkpoint_in_bfloat16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At the amx level codes-only bf16 rows stay on the kernel far longer; the
+    # long prompt must reach the rebuild path there too (the KV cache here
+    # holds 256 tokens).
+    monkeypatch.setattr(linear, "MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX", MAX_CODES_ONLY_KERNEL_ROWS)
     make_tiny_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", torch.float32, True)
     named, reference = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
     ours, ref = _runner(named, dtype="bfloat16"), _runner(reference, dtype="bfloat16")

@@ -65,16 +65,27 @@ MAX_BLOCK_CODE_ROWS_BF16 = 12
 # 20 rows 23.8 vs 23.4). Zen 4 runs 512-bit ops in two halves, so vdpbf16ps
 # gained little per row over the float32 path there; AMX is unmeasured.
 MAX_BLOCK_CODE_ROWS_BF16_DOT = 16
-# Where the level multiplies them on AMX tiles (kernels/cpu_isa.py: amx).
-# PLACEHOLDER_AMX
-MAX_BLOCK_CODE_ROWS_BF16_AMX = 32
+# Where the level multiplies them on AMX tiles (kernels/cpu_isa.py: amx) the
+# multiplies barely grow with the rows, and the codes stay ahead to 64 rows:
+# `linear_bench.py --dtype bfloat16` on the 2-core AMX Xeon (Intel(R) Xeon(R)
+# Processor, AMX-BF16/INT8, AVX512-BF16; shared, load 1.5-3.8), oneDNN bf16 vs
+# codes ms per step in the two quietest runs: 12 rows 30.6-34.3 vs 15.1-17.1,
+# 16: 30.2-36.6 vs 16.4-18.3 (the vdpbf16ps level: 48-64), 32: 42.9-45.0 vs
+# 20.3-24.0, 48: 35.5 vs 27.1 (one loaded run 39.2 vs 54.9), 64: 38.9-44.9 vs
+# 34.4-42.6; codes ahead at 64 rows in 4 of 4 runs (1.06-1.29x), at 96 by
+# 1.05x in the one run that tried it.
+MAX_BLOCK_CODE_ROWS_BF16_AMX = 64
 # A weight held only as codes pays a rebuild per call off the kernel, so the
 # kernel stays ahead longer: for a 3072x576 weight on one thread of the EPYC
 # (loaded box), kernel vs rebuild + oneDNN 1.5 vs 2.6 ms at 64 rows, 3.1 vs
 # 4.9 at 128, even at ~192-256 (float32); in bfloat16 3.6 vs 3.9 ms at 128.
 MAX_CODES_ONLY_KERNEL_ROWS = 128
-# PLACEHOLDER_CODES_ONLY_AMX
-MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 128
+# bfloat16 rows on AMX tiles stay ahead of rebuild + oneDNN bf16 far longer
+# (`quant_prefill_bench.py --kernel-crossover --dtype bfloat16`, every decoder
+# projection of the default model's GGUF, same AMX Xeon, loaded box): kernel
+# vs rebuild ms 35 vs 302 at 64 rows, 80 vs 315 at 128, 147 vs 364 at 256,
+# 333 vs 627 at 512; 768-2048 rows went either way (0.74x-1.42x).
+MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 512
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
