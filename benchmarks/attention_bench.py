@@ -6,6 +6,13 @@ Prints milliseconds per layer call and speed-ups over the reference and over
 ``cpu``, all measured in this run.
 Shapes follow the default model (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
+
+``--prefill N`` times prefill chunks of N tokens instead (``--prefix P``: on a
+cached prefix of P tokens; ``--chunks C`` per step): ``cpu`` runs one torch
+SDPA per chunk, ``cpu_native`` at the amx level and in bfloat16 all chunks in
+one C++ call on AMX tiles (kernels/csrc/prefill_attention_amx.cpp). Prints ms
+per layer call and GFLOP/s counting the causal FLOPs (4 x heads x head_dim per
+visible query-key pair), the two paths interleaved ``--rounds`` times.
 """
 
 from __future__ import annotations
@@ -57,6 +64,61 @@ def time_decode(
     )
 
 
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+
+
+def time_prefill(
+    backend: AttentionBackend,
+    chunk: int,
+    prefix: int,
+    chunks: int,
+    repeats: int,
+    dtype: torch.dtype,
+) -> float:
+    batch = make_paged_batch(
+        [(prefix, chunk)] * chunks,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=16,
+        dtype=dtype,
+    )
+    k_cache, v_cache = batch.fresh_caches()
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+    metadata = batch.metadata(backend)
+    return best_ms(
+        lambda: backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale), repeats
+    )
+
+
+def causal_flops(chunk: int, prefix: int, chunks: int) -> float:
+    """Q K^T and P V over the visible (query, key) pairs only."""
+    visible_pairs = chunk * prefix + chunk * (chunk + 1) / 2
+    return chunks * 4 * NUM_HEADS * HEAD_DIM * visible_pairs
+
+
+def prefill_main(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    flops = causal_flops(args.prefill, args.prefix, args.chunks)
+    print(
+        f"{args.chunks} chunk(s) of {args.prefill} tokens on a {args.prefix}-token prefix, "
+        f"{flops / 1e9:.2f} GFLOP per layer call"
+    )
+    print(
+        f"{'round':>5} {'cpu ms':>8} {'GFLOP/s':>8} {'native ms':>10} {'GFLOP/s':>8} "
+        f"{'cpu/native':>11}"
+    )
+    for round_index in range(args.rounds):
+        times = [
+            time_prefill(backend, args.prefill, args.prefix, args.chunks, args.repeats, dtype)
+            for backend in (CpuAttentionBackend(), NativeCpuAttentionBackend())
+        ]
+        fast, native_ms = times
+        print(
+            f"{round_index:>5} {fast:>8.2f} {flops / fast / 1e6:>8.0f} {native_ms:>10.2f} "
+            f"{flops / native_ms / 1e6:>8.0f} {fast / native_ms:>10.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=256)
@@ -64,6 +126,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prefill", type=int, default=0, help="time prefill chunks of N tokens")
+    parser.add_argument("--prefix", type=int, default=0, help="cached tokens before each chunk")
+    parser.add_argument("--chunks", type=int, default=1, help="prefill chunks per step")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved prefill A/B rounds")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -72,6 +138,9 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
         f"C++ kernels at the {native.loaded_level().name} level"
     )
+    if args.prefill:
+        prefill_main(args, dtype)
+        return
     print(
         f"{'batch':>5} {'context':>7} {'reference ms':>13} {'cpu ms':>8} {'native ms':>10} "
         f"{'native/ref':>11} {'native/cpu':>11}"

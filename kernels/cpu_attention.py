@@ -55,6 +55,13 @@ class CpuAttentionPlan:
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_context] bool
     max_decode_context: int
     prefills: tuple[PrefillChunkPlan, ...]
+    # The prefill chunks again as arrays, for kernels that take them all in
+    # one call: [num_prefills] int64 query starts, query lengths and context
+    # lengths, and [num_prefills, max_blocks_per_seq] int64 block tables.
+    prefill_query_starts: torch.Tensor
+    prefill_query_lens: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
     # Slot indices depend on the cache's block size, which the metadata does
     # not carry; they are computed by the first layer and reused by the rest.
     _slots_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -105,9 +112,10 @@ def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
     positions = torch.arange(max_decode_context, device=device)
     decode_mask = positions[None, :] < decode_context_lens[:, None]
 
+    is_prefill = query_lens > 1
     prefills = []
     # A short Python loop: only sequences with more than one new token, few per step.
-    for seq in torch.nonzero(query_lens > 1).flatten().tolist():
+    for seq in torch.nonzero(is_prefill).flatten().tolist():
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         context_len = int(context_lens[seq])
         q_positions = torch.arange(context_len - (end - start), context_len, device=device)
@@ -133,6 +141,10 @@ def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
         decode_mask=decode_mask[:, None, None, :],
         max_decode_context=max_decode_context,
         prefills=tuple(prefills),
+        prefill_query_starts=query_start_loc[:-1][is_prefill],
+        prefill_query_lens=query_lens[is_prefill],
+        prefill_context_lens=context_lens[is_prefill],
+        prefill_block_tables=metadata.block_tables[is_prefill].long(),
     )
 
 
@@ -198,9 +210,24 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         if plan.num_decodes:
             self._decode(query, k_cache, v_cache, plan, scale, group, out)
-        for chunk in plan.prefills:
-            self._prefill_chunk(query, k_cache, v_cache, chunk, scale, group, out)
+        if plan.prefills:
+            self._prefill(query, k_cache, v_cache, plan, scale, group, out)
         return out
+
+    @classmethod
+    def _prefill(
+        cls,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: CpuAttentionPlan,
+        scale: float,
+        group: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Every prefill chunk of the step: one SDPA call each."""
+        for chunk in plan.prefills:
+            cls._prefill_chunk(query, k_cache, v_cache, chunk, scale, group, out)
 
     @staticmethod
     def _decode(

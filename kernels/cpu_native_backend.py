@@ -1,18 +1,26 @@
 """The CPU path with decode attention in C++ (``kernels/csrc/paged_attention_cpu.cpp``).
 
-Same plan and prefill path as ``cpu`` (kernels/cpu_attention.py); only the
-batched decode differs. There, the torch path gathers every decode's context
-into a padded tensor (a copy of all K/V rows per layer) and runs a masked
-SDPA whose query length is the GQA group; this backend reads K/V in place
-through the block tables, skips padding, and splits (sequence, KV head) pairs
-over torch's threads — about 5x less time per layer for SmolLM2-135M at batch
-16 (benchmarks/attention_bench.py).
+Same plan as ``cpu`` (kernels/cpu_attention.py); the batched decode differs,
+and at the ``amx`` level so do bfloat16 prefill chunks (below). For decodes,
+the torch path gathers every decode's context into a padded tensor (a copy
+of all K/V rows per layer) and runs a masked SDPA whose query length is the
+GQA group; this backend reads K/V in place through the block tables, skips
+padding, and splits (sequence, KV head) pairs over torch's threads — about
+5x less time per layer for SmolLM2-135M at batch 16
+(benchmarks/attention_bench.py).
 
 Refused (with the reason) when the ops cannot be built or loaded: no
 compiler, ``KVMESH_NATIVE_KERNELS=0``, a non-CPU device. float32 and bfloat16
 run in C++ (bfloat16 q and K/V with float32 softmax and accumulation, one
 rounding of the output); other dtypes fall back to the torch decode path per
 call.
+
+Prefill chunks in bfloat16, when the loaded level has AMX tiles, run
+``paged_prefill_attention`` (kernels/csrc/prefill_attention_amx.cpp): all
+chunks of the step in one call, K/V read through the block tables, Q K^T and
+P V on AMX tiles with a float32 online softmax, instead of one torch SDPA per
+chunk over gathered K/V (which runs its bfloat16 matmuls off AMX). Other
+dtypes, levels and head sizes take the torch path.
 """
 
 from __future__ import annotations
@@ -23,6 +31,16 @@ import torch
 
 from kernels import native
 from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan
+
+# paged_prefill_attention's head sizes: whole 32-dim AMX operand rows, at most 256.
+_AMX_HEAD_DIM_MULTIPLE = 32
+_AMX_MAX_HEAD_DIM = 256
+
+
+def amx_prefill_available() -> bool:
+    """Whether the loaded ops include the AMX prefill attention (the ``amx`` level)."""
+    level = native.loaded_level()
+    return level is not None and level.amx_tiles
 
 
 class NativeCpuAttentionBackend(CpuAttentionBackend):
@@ -63,5 +81,39 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             plan.decode_block_tables,
             plan.decode_context_lens,
             plan.decode_rows,
+            scale,
+        )
+
+    @classmethod
+    def _prefill(
+        cls,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: CpuAttentionPlan,
+        scale: float,
+        group: int,
+        out: torch.Tensor,
+    ) -> None:
+        head_dim = query.shape[2]
+        if (
+            query.dtype != torch.bfloat16
+            or k_cache.dtype != torch.bfloat16
+            or not query.is_cpu
+            or head_dim % _AMX_HEAD_DIM_MULTIPLE
+            or head_dim > _AMX_MAX_HEAD_DIM
+            or not amx_prefill_available()
+        ):
+            CpuAttentionBackend._prefill(query, k_cache, v_cache, plan, scale, group, out)
+            return
+        torch.ops.kvmesh.paged_prefill_attention(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            plan.prefill_block_tables,
+            plan.prefill_query_starts,
+            plan.prefill_query_lens,
+            plan.prefill_context_lens,
             scale,
         )

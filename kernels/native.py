@@ -26,6 +26,8 @@ bfloat16 ops round); the block-code linear takes float32 activations, and
 bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``;
 on AMX tiles at ``amx``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
+Prefill attention (``paged_prefill_attention``) exists only at levels with AMX
+tiles (``IsaLevel.amx_tiles``) and takes bfloat16.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -63,6 +65,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "isa_level.cpp": (),
     "paged_attention_cpu.cpp": FAST_MATH,
     "block_code_linear.cpp": (),
+    # AMX level only (empty elsewhere); its exp is written out in intrinsics.
+    "prefill_attention_amx.cpp": (),
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),

@@ -55,13 +55,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cerrno>
-#endif
-
+#include "amx_tiles.h"
 #include "work_stealing.h"
 
 namespace {
@@ -258,20 +252,8 @@ constexpr auto make_tiles_bf16(std::integer_sequence<int, R...>) {
 constexpr auto kTilesBf16 = make_tiles_bf16(std::make_integer_sequence<int, kMaxRows>{});
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Linux hands out AMX tile state only to processes that ask for it (the
-// register file is 8 KB of every context switch's save area); once per
-// process, for all its threads.
-void require_amx_permission() {
-  static const int refused = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : errno;
-  }();
-  TORCH_CHECK(refused == 0,
-              "block_code_linear: Linux refused AMX tile data to this process "
-              "(arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): ",
-              std::strerror(refused), "); run a lower level (KVMESH_CPU_ISA=avx512_bf16)");
-}
+using kvmesh::compiler_barrier;
+using kvmesh::TileConfig;
 
 // The tiles one pass uses. GCC's AMX intrinsics paste the tile number into
 // their asm text, so these are macros of literal numbers, not constants.
@@ -288,14 +270,6 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kRowTilesPerPass = 4;
 constexpr int64_t kPassRows = kTileRows * kRowTilesPerPass;
 constexpr int64_t kTileBytesPerRow = 64;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // The tile shapes of a pass over `rows` (1..kPassRows) activation rows.
 TileConfig pass_config(int64_t rows) {
@@ -315,10 +289,6 @@ TileConfig pass_config(int64_t rows) {
   }
   return config;
 }
-
-// GCC's tile loads take their address as a plain register operand: without
-// this barrier the compiler may sink (or drop) the stores they read.
-inline void compiler_barrier() { asm volatile("" ::: "memory"); }
 
 // Accumulator `row_tile` += (its 16 rows of x, 32 features) x tile B.
 inline void multiply_row_tile(int64_t row_tile, bool last, const uint16_t* x, int64_t x_stride) {
@@ -435,7 +405,7 @@ at::Tensor block_code_linear(const at::Tensor& x, const at::Tensor& codes,
   void* y_data = y.data_ptr();
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (bf16) require_amx_permission();
+  if (bf16) kvmesh::require_amx_permission("block_code_linear");
 #endif
   kvmesh::parallel_items(panels, [&](int64_t p, bool forward) {
     const int64_t n0 = p * kLanes;

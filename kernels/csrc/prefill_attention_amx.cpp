@@ -1,0 +1,452 @@
+// Paged prefill (chunk) attention for bfloat16 on AMX tiles, as a torch custom op.
+//
+// Every prefill chunk of a step in one call. A chunk's query rows attend to
+// its context (cached prefix + the chunk itself), causally: query row i of a
+// chunk whose prefix holds P tokens sees keys 0..P+i. K/V are read from the
+// paged cache through the chunk's block table, never gathered by torch.
+//
+// Two passes over torch's threads (work_stealing.h):
+//  1. Pack: each (chunk, KV head, 64-key block) copies its K and V rows out of
+//     the cache once into the operand layouts tdpbf16ps wants (B tiles):
+//       K^T: per 16 keys x 32 head dims, tile row r = dims (2r, 2r+1) of the
+//            16 keys, interleaved: a 16x16 transpose of 32-bit dim pairs;
+//       V:   per 32 keys x 16 head dims, tile row r = keys (2r, 2r+1)
+//            interleaved dim by dim (the VNNI pair layout).
+//     Keys past the context are zeros (finite, so masked 0 x V stays 0).
+//  2. Attend, flash-attention style: each (chunk, KV head, 16 query rows)
+//     runs the GQA group's query heads one after the other over the same
+//     packed K/V (hot in L1/L2), key blocks of 64 up to the causal limit
+//     (blocks past it skipped, only blocks crossing it masked):
+//       S = Q K^T on AMX (Q rows are A tiles as they are, 32 dims each),
+//       online softmax in float32 with AVX-512 (running max and sum per row),
+//       P rounded to bfloat16, P V on AMX, O = O * alpha + P V in float32,
+//     and the output rounded once to bfloat16 at the end.
+//
+// Numerics versus the float32 reference (kernels/reference.py): q, K and V are
+// bfloat16 already; products are exact and summed in float32; P is rounded to
+// bfloat16 before P V (as torch's bfloat16 SDPA does), the sums of P stay
+// float32. Errors are of the order of bfloat16 rounding of the output.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "work_stealing.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+namespace {
+
+constexpr int64_t kTileRows = 16;    // query rows per item (one A tile's rows)
+constexpr int64_t kKeyBlock = 64;    // keys per Q K^T pass (4 S tiles of 16) and per pack item
+// Keys per softmax step: up to 4 Q K^T passes, each stored to the score rows,
+// then one online-softmax update and one P V (accumulated in tiles over all
+// the step's keys) per row. On the 2-core AMX Xeon VM, 1,024-token causal
+// chunk (9 heads, head_dim 64), one thread, interleaved runs: 64-key steps
+// 9.65-9.71 ms per call, 256-key steps 8.33-8.76 ms (fewer P V stores, float32
+// output updates and horizontal reductions per key).
+constexpr int64_t kStepKeys = 256;
+constexpr int64_t kKeyTile = 16;     // keys per S tile (its float32 columns)
+constexpr int64_t kPairKeys = 32;    // keys per P V step (bfloat16 pairs of an A row)
+constexpr int64_t kDimChunk = 32;    // head dims per Q K^T step
+constexpr int64_t kDimTile = 16;     // head dims per output tile
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kTileBytes = 64;
+constexpr float kNoScore = -1e30f;  // finite "minus infinity": the float maths stays finite
+
+// Tiles: 0..3 accumulators (S columns, then P V columns), 4 the A operand
+// (Q, then P), 5 the B operand (K^T, then V). GCC pastes tile numbers into
+// its asm, so they are literals.
+kvmesh::TileConfig tile_config() {
+  kvmesh::TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = kTileBytes;
+  }
+  return config;
+}
+
+// Accumulator `c` += tile 4 x tile 5.
+inline void multiply_into(int64_t c) {
+  switch (c) {
+    case 0: _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_dpbf16ps(1, 4, 5); break;
+    case 2: _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_dpbf16ps(3, 4, 5); break;
+  }
+}
+
+inline void store_accumulator(int64_t c, float* dst, int64_t stride_bytes) {
+  switch (c) {
+    case 0: _tile_stored(0, dst, stride_bytes); break;
+    case 1: _tile_stored(1, dst, stride_bytes); break;
+    case 2: _tile_stored(2, dst, stride_bytes); break;
+    default: _tile_stored(3, dst, stride_bytes); break;
+  }
+}
+
+inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-4 Taylor polynomial (relative error
+// < 5e-5, far below the 2^-9 of the bfloat16 rounding every probability gets
+// next), times 2^n by vscalefps (which underflows to 0 for very negative n
+// instead of wrapping). The clamp keeps r exact for the -1e30 "no score yet".
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 24);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The packed K^T and V of one (chunk, KV head): `padded_len` keys (a multiple
+// of kKeyBlock), each half padded_len * head_dim bfloat16 words.
+struct PackedKv {
+  const uint16_t* kt;  // [padded_len / 16][head_dim / 32][16 rows][32 words]
+  const uint16_t* v;   // [padded_len / 32][head_dim / 16][16 rows][32 words]
+};
+
+// Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head.
+void pack_block(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
+                const int64_t* table, int64_t block_size, int64_t row_stride, int64_t context_len,
+                int64_t key0, int64_t head_dim) {
+  alignas(64) uint16_t rows_k[kKeyBlock][kMaxHeadDim];
+  alignas(64) uint16_t rows_v[kKeyBlock][kMaxHeadDim];
+  for (int64_t j = 0; j < kKeyBlock; ++j) {
+    const int64_t key = key0 + j;
+    if (key < context_len) {
+      const int64_t slot = table[key / block_size] * block_size + key % block_size;
+      std::memcpy(rows_k[j], k_cache + slot * row_stride, head_dim * sizeof(uint16_t));
+      std::memcpy(rows_v[j], v_cache + slot * row_stride, head_dim * sizeof(uint16_t));
+    } else {
+      std::memset(rows_k[j], 0, head_dim * sizeof(uint16_t));
+      std::memset(rows_v[j], 0, head_dim * sizeof(uint16_t));
+    }
+  }
+  const int64_t dim_chunks = head_dim / kDimChunk, dim_tiles = head_dim / kDimTile;
+  // K^T tiles: [key tile][dim chunk][r][2n + i] = K[n][chunk * 32 + 2r + i].
+  for (int64_t kt_i = 0; kt_i < kKeyBlock / kKeyTile; ++kt_i) {
+    for (int64_t dc = 0; dc < dim_chunks; ++dc) {
+      uint32_t* tile = reinterpret_cast<uint32_t*>(kt + (kt_i * dim_chunks + dc) * 512);
+      for (int64_t n = 0; n < kKeyTile; ++n) {
+        const uint32_t* pairs =
+            reinterpret_cast<const uint32_t*>(rows_k[kt_i * kKeyTile + n] + dc * kDimChunk);
+        for (int64_t r = 0; r < 16; ++r) tile[r * 16 + n] = pairs[r];
+      }
+    }
+  }
+  // V tiles: [key pair block][dim tile][r][2j + i] = V[32 * block + 2r + i][16 * tile + j].
+  for (int64_t pb = 0; pb < kKeyBlock / kPairKeys; ++pb) {
+    for (int64_t dt = 0; dt < dim_tiles; ++dt) {
+      uint16_t* tile = v + (pb * dim_tiles + dt) * 512;
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint16_t* even = rows_v[pb * kPairKeys + 2 * r] + dt * kDimTile;
+        const uint16_t* odd = rows_v[pb * kPairKeys + 2 * r + 1] + dt * kDimTile;
+        for (int64_t j = 0; j < kDimTile; ++j) {
+          tile[r * 32 + 2 * j] = even[j];
+          tile[r * 32 + 2 * j + 1] = odd[j];
+        }
+      }
+    }
+  }
+}
+
+// The online softmax of one step of `width` keys (a multiple of 16, at most
+// kStepKeys) for 16 rows, one row at a time: new running max of the scaled
+// scores, alpha = exp(old max - new max) per row, p = exp(scaled scores - new
+// max) rounded to bfloat16 (0 past the row's causal limit unless WHOLE: no key
+// of the step is past any row's limit), row sums rescaled by alpha plus the
+// rounded p. Rows of s and p are kStepKeys apart.
+//   first_limit: the last key row 0 may see (prefix + its index in the chunk)
+template <bool WHOLE>
+void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, float* row_sum,
+                  float* alpha, int64_t key0, int64_t first_limit, int64_t context_len,
+                  float scale) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float old_max[kTileRows], step_sum[kTileRows];
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const float* s_row = s + r * kStepKeys;
+    uint16_t* p_row = p + r * kStepKeys;
+    const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
+    auto keep = [&](int64_t k) -> __mmask16 {
+      if constexpr (WHOLE) return 0xFFFF;
+      return _mm512_cmplt_epi32_mask(
+          lane, _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(visible - k, 0, 16))));
+    };
+    __m512 step_max = _mm512_set1_ps(kNoScore);
+    for (int64_t k = 0; k < width; k += kKeyTile) {
+      const __m512 x = _mm512_load_ps(s_row + k);
+      step_max = WHOLE ? _mm512_max_ps(step_max, x) : _mm512_mask_max_ps(step_max, keep(k), step_max, x);
+    }
+    // scale > 0, so the max of the scaled scores is the scaled max.
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(step_max) * scale);
+    old_max[r] = row_max[r];
+    row_max[r] = new_max;
+    const __m512 max_v = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < width; k += kKeyTile) {
+      __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_load_ps(s_row + k), scale_v, max_v));
+      if constexpr (!WHOLE) e = _mm512_maskz_mov_ps(keep(k), e);
+      // Sum what P V will multiply: the bfloat16-rounded probabilities.
+      const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
+      sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e_bf16));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + k), (__m256i)e_bf16);
+    }
+    step_sum[r] = _mm512_reduce_add_ps(sum);
+  }
+  // All 16 rows' alpha in one register (one exp_ps instead of 16 calls).
+  static_assert(kTileRows == 16, "one register per 16 rows");
+  const __m512 a = exp_ps(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_loadu_ps(row_max)));
+  _mm512_storeu_ps(alpha, a);
+  _mm512_storeu_ps(row_sum,
+                   _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(step_sum)));
+}
+
+// Pass 2 for one query head and up to 16 query rows of one chunk.
+//   q: the rows' query vectors (bfloat16 words), `q_stride` words apart
+//   first_limit: the last key query row 0 may see (prefix + its chunk index)
+void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
+                 int64_t rows, const PackedKv& kv, int64_t head_dim, int64_t first_limit,
+                 int64_t context_len, float scale) {
+  alignas(64) uint16_t q_tile[kTileRows * kMaxHeadDim];
+  alignas(64) float s[kTileRows * kStepKeys];
+  alignas(64) uint16_t p[kTileRows * kStepKeys];
+  alignas(64) float pv[kTileRows * kMaxHeadDim];
+  alignas(64) float o[kTileRows * kMaxHeadDim];
+  float row_max[kTileRows], row_sum[kTileRows], alpha[kTileRows];
+
+  // Padding rows are zeros: their scores are 0, their outputs discarded.
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    if (r < rows) {
+      std::memcpy(q_tile + r * head_dim, q + r * q_stride, head_dim * sizeof(uint16_t));
+    } else {
+      std::memset(q_tile + r * head_dim, 0, head_dim * sizeof(uint16_t));
+    }
+    row_max[r] = kNoScore;
+    row_sum[r] = 0.f;
+  }
+  std::fill(o, o + kTileRows * head_dim, 0.f);
+  const int64_t dim_chunks = head_dim / kDimChunk, dim_tiles = head_dim / kDimTile;
+  const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
+
+  for (int64_t key0 = 0; key0 <= last_key; key0 += kStepKeys) {
+    // Q K^T passes of 64 keys (tiles 0..3), none wholly past the last key.
+    const int64_t width = std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
+    for (int64_t k = 0; k < width; k += kKeyBlock) {
+      zero_accumulators();
+      kvmesh::compiler_barrier();
+      for (int64_t dc = 0; dc < dim_chunks; ++dc) {
+        _tile_loadd(4, q_tile + dc * kDimChunk, head_dim * sizeof(uint16_t));
+        for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
+          _tile_loadd(5, kv.kt + (((key0 + k) / kKeyTile + t) * dim_chunks + dc) * 512,
+                      kTileBytes);
+          multiply_into(t);
+        }
+      }
+      for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
+        store_accumulator(t, s + k + t * kKeyTile, kStepKeys * sizeof(float));
+      }
+    }
+    kvmesh::compiler_barrier();
+    if (key0 + width - 1 <= first_limit) {  // no key past any row's limit
+      softmax_step<true>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
+                         scale);
+    } else {
+      softmax_step<false>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
+                          scale);
+    }
+    // P V: 16 rows x head_dim, up to 4 output tiles of 16 dims at a time.
+    for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
+      const int64_t tiles = std::min<int64_t>(4, dim_tiles - dt0);
+      zero_accumulators();
+      for (int64_t k = 0; k < width; k += kPairKeys) {
+        kvmesh::compiler_barrier();
+        _tile_loadd(4, p + k, kStepKeys * sizeof(uint16_t));
+        for (int64_t t = 0; t < tiles; ++t) {
+          _tile_loadd(5, kv.v + (((key0 + k) / kPairKeys) * dim_tiles + dt0 + t) * 512,
+                      kTileBytes);
+          multiply_into(t);
+        }
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        store_accumulator(t, pv + (dt0 + t) * kDimTile, head_dim * sizeof(float));
+      }
+    }
+    kvmesh::compiler_barrier();
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        float* od = o + r * head_dim + d;
+        _mm512_store_ps(od, _mm512_fmadd_ps(_mm512_load_ps(od), a,
+                                            _mm512_load_ps(pv + r * head_dim + d)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + d), (__m256i)y);
+    }
+  }
+}
+
+// out[query_starts[c] + i] = causal attention of chunk c's query row i over its
+// context, for every chunk c.
+//   out, query:   [num_tokens, num_heads, head_dim] bfloat16, head_dim contiguous
+//   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+//                 bfloat16, contiguous
+//   block_tables: [num_chunks, max_blocks_per_seq] int64
+//   query_starts, query_lens, context_lens: [num_chunks] int64
+//                 (context = cached prefix + chunk, so context_len >= query_len)
+//   head_dim a multiple of 32, at most 256.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_starts, const at::Tensor& query_lens,
+                             const at::Tensor& context_lens, double scale) {
+  const char* op = "paged_prefill_attention";
+  for (const at::Tensor* t : {&std::as_const(out), &query, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, op, ": tensors must be bfloat16, not ",
+                t->scalar_type());
+  }
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, op, ": bad ranks");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+              ": caches must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), op,
+              ": key and value caches differ in shape");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, op, ": head_dim must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op,
+                ": index tensors must be contiguous int64");
+  }
+  const int64_t num_chunks = query_starts.size(0);
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && out.size(1) == num_heads &&
+                  out.size(2) == head_dim && out.size(0) == query.size(0),
+              op, ": head shape mismatch");
+  TORCH_CHECK(head_dim % kDimChunk == 0 && head_dim <= kMaxHeadDim, op,
+              ": head_dim must be a multiple of 32 up to 256, not ", head_dim);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, op, ": heads do not group");
+  TORCH_CHECK(query_lens.size(0) == num_chunks && context_lens.size(0) == num_chunks &&
+                  block_tables.size(0) == num_chunks,
+              op, ": one start, length, context length and block table per chunk");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* lens = query_lens.data_ptr<int64_t>();
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+
+  // Validate every index once, outside the parallel region; lay out the
+  // packed K/V (per chunk and KV head) and the work items.
+  std::vector<int64_t> packed_offset(num_chunks + 1, 0);  // words per KV head, prefix sums
+  std::vector<int64_t> pack_items(num_chunks + 1, 0), attend_items(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    TORCH_CHECK(lens[c] >= 1 && lens[c] <= contexts[c] && contexts[c] <= max_blocks * block_size,
+                op, ": chunk ", c, " has query length ", lens[c], " and context length ",
+                contexts[c]);
+    TORCH_CHECK(starts[c] >= 0 && starts[c] + lens[c] <= query.size(0), op,
+                ": chunk rows out of range");
+    for (int64_t b = 0; b < (contexts[c] + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[c * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
+    }
+    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
+    packed_offset[c + 1] = packed_offset[c] + key_blocks * kKeyBlock * head_dim;
+    pack_items[c + 1] = pack_items[c] + num_kv_heads * key_blocks;
+    attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);
+  }
+  if (num_chunks == 0) return;
+  kvmesh::require_amx_permission(op);
+
+  // K^T then V of every (chunk, KV head); reused across calls of this thread
+  // (every layer of a step needs the same size) instead of a fresh mmap each.
+  thread_local std::vector<uint16_t> packed;
+  const int64_t head_words = packed_offset[num_chunks];  // per KV head, K or V
+  packed.resize(static_cast<size_t>(2 * num_kv_heads * head_words));
+  uint16_t* packed_base = packed.data();
+  auto packed_kv = [&](int64_t c, int64_t h) -> std::pair<uint16_t*, uint16_t*> {
+    const int64_t words = packed_offset[c + 1] - packed_offset[c];
+    uint16_t* kt = packed_base + 2 * num_kv_heads * packed_offset[c] + 2 * h * words;
+    return {kt, kt + words};
+  };
+  const auto* k_cache = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
+  const auto* v_cache = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
+  const int64_t row_stride = num_kv_heads * head_dim;
+  auto chunk_of = [&](const std::vector<int64_t>& firsts, int64_t item) {
+    return static_cast<int64_t>(std::upper_bound(firsts.begin(), firsts.end(), item) -
+                                firsts.begin()) -
+           1;
+  };
+
+  kvmesh::parallel_items(pack_items[num_chunks], [&](int64_t item, bool) {
+    const int64_t c = chunk_of(pack_items, item);
+    const int64_t local = item - pack_items[c];
+    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
+    const int64_t h = local / key_blocks, kb = local % key_blocks;
+    auto [kt, v] = packed_kv(c, h);
+    pack_block(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
+               k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
+               block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
+  });
+
+  auto* out_base = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* q_base = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  const float scale_f = static_cast<float>(scale);
+  kvmesh::parallel_items(attend_items[num_chunks], [&](int64_t item, bool) {
+    const int64_t c = chunk_of(attend_items, item);
+    const int64_t local = item - attend_items[c];
+    const int64_t row_tiles = (lens[c] + kTileRows - 1) / kTileRows;
+    const int64_t h = local / row_tiles, row0 = (local % row_tiles) * kTileRows;
+    const int64_t rows = std::min(kTileRows, lens[c] - row0);
+    auto [kt, v] = packed_kv(c, h);
+    const PackedKv kv{kt, v};
+    const kvmesh::TileConfig config = tile_config();
+    _tile_loadconfig(&config);  // this thread's; oneDNN configures its own between ops
+    const int64_t prefix = contexts[c] - lens[c];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      attend_rows(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
+                  out.stride(0), q_base + (starts[c] + row0) * query.stride(0) + head * query.stride(1),
+                  query.stride(0), rows, kv, head_dim, prefix + row0, contexts[c], scale_f);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor query_starts, Tensor query_lens, "
+      "Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+
+#endif  // AMX

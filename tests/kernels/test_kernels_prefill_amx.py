@@ -1,0 +1,254 @@
+"""bfloat16 prefill chunks on AMX tiles (kernels/csrc/prefill_attention_amx.cpp).
+
+The ``cpu_native`` backend's prefill chunks against the float32 reference
+(kernels/reference.py) over the same bfloat16 values, and against torch's own
+bfloat16 SDPA path (``cpu``). Skipped, with the reason, where the loaded ops
+are not the ``amx`` level (a CPU without AMX, or ``KVMESH_CPU_ISA`` lower).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.cpu_attention import CpuAttentionBackend
+from kernels.cpu_native_backend import NativeCpuAttentionBackend, amx_prefill_available
+from kernels.torch_reference_backend import TorchReferenceBackend
+from services.cpu_features import CpuFeatures
+from tests.kernels.paged_batch import PagedBatch, make_paged_batch
+
+
+def _skip_reason() -> str | None:
+    if (reason := native.unavailable_reason()) is not None:
+        return f"native kernels unavailable: {reason}"
+    if not amx_prefill_available():
+        return (
+            f"loaded level is {native.loaded_level().name}, not amx "
+            f"({CpuFeatures.detect().model_name})"
+        )
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+# The kernel rounds the probabilities to bfloat16 before P V (as torch's
+# bfloat16 SDPA does) and the output once: errors of a few bfloat16 ulps of
+# the O(1) outputs. Measured on these batches: max |error| ~0.008, the same
+# as torch's bfloat16 SDPA path on them.
+ATOL = 2**-6
+RTOL = 2**-6
+
+GQA_SHAPES = [(9, 3), (4, 4), (8, 1), (12, 3)]  # (num_heads, num_kv_heads)
+# (num_cached_tokens, num_new_tokens) per sequence.
+PREFILL_BATCHES = {
+    # Fresh prompts: shorter than one 16-row tile, ragged, past one 64-key block.
+    "fresh_short": [(0, 7)],
+    "fresh_ragged": [(0, 21), (0, 100)],
+    # Chunks on cached prefixes ending mid-block; the diagonal crosses key blocks.
+    "chunk_on_prefix": [(19, 13), (37, 70)],
+    "long_prefix_short_chunk": [(250, 5)],
+    # Prefill chunks among decodes, in any order.
+    "mixed_with_decodes": [(9, 1), (0, 33), (40, 1), (12, 17), (1, 1), (0, 2), (130, 66)],
+}
+
+
+def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
+    k_cache, v_cache = batch.fresh_caches()
+    metadata = batch.metadata(backend)
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
+
+
+def assert_matches_reference(batch: PagedBatch) -> torch.Tensor:
+    expected = run_backend(TorchReferenceBackend(), batch.to_float32())
+    actual = run_backend(NativeCpuAttentionBackend(), batch)
+    assert actual.dtype == torch.bfloat16
+    assert not torch.isnan(actual).any(), "read a never-written (NaN) cache slot"
+    torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+    return actual
+
+
+@pytest.fixture
+def no_torch_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail if any prefill chunk takes the torch SDPA path."""
+
+    def torch_prefill(*args: object) -> None:
+        raise AssertionError("a bfloat16 prefill chunk fell back to torch SDPA")
+
+    monkeypatch.setattr(CpuAttentionBackend, "_prefill_chunk", staticmethod(torch_prefill))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch_name", list(PREFILL_BATCHES))
+def test_prefill_matches_reference(
+    batch_name: str,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    no_torch_prefill: None,
+) -> None:
+    batch = make_paged_batch(
+        PREFILL_BATCHES[batch_name],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
+    """Several chunks of hundreds of tokens, on prefixes or not: the mean error
+    against float32 is no larger than that of torch's bfloat16 SDPA path."""
+    generator = torch.Generator().manual_seed(seed)
+    seqs = [
+        (int(torch.randint(0, 300, ()).item()) * (i % 2), int(torch.randint(2, 400, ()).item()))
+        for i in range(4)
+    ]
+    batch = make_paged_batch(
+        [*seqs, (77, 1)],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=seed + int(torch.randint(0, 1000, (), generator=generator).item()),
+    )
+    expected = run_backend(TorchReferenceBackend(), batch.to_float32())
+    actual = assert_matches_reference(batch)
+    torch_sdpa = run_backend(CpuAttentionBackend(), batch)
+    amx_error = (actual.float() - expected).abs().mean()
+    sdpa_error = (torch_sdpa.float() - expected).abs().mean()
+    assert amx_error <= 1.1 * sdpa_error, (amx_error, sdpa_error)
+
+
+def test_large_scores_do_not_overflow(no_torch_prefill: None) -> None:
+    """The running max is subtracted before exp: scores of ~1e4 stay finite."""
+    batch = make_paged_batch(
+        [(40, 30), (0, 20)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 1000.0})
+    actual = run_backend(NativeCpuAttentionBackend(), big)
+    expected = run_backend(TorchReferenceBackend(), big.to_float32())
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    """Each 16-row item is computed the same way whichever thread takes it."""
+    batch = make_paged_batch(
+        [(0, 200), (50, 90)],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_backend(NativeCpuAttentionBackend(), batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, run_backend(NativeCpuAttentionBackend(), batch))
+
+
+def test_other_dtypes_and_head_sizes_take_the_torch_path() -> None:
+    """float32, and head sizes that are not whole 32-dim AMX rows, still give the reference."""
+    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 80)):
+        batch = make_paged_batch(
+            [(19, 13), (0, 21)],
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=dtype,
+        )
+        expected = run_backend(TorchReferenceBackend(), batch.to_float32())
+        actual = run_backend(NativeCpuAttentionBackend(), batch)
+        torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_only_the_chunks_rows_are_written() -> None:
+    """Rows outside every chunk (here: between two chunks) keep what ``out`` held."""
+    batch = make_paged_batch(
+        [(0, 20), (5, 1), (3, 30)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    k_cache, v_cache = batch.fresh_caches()
+    backend = NativeCpuAttentionBackend()
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+    plan = batch.metadata(backend).plan
+    out = torch.full_like(batch.query, 7.0)
+    torch.ops.kvmesh.paged_prefill_attention(
+        out,
+        batch.query,
+        k_cache,
+        v_cache,
+        plan.prefill_block_tables,
+        plan.prefill_query_starts,
+        plan.prefill_query_lens,
+        plan.prefill_context_lens,
+        batch.scale,
+    )
+    assert torch.equal(out[20], torch.full_like(out[20], 7.0))
+    assert not torch.isnan(out).any()
+
+
+def _prefill_args() -> dict[str, torch.Tensor]:
+    bf16 = torch.bfloat16
+    return {
+        "out": torch.zeros(20, 4, 64, dtype=bf16),
+        "query": torch.randn(20, 4, 64, dtype=bf16),
+        "key_cache": torch.randn(4, 16, 2, 64, dtype=bf16),
+        "value_cache": torch.randn(4, 16, 2, 64, dtype=bf16),
+        "block_tables": torch.tensor([[0, 1], [2, 3]]),
+        "query_starts": torch.tensor([0, 12]),
+        "query_lens": torch.tensor([12, 8]),
+        "context_lens": torch.tensor([20, 8]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"block_tables": torch.tensor([[0, 9], [2, 3]])}, "block id 9 out of range"),
+        ({"context_lens": torch.tensor([20, 7])}, "context length 7"),
+        ({"context_lens": torch.tensor([33, 8])}, "context length 33"),
+        ({"query_starts": torch.tensor([0, 13])}, "chunk rows out of range"),
+        ({"query_lens": torch.tensor([12, 8], dtype=torch.int32)}, "int64"),
+        ({"query": torch.randn(20, 4, 64)}, "bfloat16"),
+        ({"key_cache": torch.randn(4, 16, 3, 64, dtype=torch.bfloat16)}, "differ in shape"),
+        (
+            {
+                name: torch.randn(*shape, 80, dtype=torch.bfloat16)
+                for name, shape in (
+                    ("out", (20, 4)),
+                    ("query", (20, 4)),
+                    ("key_cache", (4, 16, 2)),
+                    ("value_cache", (4, 16, 2)),
+                )
+            },
+            "head_dim must be a multiple of 32",
+        ),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message: str) -> None:
+    args = {**_prefill_args(), **change}
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvmesh.paged_prefill_attention(*args.values(), 0.125)
