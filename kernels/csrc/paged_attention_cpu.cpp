@@ -36,6 +36,19 @@ namespace {
 using kvmesh::from_float;
 using kvmesh::to_float;
 
+// s[t] = exp(s[t] - max(s)) in place; returns their sum (the softmax's denominator).
+inline float exp_in_place(float* s, int64_t len) {
+  float m = s[0];
+  for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // One (sequence, KV head) pair: the `group` query heads that share the KV head.
 // HEAD_DIM is a compile-time constant so the per-head accumulators live in
 // vector registers (4 zmm or 8 ymm for 64 floats) instead of memory.
@@ -62,15 +75,7 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
-    float m = s[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
+    const float inv = 1.f / exp_in_place(s, len);
     float acc[HEAD_DIM] = {};
     for (int64_t start = 0; start < len; start += block_size) {
       const T* v = v_base + table[start / block_size] * block_size * row_stride;
@@ -182,16 +187,7 @@ void attend_one_bf16(const c10::BFloat16* const* q, c10::BFloat16* const* out,
   }
   float inv[GROUP];
   for (int g = 0; g < GROUP; ++g) {
-    float* s = scores + g * len;
-    float m = s[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    inv[g] = 1.f / sum;
+    inv[g] = 1.f / exp_in_place(scores + g * len, len);
   }
   __m512 acc[GROUP][kFloats];
   for (int g = 0; g < GROUP; ++g) {
