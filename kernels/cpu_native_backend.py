@@ -37,12 +37,6 @@ _AMX_HEAD_DIM_MULTIPLE = 32
 _AMX_MAX_HEAD_DIM = 256
 
 
-def amx_prefill_available() -> bool:
-    """Whether the loaded ops include the AMX prefill attention (the ``amx`` level)."""
-    level = native.loaded_level()
-    return level is not None and level.amx_tiles
-
-
 class NativeCpuAttentionBackend(CpuAttentionBackend):
     name: ClassVar[str] = "cpu_native"
 
@@ -102,7 +96,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             or not query.is_cpu
             or head_dim % _AMX_HEAD_DIM_MULTIPLE
             or head_dim > _AMX_MAX_HEAD_DIM
-            or not amx_prefill_available()
+            or not native.amx_tiles_loaded()
         ):
             CpuAttentionBackend._prefill(query, k_cache, v_cache, plan, scale, group, out)
             return

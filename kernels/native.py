@@ -209,6 +209,13 @@ def loaded_level() -> IsaLevel | None:
     return level_named(str(torch.ops.kvmesh.isa_level()))
 
 
+def amx_tiles_loaded() -> bool:
+    """Whether the loaded ops' level has the AMX-tile paths (the block-code
+    linear's bfloat16 rows, paged_prefill_attention)."""
+    level = loaded_level()
+    return level is not None and level.amx_tiles
+
+
 def unavailable_reason() -> str | None:
     """None when ``torch.ops.kvmesh.*`` is usable; otherwise why not, in words."""
     return _load()

@@ -13,7 +13,7 @@ import torch
 
 from kernels import native
 from kernels.cpu_attention import CpuAttentionBackend
-from kernels.cpu_native_backend import NativeCpuAttentionBackend, amx_prefill_available
+from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from services.cpu_features import CpuFeatures
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
@@ -22,7 +22,7 @@ from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 def _skip_reason() -> str | None:
     if (reason := native.unavailable_reason()) is not None:
         return f"native kernels unavailable: {reason}"
-    if not amx_prefill_available():
+    if not native.amx_tiles_loaded():
         return (
             f"loaded level is {native.loaded_level().name}, not amx "
             f"({CpuFeatures.detect().model_name})"

@@ -136,12 +136,6 @@ def _kernel_takes_bf16() -> bool:
     return level is not None and level.bf16_block_codes
 
 
-def _kernel_has_amx() -> bool:
-    """Whether the loaded kernels' level multiplies bfloat16 rows on AMX tiles."""
-    level = native.loaded_level()
-    return level is not None and level.amx_tiles
-
-
 class PackedLinear:
     """A frozen weight (and bias) prepared once for inference, computing in
     ``dtype`` (default: the weight's; a float32 weight may run in bfloat16)."""
@@ -179,7 +173,7 @@ class PackedLinear:
         if self._kernel:
             self._codes = find_block_codes(weight)  # float32 weights only
         self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
-        self._codes_on_amx = self._codes_take_bf16 and _kernel_has_amx()
+        self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         weight = weight.to(dtype)
         if use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
@@ -211,7 +205,7 @@ class PackedLinear:
         self._codes = codes
         self._kernel = use_kernel and native.unavailable_reason() is None
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
-        self._codes_on_amx = self._codes_take_bf16 and _kernel_has_amx()
+        self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         self._packed = None
         self.weight = None
         return self
