@@ -67,6 +67,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_linear.cpp": (),
     # AMX level only (empty elsewhere); its exp is written out in intrinsics.
     "prefill_attention_amx.cpp": (),
+    "amx_linear.cpp": (),  # AMX level only, as the one above
     "rms_norm_cpu.cpp": ("-fno-math-errno",),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),
@@ -211,7 +212,7 @@ def loaded_level() -> IsaLevel | None:
 
 def amx_tiles_loaded() -> bool:
     """Whether the loaded ops' level has the AMX-tile paths (the block-code
-    linear's bfloat16 rows, paged_prefill_attention)."""
+    linear's bfloat16 rows, paged_prefill_attention, amx_linear)."""
     level = loaded_level()
     return level is not None and level.amx_tiles
 

@@ -26,6 +26,12 @@ row: codes 0.075 ms per call-equivalent, oneDNN bf16 0.061 ms but the whole
 model's projections per decode step 9 ms on codes vs 19 ms on oneDNN bf16 (the
 codes read half the bytes).
 
+A dense bfloat16 weight (no block codes) on a CPU whose kernels run AMX tiles
+stays plain, with no oneDNN-packed copy: up to ``MAX_AMX_LINEAR_ROWS`` rows
+run kernels/csrc/amx_linear.cpp, which reads it in place (a decode step's
+rows at ~1.25x oneDNN's prepacked speed there), and larger batches oneDNN on
+the plain weight, which it reorders inside the call.
+
 Quantized weights (a GGUF file's Q4_0/Q4_1/Q8_0 tensors, ``--quantization
 int8``) keep ONLY their codes (``PackedLinear.from_codes``): up to
 ``MAX_CODES_ONLY_KERNEL_ROWS`` rows (decode batches) run the kernel, larger
@@ -86,6 +92,15 @@ MAX_CODES_ONLY_KERNEL_ROWS = 128
 # vs rebuild ms 35 vs 302 at 64 rows, 80 vs 315 at 128, 147 vs 364 at 256,
 # 333 vs 627 at 512; 768-2048 rows went either way (0.74x-1.42x).
 MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 512
+# A dense bfloat16 weight where the kernels run AMX tiles is kept plain (no
+# oneDNN-packed copy) and multiplied by kernels/csrc/amx_linear.cpp up to this
+# many rows; oneDNN takes larger batches over the plain weight, reordering it
+# inside the call, which at 1,024+ rows cost nothing measurable. On the AMX
+# Xeon (one thread, loaded box; ms per step of the 121 projections, kernel vs
+# oneDNN plain vs oneDNN prepacked): 16 rows 41.9-49.2 / 70.5-85.5 /
+# 52.2-65.1, 64: 97.9-105.6 / 115.9-136.6 / 66.3-79.8, 256: 310-317 /
+# 330-453 / 238-374, 512: 588 / 686 / 665, 1,024: 1,886 / 1,066 / 1,102.
+MAX_AMX_LINEAR_ROWS = 512
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -130,6 +145,19 @@ def _dequantize(codes: BlockCodes) -> torch.Tensor:
     return weight.view(panels * LANES, in_features)[: codes.out_features]
 
 
+def amx_linear_takes(weight: torch.Tensor) -> bool:
+    """Whether kernels/csrc/amx_linear.cpp can multiply by ``weight`` here."""
+    out_features, in_features = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and in_features % 32 == 0
+        and out_features >= 16
+        and native.unavailable_reason() is None
+        and native.amx_tiles_loaded()
+    )
+
+
 def _kernel_takes_bf16() -> bool:
     """Whether the loaded kernels' level multiplies bfloat16 rows natively."""
     level = native.loaded_level()
@@ -141,6 +169,7 @@ class PackedLinear:
     ``dtype`` (default: the weight's; a float32 weight may run in bfloat16)."""
 
     __slots__ = (
+        "_amx_plain",
         "_bias",
         "_codes",
         "_codes_on_amx",
@@ -175,7 +204,18 @@ class PackedLinear:
         self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         weight = weight.to(dtype)
-        if use_onednn and onednn_available(weight):
+        # A plain bfloat16 weight for amx_linear (MAX_AMX_LINEAR_ROWS) instead
+        # of oneDNN's packed copy, unless small batches run the codes anyway.
+        self._amx_plain = (
+            use_onednn
+            and self._codes is None
+            and amx_linear_takes(weight)
+            and onednn_available(weight)
+        )
+        if self._amx_plain:
+            self._packed = None
+            self.weight = weight.contiguous()
+        elif use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
                 weight.contiguous(), _BATCH_SIZE_HINT
             )
@@ -206,6 +246,7 @@ class PackedLinear:
         self._kernel = use_kernel and native.unavailable_reason() is None
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
+        self._amx_plain = False
         self._packed = None
         self.weight = None
         return self
@@ -266,6 +307,12 @@ class PackedLinear:
                     x.contiguous(), weight, self._bias, "none", [], ""
                 )
             return F.linear(x, weight, self._bias)
+        if self._amx_plain and x.dim() == 2:
+            if x.shape[0] <= MAX_AMX_LINEAR_ROWS:
+                return torch.ops.kvmesh.amx_linear(x.contiguous(), self.weight, self._bias)
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.weight, self._bias, "none", [], ""
+            )
         if self._packed is None:
             return F.linear(x, self.weight, self._bias)
         return torch.ops.mkldnn._linear_pointwise(
