@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU = CpuFeatures.detect()
 KERNEL_TESTS = (
     "tests/kernels/test_kernels_block_codes.py",
+    "tests/kernels/test_kernels_int8_linear.py",
     "tests/kernels/test_kernels_elementwise.py",
     "tests/kernels/test_kernels_cpu_native.py",
 )
@@ -66,10 +67,12 @@ def test_choice_follows_the_flags_and_refuses_what_the_cpu_lacks() -> None:
     assert choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16"})).level == (
         avx512_bf16
     )
-    assert (
-        choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16", "amx_tile"})).level
-        == amx
-    )
+    amx_flags = {"amx_bf16", "amx_tile", "amx_int8"}
+    assert choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, amx_flags)).level == amx
+    # The amx level's W8A8 path needs AMX-INT8 too (every AMX CPU so far has it).
+    assert choose_level(
+        _fake_cpu(avx512_bf16.required_cpu_flags, amx_flags - {"amx_int8"})
+    ).level == (avx512_bf16)
     assert amx.bf16_block_codes and amx.amx_tiles and not avx512_bf16.amx_tiles
     assert choose_level(_fake_cpu(avx512.required_cpu_flags), "generic").level == generic
     with pytest.raises(ValueError, match=r"cannot run the avx512 level: no \['avx512bw'"):
@@ -176,3 +179,42 @@ def test_block_code_linear_bf16_on_amx_tiles_agrees_with_vdpbf16ps(tmp_path: Pat
         torch.testing.assert_close(tiles.float(), dot.float(), atol=1e-2, rtol=2**-7)
         mismatched = (tiles != dot).float().mean().item()
         assert mismatched < 0.05, f"{rows} rows: {mismatched:.1%} differ by a bf16 rounding"
+
+
+_INT8_OUTPUTS = """
+import sys, torch
+from kernels import native
+from tests.kernels.test_kernels_int8_linear import _codes, _run
+native.ensure_loaded()
+assert native.loaded_level().name == sys.argv[2], native.loaded_level()
+outputs = {}
+for kind in ("q8_0", "q4_1"):
+    codes = _codes(40, 160, kind, seed=8)
+    for rows in (1, 9, 16, 37):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        outputs[kind, rows] = _run(x, codes)
+torch.save(outputs, sys.argv[1])
+"""
+
+
+def test_int8_linear_is_bitwise_equal_on_every_level(tmp_path: Path) -> None:
+    """W8A8: exact integer dot products and the same float32 operations in the
+    same order on every path (portable, vpdpbusd, AMX tiles)."""
+    runnable = [level for level in all_levels() if not level.missing(CPU)]
+    if len(runnable) < 2:
+        pytest.skip(f"{CPU.model_name} runs only {runnable[0].name}")
+    outputs = {}
+    for level in runnable:
+        path = tmp_path / f"{level.name}.pt"
+        subprocess.run(
+            [sys.executable, "-c", _INT8_OUTPUTS, str(path), level.name],
+            cwd=REPO_ROOT,
+            env=_child_env(level),
+            check=True,
+            timeout=300,
+        )
+        outputs[level.name] = torch.load(path)
+    first, *others = runnable
+    for level in others:
+        for key, expected in outputs[first.name].items():
+            assert torch.equal(outputs[level.name][key], expected), (level.name, key)
