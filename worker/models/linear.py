@@ -86,6 +86,11 @@ MAX_CODES_ONLY_KERNEL_ROWS = 128
 # vs rebuild ms 35 vs 302 at 64 rows, 80 vs 315 at 128, 147 vs 364 at 256,
 # 333 vs 627 at 512; 768-2048 rows went either way (0.74x-1.42x).
 MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 512
+# W8A8 (--quantization w8a8): up to this many rows the activations are
+# quantized to int8 and multiplied on VNNI / AMX-INT8; larger batches run the
+# weight-only paths above (float activations). TODO: set from measurements.
+MAX_W8A8_KERNEL_ROWS = 1 << 30
+_W8A8_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -146,6 +151,7 @@ class PackedLinear:
         "_codes_on_amx",
         "_codes_take_bf16",
         "_dtype",
+        "_int8_activations",
         "_kernel",
         "_onednn",
         "_packed",
@@ -174,6 +180,7 @@ class PackedLinear:
             self._codes = find_block_codes(weight)  # float32 weights only
         self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
+        self._int8_activations = False
         weight = weight.to(dtype)
         if use_onednn and onednn_available(weight):
             self._packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(
@@ -192,11 +199,14 @@ class PackedLinear:
         dtype: torch.dtype,
         use_kernel: bool = True,
         use_onednn: bool = True,
+        int8_activations: bool = False,
     ) -> PackedLinear:
         """A quantized projection holding only its codes (no dense copy):
         ``use_kernel`` runs small batches on the C++ kernel when it loads;
         everything else rebuilds the weight per call and multiplies with
-        oneDNN (``use_onednn``) or F.linear (CPU only)."""
+        oneDNN (``use_onednn``) or F.linear (CPU only). ``int8_activations``
+        (W8A8): up to ``MAX_W8A8_KERNEL_ROWS`` rows are quantized per token to
+        int8 and multiplied on integer dot products (the kernel must load)."""
         self = cls.__new__(cls)
         self._onednn = use_onednn
         self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
@@ -206,6 +216,10 @@ class PackedLinear:
         self._kernel = use_kernel and native.unavailable_reason() is None
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
+        self._int8_activations = int8_activations and self._kernel
+        if int8_activations and not self._kernel:
+            reason = native.unavailable_reason() or "use_kernel=False"
+            raise ValueError(f"W8A8 needs the C++ CPU kernels: {reason}")
         self._packed = None
         self.weight = None
         return self
@@ -233,6 +247,8 @@ class PackedLinear:
         return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8_activations and _w8a8_fits(x):
+            return self._w8a8(x)
         codes = self._codes
         on_amx = self._codes_on_amx and x.dtype == torch.bfloat16
         if self.codes_only:
@@ -271,3 +287,17 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self._packed, self._bias, "none", [], ""
         )
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 (kernels/csrc/int8_linear.cpp): int8 activations per token times the codes."""
+        codes = self._codes
+        assert codes is not None
+        y = torch.ops.kvmesh.int8_block_code_linear(
+            x.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
+        )
+        return y if self._bias is None else y.add_(self._bias)
+
+
+def _w8a8_fits(x: torch.Tensor) -> bool:
+    """Whether the W8A8 kernel takes ``x`` (else the weight-only paths run)."""
+    return x.dim() == 2 and x.dtype in _W8A8_DTYPES and x.shape[0] <= MAX_W8A8_KERNEL_ROWS
