@@ -232,22 +232,50 @@ void panel_rows(const PanelIn& in, const PanelOut<T>& out, int64_t M) {
 constexpr bool kAmxInt8 = true;
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kBTileBytes = kCodeBlock * kLanes;  // 8 rows of 64 bytes
+constexpr int64_t kBlocksInFlight = 4;                 // C tiles 4..7
 
-// Tiles: 0 = B (one block's codes), 1 = A (16 rows x 32 int8), 2 and 3 = C
-// (int32, alternating by block so that the next block's tdpbsud need not wait
-// for this block's tile store).
+// Tiles: 0 and 1 = B (one block's codes), 2 and 3 = A (up to 16 rows x 32
+// int8), alternating by block; 4..7 = C (int32), one per block of a group of
+// kBlocksInFlight, all multiplied before any is stored and scaled, so that the
+// tiles' latency (tdpbsud, then the store the vector loads wait for) overlaps
+// across blocks instead of stalling every block.
 kvmesh::TileConfig int8_config(int64_t rows) {
   kvmesh::TileConfig config{};
   config.palette_id = 1;
-  config.rows[0] = kCodeBlock / kGroup;
-  config.colsb[0] = kLanes * kGroup;
-  config.rows[1] = static_cast<uint8_t>(rows);
-  config.colsb[1] = kCodeBlock;
-  for (int tile : {2, 3}) {
-    config.rows[tile] = static_cast<uint8_t>(rows);
-    config.colsb[tile] = kLanes * sizeof(int32_t);
+  for (int tile = 0; tile < 8; ++tile) {
+    const bool b = tile < 2, a = tile == 2 || tile == 3;
+    config.rows[tile] = b ? kCodeBlock / kGroup : static_cast<uint8_t>(rows);
+    config.colsb[tile] = a ? kCodeBlock : kLanes * sizeof(int32_t);
   }
   return config;
+}
+
+// C tile 4 + j = block j of the group: codes of `b` x activations of `a`.
+// GCC's AMX intrinsics take literal tile numbers, hence the switch.
+inline void multiply_block(int j, const uint8_t* b, const int8_t* a, int64_t a_stride) {
+#define KVMESH_BLOCK(C, B, A)         \
+  _tile_loadd(B, b, kLanes * kGroup); \
+  _tile_loadd(A, a, a_stride);        \
+  _tile_zero(C);                      \
+  _tile_dpbsud(C, A, B);              \
+  break;
+  switch (j) {
+    case 0: KVMESH_BLOCK(4, 0, 2)
+    case 1: KVMESH_BLOCK(5, 1, 3)
+    case 2: KVMESH_BLOCK(6, 0, 2)
+    default: KVMESH_BLOCK(7, 1, 3)
+  }
+#undef KVMESH_BLOCK
+}
+
+inline void store_block(int j, int32_t* out) {
+  constexpr long stride = kLanes * sizeof(int32_t);
+  switch (j) {
+    case 0: _tile_stored(4, out, stride); break;
+    case 1: _tile_stored(5, out, stride); break;
+    case 2: _tile_stored(6, out, stride); break;
+    default: _tile_stored(7, out, stride); break;
+  }
 }
 
 template <typename T>
@@ -259,7 +287,7 @@ void panel_amx(const PanelIn& in, const PanelOut<T>& out, int64_t M) {
   for (int64_t k = 0; k < in.K; k += kGroup) {
     _mm512_storeu_si512(b_tiles.data() + k * kLanes, vnni_codes(in.codes + k * kLanes));
   }
-  alignas(64) int32_t c[2][kTileRows * kLanes];
+  alignas(64) int32_t c[kBlocksInFlight][kTileRows * kLanes];
   int64_t configured = 0;
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, M - m0);
@@ -273,28 +301,25 @@ void panel_amx(const PanelIn& in, const PanelOut<T>& out, int64_t M) {
     for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
     const int8_t* q = in.q + m0 * in.K;
     const float* sums = in.block_sums + m0 * blocks;
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-      _tile_loadd(0, b_tiles.data() + kb * kBTileBytes, kLanes * kGroup);
-      _tile_loadd(1, q + kb * kCodeBlock, in.K);
-      int32_t* tile = c[kb & 1];
-      if (kb & 1) {
-        _tile_zero(3);
-        _tile_dpbsud(3, 1, 0);
-        _tile_stored(3, tile, kLanes * sizeof(int32_t));
-      } else {
-        _tile_zero(2);
-        _tile_dpbsud(2, 1, 0);
-        _tile_stored(2, tile, kLanes * sizeof(int32_t));
+    for (int64_t kb0 = 0; kb0 < blocks; kb0 += kBlocksInFlight) {
+      const int group = static_cast<int>(std::min(kBlocksInFlight, blocks - kb0));
+      for (int j = 0; j < group; ++j) {
+        const int64_t kb = kb0 + j;
+        multiply_block(j, b_tiles.data() + kb * kBTileBytes, q + kb * kCodeBlock, in.K);
       }
+      for (int j = 0; j < group; ++j) store_block(j, c[j]);
       kvmesh::compiler_barrier();
-      const __m512 scale = _mm512_loadu_ps(in.scales + kb * kLanes);
-      const __m512 offset = _mm512_loadu_ps(in.offsets + kb * kLanes);
+      for (int j = 0; j < group; ++j) {
+        const int64_t kb = kb0 + j;
+        const __m512 scale = _mm512_loadu_ps(in.scales + kb * kLanes);
+        const __m512 offset = _mm512_loadu_ps(in.offsets + kb * kLanes);
 #pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
-        if (r < rows) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(tile + r * kLanes));
-          acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
-          acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * blocks + kb]), acc[r]);
+        for (int r = 0; r < kTileRows; ++r) {
+          if (r < rows) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c[j] + r * kLanes));
+            acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * blocks + kb]), acc[r]);
+          }
         }
       }
     }
