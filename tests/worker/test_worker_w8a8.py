@@ -1,7 +1,7 @@
 """--quantization w8a8: codes-only projections on per-token int8 activations.
 
 PackedLinear runs exactly the kernel's arithmetic (kernels/int8_reference.py)
-up to ``MAX_W8A8_KERNEL_ROWS`` rows and the weight-only paths above; models
+up to ``MAX_W8A8_KERNEL_ROWS*`` rows and the weight-only paths above; models
 (a float checkpoint quantized at load, a GGUF file's Q4_0/Q4_1/Q8_0 codes)
 stay close to their weight-only int8 logits, and startup refuses w8a8 where
 the C++ kernels are off.
@@ -37,13 +37,21 @@ RELATIVE_TO_WEIGHT_ONLY = 0.015
 MODEL_RELATIVE_TO_WEIGHT_ONLY = 0.1
 
 
+@pytest.fixture
+def every_row_w8a8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 rows too (served, they stop at MAX_W8A8_KERNEL_ROWS_BF16)."""
+    monkeypatch.setattr(linear, "MAX_W8A8_KERNEL_ROWS_BF16", 1 << 30)
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("kind", CODE_TYPES, ids=lambda k: k.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_w8a8_projection_is_the_quantized_arithmetic_near_weight_only(kind, dtype) -> None:
+def test_w8a8_projection_is_the_quantized_arithmetic_near_weight_only(
+    kind, dtype, every_row_w8a8: None
+) -> None:
     from gguf.quants import quantize
 
     g = torch.Generator().manual_seed(0)
@@ -63,14 +71,16 @@ def test_w8a8_projection_is_the_quantized_arithmetic_near_weight_only(kind, dtyp
         assert 0 < error < RELATIVE_TO_WEIGHT_ONLY, (rows, error)
 
 
-def test_rows_past_the_limit_run_weight_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_past_the_limit_run_weight_only(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
     monkeypatch.setattr(linear, "MAX_W8A8_KERNEL_ROWS", 8)
+    limit = 8 if dtype == torch.float32 else linear.MAX_W8A8_KERNEL_ROWS_BF16
     codes = quantize_int8(torch.randn(32, 64)).to_panels()
-    w8a8 = PackedLinear.from_codes(codes, None, torch.float32, int8_activations=True)
-    weight_only = PackedLinear.from_codes(codes, None, torch.float32)
-    x = torch.randn(9, 64)
+    w8a8 = PackedLinear.from_codes(codes, None, dtype, int8_activations=True)
+    weight_only = PackedLinear.from_codes(codes, None, dtype)
+    x = torch.randn(limit + 1, 64).to(dtype)
     assert torch.equal(w8a8(x), weight_only(x))
-    assert not torch.equal(w8a8(x[:8]), weight_only(x[:8]))
+    assert not torch.equal(w8a8(x[:limit]), weight_only(x[:limit]))
 
 
 def test_w8a8_model_stays_near_its_int8_logits(tmp_path: Path) -> None:
@@ -87,7 +97,7 @@ def test_w8a8_model_stays_near_its_int8_logits(tmp_path: Path) -> None:
     assert agreement(_greedy(int8), _greedy(w8a8)) >= 0.5
 
 
-def test_w8a8_runs_a_gguf_files_codes(tmp_path: Path) -> None:
+def test_w8a8_runs_a_gguf_files_codes(tmp_path: Path, every_row_w8a8: None) -> None:
     make_tiny_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", torch.float32, True)
     named, _ = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
     w8a8, weight_only = _runner(named, "w8a8", "bfloat16"), _runner(named, None, "bfloat16")

@@ -36,6 +36,11 @@ a float checkpoint holding these values: checked in the tests). The scratch
 costs one weight's worth of float32, the largest projection's; rebuilding
 costs a pass over the weight per prefill call (README, "Quantized weights", has the
 measured price).
+
+``--quantization w8a8`` keeps the same codes and quantizes the activations too
+(per token, int8) for the batch sizes where integer dot products measured
+faster (``MAX_W8A8_KERNEL_ROWS*``: every float32 batch, bfloat16 decode rows up
+to 2 on AMX); the others run the weight-only paths above.
 """
 
 from __future__ import annotations
@@ -86,11 +91,24 @@ MAX_CODES_ONLY_KERNEL_ROWS = 128
 # vs rebuild ms 35 vs 302 at 64 rows, 80 vs 315 at 128, 147 vs 364 at 256,
 # 333 vs 627 at 512; 768-2048 rows went either way (0.74x-1.42x).
 MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 512
-# W8A8 (--quantization w8a8): up to this many rows the activations are
-# quantized to int8 and multiplied on VNNI / AMX-INT8; larger batches run the
-# weight-only paths above (float activations). TODO: set from measurements.
+# W8A8 (--quantization w8a8): up to these many rows the activations are
+# quantized to int8 and multiplied on VNNI / AMX-INT8 (kernels/csrc/
+# int8_linear.cpp); larger batches run the weight-only paths above. Measured
+# with `benchmarks/w8a8_bench.py` (every decoder projection of the default
+# model, --quantization int8 codes, ms per pass, best of 6-15 interleaved
+# rounds) on the 2-core AMX Xeon (Intel(R) Xeon(R) Processor, AMX-BF16/INT8,
+# AVX512-BF16/VNNI; shared, load 2.3-3.4), 2 threads:
+# float32 rows: weight-only vs W8A8 1 row 10.5 vs 11.3, 4: 16.8 vs 16.4,
+# 16: 38.1 vs 28.4, 64: 408 vs 265, 128: 372 vs 201, 512: 1369 vs 791 (rebuild
+# + oneDNN float32 1410), 2048: 3385 vs 2524 -> W8A8 at every size.
 MAX_W8A8_KERNEL_ROWS = 1 << 30
-_W8A8_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 rows: weight-only runs them on AMX-BF16 tiles (and oneDNN bf16 for
+# prefill), which the int32 block sums (one float multiply-add per row, output
+# and 32 features) do not beat past a couple of rows: 1 row 14.6 vs 12.2, 2:
+# 13.5 vs 12.2, 4: 13.5 vs 14.5, 8: 15.4 vs 22.8, 64: 73 vs 189, 512: 441-1108
+# vs 591-2502, 2048: 1317-1449 (rebuild + oneDNN bf16 1937-2247) vs 2537-2574.
+# Unmeasured where bf16 rows have no AMX (the avx512_bf16 level).
+MAX_W8A8_KERNEL_ROWS_BF16 = 2
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -205,8 +223,9 @@ class PackedLinear:
         ``use_kernel`` runs small batches on the C++ kernel when it loads;
         everything else rebuilds the weight per call and multiplies with
         oneDNN (``use_onednn``) or F.linear (CPU only). ``int8_activations``
-        (W8A8): up to ``MAX_W8A8_KERNEL_ROWS`` rows are quantized per token to
-        int8 and multiplied on integer dot products (the kernel must load)."""
+        (W8A8): up to ``MAX_W8A8_KERNEL_ROWS`` float32 rows
+        (``_BF16``: bfloat16) are quantized per token to int8 and multiplied
+        on integer dot products (the kernel must load)."""
         self = cls.__new__(cls)
         self._onednn = use_onednn
         self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
@@ -300,4 +319,8 @@ class PackedLinear:
 
 def _w8a8_fits(x: torch.Tensor) -> bool:
     """Whether the W8A8 kernel takes ``x`` (else the weight-only paths run)."""
-    return x.dim() == 2 and x.dtype in _W8A8_DTYPES and x.shape[0] <= MAX_W8A8_KERNEL_ROWS
+    if x.dim() != 2:
+        return False
+    if x.dtype == torch.float32:
+        return x.shape[0] <= MAX_W8A8_KERNEL_ROWS
+    return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_W8A8_KERNEL_ROWS_BF16
