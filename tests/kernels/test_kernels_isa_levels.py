@@ -4,9 +4,11 @@ One library is loaded per process, so each other level runs in a child
 process: the kernel test files with their own tolerances, and the block-code
 linear's float32 results, which must be bitwise equal on the vector levels
 (AVX2 splits each 16-lane panel into two halves but keeps every operation and
-its order; amx runs float32 rows as avx512_bf16 does). Its bfloat16 results on
-AMX tiles and with vdpbf16ps (avx512_bf16) round the same bfloat16 weights and
-differ only by float32 summation order. Levels the CPU lacks are skipped with
+its order; amx runs float32 rows as avx512_bf16 does), and the W8A8 linear's
+(exact int32 block sums and the same float32 operations on every path:
+portable, vpdpbusd, AMX-INT8). Its bfloat16 results on AMX tiles and with
+vdpbf16ps (avx512_bf16) round the same bfloat16 weights and differ only by
+float32 summation order. Levels the CPU lacks are skipped with
 the flags it lacks.
 """
 
@@ -112,6 +114,13 @@ for rows in (1, 5, 6, 7, 16, 17):
     outputs[rows] = torch.ops.kvmesh.block_code_linear(
         x, codes.codes, codes.scales, codes.offsets, codes.out_features
     )
+# W8A8 too: portable (avx2, avx512), vpdpbusd (avx512_bf16), AMX-INT8 (amx, 16+ rows).
+from tests.kernels.test_kernels_int8_linear import _codes, _run
+for kind in ("q8_0", "q4_1"):
+    codes = _codes(40, 160, kind, seed=8)
+    for rows in (1, 9, 16, 37):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        outputs["w8a8", kind, rows] = _run(x, codes)
 torch.save(outputs, sys.argv[1])
 """
 
@@ -179,42 +188,3 @@ def test_block_code_linear_bf16_on_amx_tiles_agrees_with_vdpbf16ps(tmp_path: Pat
         torch.testing.assert_close(tiles.float(), dot.float(), atol=1e-2, rtol=2**-7)
         mismatched = (tiles != dot).float().mean().item()
         assert mismatched < 0.05, f"{rows} rows: {mismatched:.1%} differ by a bf16 rounding"
-
-
-_INT8_OUTPUTS = """
-import sys, torch
-from kernels import native
-from tests.kernels.test_kernels_int8_linear import _codes, _run
-native.ensure_loaded()
-assert native.loaded_level().name == sys.argv[2], native.loaded_level()
-outputs = {}
-for kind in ("q8_0", "q4_1"):
-    codes = _codes(40, 160, kind, seed=8)
-    for rows in (1, 9, 16, 37):
-        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-        outputs[kind, rows] = _run(x, codes)
-torch.save(outputs, sys.argv[1])
-"""
-
-
-def test_int8_linear_is_bitwise_equal_on_every_level(tmp_path: Path) -> None:
-    """W8A8: exact integer dot products and the same float32 operations in the
-    same order on every path (portable, vpdpbusd, AMX tiles)."""
-    runnable = [level for level in all_levels() if not level.missing(CPU)]
-    if len(runnable) < 2:
-        pytest.skip(f"{CPU.model_name} runs only {runnable[0].name}")
-    outputs = {}
-    for level in runnable:
-        path = tmp_path / f"{level.name}.pt"
-        subprocess.run(
-            [sys.executable, "-c", _INT8_OUTPUTS, str(path), level.name],
-            cwd=REPO_ROOT,
-            env=_child_env(level),
-            check=True,
-            timeout=300,
-        )
-        outputs[level.name] = torch.load(path)
-    first, *others = runnable
-    for level in others:
-        for key, expected in outputs[first.name].items():
-            assert torch.equal(outputs[level.name][key], expected), (level.name, key)
