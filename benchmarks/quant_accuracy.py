@@ -1,10 +1,11 @@
 """What quantized weights cost in accuracy: greedy agreement and perplexity.
 
-For one model, three ways to hold its weights — the float32 checkpoint, its
+For one model, five ways to hold its weights — the float32 checkpoint, its
 GGUF file loaded directly (codes kept), ``--quantization int8`` of the float32
-checkpoint — this prints, against transformers' float32 greedy tokens on the
-e2e prompts (tests/e2e/test_e2e_greedy_matches_hf.py, 40 tokens each, EOS
-ignored):
+checkpoint, ``--quantization w8a8`` of it and of the GGUF file (the same
+codes, times per-token int8 activations) — this prints, against
+transformers' float32 greedy tokens on the e2e prompts
+(tests/e2e/test_e2e_greedy_matches_hf.py, 40 tokens each, EOS ignored):
 
 * agreement: tokens before each prompt's first divergence, over all tokens
   (after a divergence the continuations are different texts; comparing them
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         ("float32 checkpoint", args.model, None),
         ("GGUF file, direct", args.gguf or str(_find_gguf()), None),
         ("--quantization int8", args.model, "int8"),
+        ("--quantization w8a8", args.model, "w8a8"),
+        ("GGUF file, --quantization w8a8", args.gguf or str(_find_gguf()), "w8a8"),
     ]
     for label, path, quantization in cases:
         runner = make_runner(path, quantization)

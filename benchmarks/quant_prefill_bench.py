@@ -49,14 +49,19 @@ def best_ms(work, repeats: int = 3) -> float:
     return best * 1e3
 
 
-def pass_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> float:
+def pass_ms(
+    projections: list[PackedLinear], inputs: dict[int, torch.Tensor], repeats: int = 3
+) -> float:
     """Best time of one pass over ``projections`` in order."""
     with torch.inference_mode():
-        return best_ms(lambda: [p(inputs[p.in_features]) for p in projections])
+        return best_ms(lambda: [p(inputs[p.in_features]) for p in projections], repeats)
 
 
 def forced_ms(
-    projections: list[PackedLinear], inputs: dict[int, torch.Tensor], kernel: bool
+    projections: list[PackedLinear],
+    inputs: dict[int, torch.Tensor],
+    kernel: bool,
+    repeats: int = 3,
 ) -> float:
     """``pass_ms`` with codes-only projections forced onto the kernel or off it."""
     import worker.models.linear as linear_module
@@ -66,7 +71,7 @@ def forced_ms(
     for name in names:
         setattr(linear_module, name, 1 << 30 if kernel else 0)
     try:
-        return pass_ms(projections, inputs)
+        return pass_ms(projections, inputs, repeats)
     finally:
         for name, value in zip(names, saved, strict=True):
             setattr(linear_module, name, value)

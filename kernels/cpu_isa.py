@@ -12,7 +12,7 @@ generic        ``-march=x86-64-v2`` (SSE4.2)                any x86-64 server si
 avx2           ``-march=x86-64-v3`` (AVX2, FMA, F16C)       Haswell+, Zen 1+
 avx512         ``-march=x86-64-v4`` (AVX-512 F/BW/CD/DQ/VL) Skylake-SP+, Zen 4+
 avx512_bf16    ``x86-64-v4`` + AVX512-BF16 + VNNI           Cooper Lake, Zen 4+
-amx            ``avx512_bf16`` + AMX-TILE + AMX-BF16        Sapphire Rapids+
+amx            ``avx512_bf16`` + AMX-TILE/BF16/INT8         Sapphire Rapids+
 =============  ===========================================  ==========================
 
 What changes between levels: the compiler's auto-vectorization width in every
@@ -22,6 +22,10 @@ multiplied with ``vdpbf16ps``, two input features per instruction; AMX:
 bfloat16 activations multiplied on AMX tiles with ``tdpbf16ps``, 16 rows x 32
 input features x 16 outputs per instruction, so that decode batches of many
 rows still only read the codes; float32 activations as at ``avx512_bf16``).
+The W8A8 linear (``--quantization w8a8``, kernels/csrc/int8_linear.cpp)
+multiplies int8 activations with the codes by ``vpdpbusd`` at the levels with
+AVX512-VNNI, on AMX-INT8 tiles (``tdpbsud``) at ``amx`` from 16 rows, and in
+portable C++ below (same results on every level, bit for bit).
 
 Other architectures (aarch64) have one level, ``native``, built for the
 machine that builds it. ``KVMESH_CPU_ISA`` picks a lower level than the best,
@@ -71,8 +75,15 @@ X86_LEVELS: tuple[IsaLevel, ...] = (
     ),
     IsaLevel(
         "amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
-        _X86_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+        (
+            "-march=x86-64-v4",
+            "-mavx512bf16",
+            "-mavx512vnni",
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-mamx-int8",
+        ),
+        _X86_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"},
         bf16_block_codes=True,
         amx_tiles=True,
     ),

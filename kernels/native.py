@@ -65,6 +65,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "isa_level.cpp": (),
     "paged_attention_cpu.cpp": FAST_MATH,
     "block_code_linear.cpp": (),
+    "int8_linear.cpp": (),
     # AMX level only (empty elsewhere); its exp is written out in intrinsics.
     "prefill_attention_amx.cpp": (),
     "amx_linear.cpp": (),  # AMX level only, as the one above

@@ -108,13 +108,14 @@ class ModelConfig:
     dtype_reason: str = field(default="", compare=False)
     # The GGUF file the weights are read from ('' : the folder's safetensors).
     gguf_file: str = ""
-    # --quantization: "int8" quantizes the float projections at load ('' : none).
+    # --quantization: "int8" quantizes the float projections at load, "w8a8"
+    # also the activations of every codes-only projection ('' : none).
     quantization: str = ""
 
     @property
     def weights_description(self) -> str:
         """How the weights are held, for logs and /v1/models: "gguf", "int8",
-        "gguf+int8" (a GGUF's dense projections quantized too) or ""."""
+        "w8a8", "gguf+int8" (a GGUF's dense projections quantized too) or ""."""
         return "+".join(p for p in ("gguf" if self.gguf_file else "", self.quantization) if p)
 
     @property

@@ -51,5 +51,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 # What --dtype accepts: a dtype, or "auto" (chosen by the hardware: worker/dtype_choice.py).
 AUTO_DTYPE = "auto"
 DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
-# What --quantization accepts: weight-only int8 per 32 input features (Q8_0's layout).
-QUANTIZATIONS = ("int8",)
+# What --quantization accepts: weight-only int8 per 32 input features (Q8_0's
+# layout), or the same weights with int8 activations (W8A8, integer dot products).
+QUANTIZATIONS = ("int8", "w8a8")

@@ -279,7 +279,10 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
     quantization: str = opt(
         "",
         "int8: quantize the decoder's projections at load, weight-only, symmetric int8 "
-        "per 32 input features (GGUF Q8_0's layout; CPU only)",
+        "per 32 input features (GGUF Q8_0's layout; CPU only); w8a8: the same weights "
+        "(or a GGUF file's Q4_0/Q4_1/Q8_0 codes) times activations quantized per token to "
+        "int8, multiplied with VNNI/AMX-INT8 integer dot products (needs the C++ CPU kernels; "
+        "less accurate, README 'Quantized weights')",
         choices=QUANTIZATIONS,
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)

@@ -4,9 +4,11 @@ One library is loaded per process, so each other level runs in a child
 process: the kernel test files with their own tolerances, and the block-code
 linear's float32 results, which must be bitwise equal on the vector levels
 (AVX2 splits each 16-lane panel into two halves but keeps every operation and
-its order; amx runs float32 rows as avx512_bf16 does). Its bfloat16 results on
-AMX tiles and with vdpbf16ps (avx512_bf16) round the same bfloat16 weights and
-differ only by float32 summation order. Levels the CPU lacks are skipped with
+its order; amx runs float32 rows as avx512_bf16 does), and the W8A8 linear's
+(exact int32 block sums and the same float32 operations on every path:
+portable, vpdpbusd, AMX-INT8). Its bfloat16 results on AMX tiles and with
+vdpbf16ps (avx512_bf16) round the same bfloat16 weights and differ only by
+float32 summation order. Levels the CPU lacks are skipped with
 the flags it lacks.
 """
 
@@ -29,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU = CpuFeatures.detect()
 KERNEL_TESTS = (
     "tests/kernels/test_kernels_block_codes.py",
+    "tests/kernels/test_kernels_int8_linear.py",
     "tests/kernels/test_kernels_elementwise.py",
     "tests/kernels/test_kernels_cpu_native.py",
 )
@@ -66,10 +69,12 @@ def test_choice_follows_the_flags_and_refuses_what_the_cpu_lacks() -> None:
     assert choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16"})).level == (
         avx512_bf16
     )
-    assert (
-        choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, {"amx_bf16", "amx_tile"})).level
-        == amx
-    )
+    amx_flags = {"amx_bf16", "amx_tile", "amx_int8"}
+    assert choose_level(_fake_cpu(avx512_bf16.required_cpu_flags, amx_flags)).level == amx
+    # The amx level's W8A8 path needs AMX-INT8 too (every AMX CPU so far has it).
+    assert choose_level(
+        _fake_cpu(avx512_bf16.required_cpu_flags, amx_flags - {"amx_int8"})
+    ).level == (avx512_bf16)
     assert amx.bf16_block_codes and amx.amx_tiles and not avx512_bf16.amx_tiles
     assert choose_level(_fake_cpu(avx512.required_cpu_flags), "generic").level == generic
     with pytest.raises(ValueError, match=r"cannot run the avx512 level: no \['avx512bw'"):
@@ -109,6 +114,13 @@ for rows in (1, 5, 6, 7, 16, 17):
     outputs[rows] = torch.ops.kvmesh.block_code_linear(
         x, codes.codes, codes.scales, codes.offsets, codes.out_features
     )
+# W8A8 too: portable (avx2, avx512), vpdpbusd (avx512_bf16), AMX-INT8 (amx, 16+ rows).
+from tests.kernels.test_kernels_int8_linear import _codes, _run
+for kind in ("q8_0", "q4_1"):
+    codes = _codes(40, 160, kind, seed=8)
+    for rows in (1, 9, 16, 37):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        outputs["w8a8", kind, rows] = _run(x, codes)
 torch.save(outputs, sys.argv[1])
 """
 

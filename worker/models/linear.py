@@ -42,6 +42,11 @@ a float checkpoint holding these values: checked in the tests). The scratch
 costs one weight's worth of float32, the largest projection's; rebuilding
 costs a pass over the weight per prefill call (README, "Quantized weights", has the
 measured price).
+
+``--quantization w8a8`` keeps the same codes and quantizes the activations too
+(per token, int8) for the batch sizes where integer dot products measured
+faster (``MAX_W8A8_KERNEL_ROWS*``: every float32 batch, bfloat16 decode rows up
+to 2 on AMX); the others run the weight-only paths above.
 """
 
 from __future__ import annotations
@@ -101,6 +106,24 @@ MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX = 512
 # 52.2-65.1, 64: 97.9-105.6 / 115.9-136.6 / 66.3-79.8, 256: 310-317 /
 # 330-453 / 238-374, 512: 588 / 686 / 665, 1,024: 1,886 / 1,066 / 1,102.
 MAX_AMX_LINEAR_ROWS = 512
+# W8A8 (--quantization w8a8): up to these many rows the activations are
+# quantized to int8 and multiplied on VNNI / AMX-INT8 (kernels/csrc/
+# int8_linear.cpp); larger batches run the weight-only paths above. Measured
+# with `benchmarks/w8a8_bench.py` (every decoder projection of the default
+# model, --quantization int8 codes, ms per pass, best of 6-15 interleaved
+# rounds) on the 2-core AMX Xeon (Intel(R) Xeon(R) Processor, AMX-BF16/INT8,
+# AVX512-BF16/VNNI; shared, load 2.3-3.4), 2 threads:
+# float32 rows: weight-only vs W8A8 1 row 10.5 vs 11.3, 4: 16.8 vs 16.4,
+# 16: 38.1 vs 28.4, 64: 408 vs 265, 128: 372 vs 201, 512: 1369 vs 791 (rebuild
+# + oneDNN float32 1410), 2048: 3385 vs 2524 -> W8A8 at every size.
+MAX_W8A8_KERNEL_ROWS = 1 << 30
+# bfloat16 rows: weight-only runs them on AMX-BF16 tiles (and oneDNN bf16 for
+# prefill), which the int32 block sums (one float multiply-add per row, output
+# and 32 features) do not beat past a couple of rows: 1 row 14.6 vs 12.2, 2:
+# 13.5 vs 12.2, 4: 13.5 vs 14.5, 8: 15.4 vs 22.8, 64: 73 vs 189, 512: 441-1108
+# vs 591-2502, 2048: 1317-1449 (rebuild + oneDNN bf16 1937-2247) vs 2537-2574.
+# Unmeasured where bf16 rows have no AMX (the avx512_bf16 level).
+MAX_W8A8_KERNEL_ROWS_BF16 = 2
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -175,6 +198,7 @@ class PackedLinear:
         "_codes_on_amx",
         "_codes_take_bf16",
         "_dtype",
+        "_int8_activations",
         "_kernel",
         "_onednn",
         "_packed",
@@ -203,6 +227,7 @@ class PackedLinear:
             self._codes = find_block_codes(weight)  # float32 weights only
         self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
+        self._int8_activations = False
         weight = weight.to(dtype)
         # A plain bfloat16 weight for amx_linear (MAX_AMX_LINEAR_ROWS) instead
         # of oneDNN's packed copy, unless small batches run the codes anyway.
@@ -232,11 +257,15 @@ class PackedLinear:
         dtype: torch.dtype,
         use_kernel: bool = True,
         use_onednn: bool = True,
+        int8_activations: bool = False,
     ) -> PackedLinear:
         """A quantized projection holding only its codes (no dense copy):
         ``use_kernel`` runs small batches on the C++ kernel when it loads;
         everything else rebuilds the weight per call and multiplies with
-        oneDNN (``use_onednn``) or F.linear (CPU only)."""
+        oneDNN (``use_onednn``) or F.linear (CPU only). ``int8_activations``
+        (W8A8): up to ``MAX_W8A8_KERNEL_ROWS`` float32 rows
+        (``_BF16``: bfloat16) are quantized per token to int8 and multiplied
+        on integer dot products (the kernel must load)."""
         self = cls.__new__(cls)
         self._onednn = use_onednn
         self.out_features, self.in_features = codes.out_features, codes.codes.shape[1]
@@ -247,6 +276,10 @@ class PackedLinear:
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         self._amx_plain = False
+        self._int8_activations = int8_activations and self._kernel
+        if int8_activations and not self._kernel:
+            reason = native.unavailable_reason() or "use_kernel=False"
+            raise ValueError(f"W8A8 needs the C++ CPU kernels: {reason}")
         self._packed = None
         self.weight = None
         return self
@@ -274,6 +307,8 @@ class PackedLinear:
         return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8_activations and _w8a8_fits(x):
+            return self._w8a8(x)
         codes = self._codes
         on_amx = self._codes_on_amx and x.dtype == torch.bfloat16
         if self.codes_only:
@@ -318,3 +353,21 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self._packed, self._bias, "none", [], ""
         )
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 (kernels/csrc/int8_linear.cpp): int8 activations per token times the codes."""
+        codes = self._codes
+        assert codes is not None
+        y = torch.ops.kvmesh.int8_block_code_linear(
+            x.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
+        )
+        return y if self._bias is None else y.add_(self._bias)
+
+
+def _w8a8_fits(x: torch.Tensor) -> bool:
+    """Whether the W8A8 kernel takes ``x`` (else the weight-only paths run)."""
+    if x.dim() != 2:
+        return False
+    if x.dtype == torch.float32:
+        return x.shape[0] <= MAX_W8A8_KERNEL_ROWS
+    return x.dtype == torch.bfloat16 and x.shape[0] <= MAX_W8A8_KERNEL_ROWS_BF16

@@ -78,20 +78,32 @@ def _pack(
     previous: PackedLinear | None = None,
 ) -> PackedLinear:
     """One projection in its inference form: codes only when its checkpoint
-    gave codes (``piece``) or ``quantization`` asks for them, else dense.
+    gave codes (``piece``) or ``quantization`` asks for them, else dense;
+    "w8a8" runs codes-only projections on int8 activations (refused where the
+    C++ kernels are off: there is no torch path for it).
     ``previous``: this projection packed before (packing again, e.g. to
     compare kernels), whose codes are all that is left of a quantized weight."""
+    w8a8 = quantization == "w8a8"
+    if w8a8 and not use_block_codes:
+        raise ValueError(
+            "--quantization w8a8 needs kvmesh's C++ CPU kernels (int8 dot products): "
+            f"{native.unavailable_reason() or 'turned off for this model (dense linear)'}"
+        )
     if piece is None and is_placeholder(weight):
         if previous is None or previous.codes is None:
             raise ValueError("a quantized projection packed without its codes")
-        return PackedLinear.from_codes(previous.codes, bias, dtype, use_block_codes, use_onednn)
+        return PackedLinear.from_codes(
+            previous.codes, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
+        )
     if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
         weight.data = piece.to(weight.dtype)
-    if quantization == "int8" and not isinstance(piece, RowCodes):
+    if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
         piece = quantize_int8(weight)
     if isinstance(piece, RowCodes):
         release(weight)  # no-op for a placeholder; frees an int8-quantized dense weight
-        return PackedLinear.from_codes(piece.to_panels(), bias, dtype, use_block_codes, use_onednn)
+        return PackedLinear.from_codes(
+            piece.to_panels(), bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
+        )
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
