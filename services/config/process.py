@@ -77,6 +77,13 @@ DENSE_LINEAR = EnvSetting(
     "0",
     "1 keeps plain F.linear for every projection (no oneDNN, no C++ ops): an A/B switch",
 )
+AMX_LINEAR = EnvSetting(
+    "KVMESH_AMX_LINEAR",
+    bool,
+    "1",
+    "0 packs dense bfloat16 projections for oneDNN instead of running small batches on "
+    "kernels/csrc/amx_linear.cpp over the plain weight (AMX level only): an A/B switch",
+)
 CXX = EnvSetting(
     "CXX", str, "", "C++ compiler for the native kernels (default: g++, then c++, on PATH)"
 )
@@ -104,6 +111,7 @@ PROCESS_SETTINGS: tuple[EnvSetting[Any], ...] = (
     NATIVE_KERNELS,
     CPU_ISA,
     DENSE_LINEAR,
+    AMX_LINEAR,
     CXX,
     TRITON_INTERPRET,
 )

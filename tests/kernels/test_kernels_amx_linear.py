@@ -94,3 +94,15 @@ def test_packed_linear_keeps_a_dense_bf16_weight_plain(monkeypatch: pytest.Monke
         expected = torch.nn.functional.linear(x.double(), w.double(), b.double())
         assert ((y.double() - expected).abs() / (expected.abs() + 1)).max().item() < 2**-7
     assert MAX_AMX_LINEAR_ROWS >= 32  # decode batches take the kernel
+
+
+def test_amx_linear_switch_packs_for_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVMESH_AMX_LINEAR=0 (the A/B switch): oneDNN's packed copy, no plain weight."""
+    monkeypatch.setenv("KVMESH_AMX_LINEAR", "0")
+    weight = torch.randn(80, 96, generator=torch.Generator().manual_seed(5)) / 10
+    linear = PackedLinear(weight, dtype=torch.bfloat16)
+    assert not amx_linear_takes(weight.bfloat16())
+    assert linear.weight is None  # the packed copy replaced it
+    x = torch.randn(4, 96).bfloat16()
+    expected = torch.nn.functional.linear(x.double(), weight.bfloat16().double())
+    assert ((linear(x).double() - expected).abs() / (expected.abs() + 1)).max().item() < 2**-7

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
+from services.config.process import AMX_LINEAR
 
 # The reorder is tuned for a typical decode batch; any batch size works with it.
 _BATCH_SIZE_HINT = 16
@@ -172,7 +173,8 @@ def amx_linear_takes(weight: torch.Tensor) -> bool:
     """Whether kernels/csrc/amx_linear.cpp can multiply by ``weight`` here."""
     out_features, in_features = weight.shape
     return (
-        weight.dtype == torch.bfloat16
+        AMX_LINEAR.get()
+        and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and in_features % 32 == 0
         and out_features >= 16
