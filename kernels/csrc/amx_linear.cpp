@@ -53,16 +53,6 @@ constexpr int64_t kItemOutputs = 2 * kTileRows;            // 2 A tiles per item
 // (same measurement as above: 45-46 vs 39-40 ms per 1-row step).
 constexpr int64_t kPrefetchBlocks = 4;
 
-kvmesh::TileConfig tile_config() {
-  kvmesh::TileConfig config{};
-  config.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = kTileBytes;
-  }
-  return config;
-}
-
 // Token block `block` (16 tokens) of x as one B tile per feature block.
 void pack_tokens(const uint16_t* x, int64_t M, int64_t K, int64_t block, uint32_t* out) {
   const int64_t feature_blocks = K / kFeatureBlock;
@@ -184,7 +174,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t items = (N + kItemOutputs - 1) / kItemOutputs;
   kvmesh::parallel_items(items, [&](int64_t item, bool) {
     alignas(64) float c[4 * kPairWords];
-    const kvmesh::TileConfig config = tile_config();
+    const kvmesh::TileConfig config = kvmesh::full_tiles_config(8);
     kvmesh::compiler_barrier();
     _tile_loadconfig(&config);  // this thread's; oneDNN configures its own
     const int64_t n_lo = std::min(item * kItemOutputs, N - kTileRows);

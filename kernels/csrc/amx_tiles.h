@@ -39,6 +39,32 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// Every one of the first `tiles` tiles at the full 16 rows x 64 bytes.
+inline TileConfig full_tiles_config(int tiles) {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < tiles; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  return config;
+}
+
+// Stores tile `tile` (0..7) to `out` with `stride` bytes per row: the tile
+// number must be a literal in the instruction, hence the switch.
+inline void store_tile(int tile, void* out, long stride) {
+  switch (tile) {
+    case 0: _tile_stored(0, out, stride); break;
+    case 1: _tile_stored(1, out, stride); break;
+    case 2: _tile_stored(2, out, stride); break;
+    case 3: _tile_stored(3, out, stride); break;
+    case 4: _tile_stored(4, out, stride); break;
+    case 5: _tile_stored(5, out, stride); break;
+    case 6: _tile_stored(6, out, stride); break;
+    default: _tile_stored(7, out, stride); break;
+  }
+}
+
 // GCC's tile loads take their address as a plain register operand: without
 // this barrier the compiler may sink (or drop) the stores they read.
 inline void compiler_barrier() { asm volatile("" ::: "memory"); }

@@ -311,13 +311,7 @@ inline void multiply_row_tile(int64_t row_tile, bool last, const uint16_t* x, in
 }
 
 inline void store_row_tile(int64_t row_tile, float* out) {
-  constexpr long stride = kLanes * sizeof(float);
-  switch (row_tile) {
-    case 0: _tile_stored(3, out, stride); break;
-    case 1: _tile_stored(4, out, stride); break;
-    case 2: _tile_stored(5, out, stride); break;
-    default: _tile_stored(6, out, stride); break;
-  }
+  kvmesh::store_tile(3 + static_cast<int>(row_tile), out, kLanes * sizeof(float));
 }
 
 // One panel (16 outputs) for all M bfloat16 rows on AMX tiles: each 32-feature

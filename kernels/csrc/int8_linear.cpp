@@ -274,13 +274,7 @@ inline void multiply_block(int j, const uint8_t* b, const int8_t* a, int64_t a_s
 }
 
 inline void store_block(int j, int32_t* out) {
-  constexpr long stride = kLanes * sizeof(int32_t);
-  switch (j) {
-    case 0: _tile_stored(4, out, stride); break;
-    case 1: _tile_stored(5, out, stride); break;
-    case 2: _tile_stored(6, out, stride); break;
-    default: _tile_stored(7, out, stride); break;
-  }
+  kvmesh::store_tile(4 + j, out, kLanes * sizeof(int32_t));
 }
 
 template <typename T>

@@ -65,15 +65,7 @@ constexpr float kNoScore = -1e30f;  // finite "minus infinity": the float maths 
 // Tiles: 0..3 accumulators (S columns, then P V columns), 4 the A operand
 // (Q, then P), 5 the B operand (K^T, then V). GCC pastes tile numbers into
 // its asm, so they are literals.
-kvmesh::TileConfig tile_config() {
-  kvmesh::TileConfig config{};
-  config.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = kTileBytes;
-  }
-  return config;
-}
+kvmesh::TileConfig tile_config() { return kvmesh::full_tiles_config(6); }
 
 // Accumulator `c` += tile 4 x tile 5.
 inline void multiply_into(int64_t c) {
