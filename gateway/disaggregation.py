@@ -10,8 +10,15 @@ blocks in the store as any stored prefix, loads them and ends the leases.
 
 A prefill is an optimisation, never a dependency: any failure (prefill replica
 down, overloaded, slow past ``timeout_s``, its worker lost) only means the
-decode replica computes the prompt itself, with the same output. A client
-that goes away during the prefill cancels the call, which aborts it there.
+decode replica computes the prompt itself, with the same output.
+
+A client that goes away during the prefill does not cancel the call: the
+prefill replica may already hold a lease whose id only its answer carries (a
+cancelled call loses it, and the blocks stay pinned for the whole TTL). The
+gateway aborts the request there instead (``abort``), which ends the compute,
+and waits for the answer in the background; a transfer that still arrives is
+admitted to the decode replica and aborted, which ends its leases
+(``GrpcEngineClient._abandon_prefill``).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ _PREFILLS = Counter(
     "kvmesh:gateway_prefills",
     "prefills asked of the prefill replica, by outcome: transferred (KV handed to the decode "
     "replica), nothing_to_transfer (no full block to hand over), failed (the decode replica "
-    "computes the prompt)",
+    "computes the prompt), abandoned (the client went away first)",
     ["outcome"],
 )
 
@@ -56,6 +63,8 @@ class PrefillClient:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         # Warn once per outage, not once per request.
         self._failing = False
+        # Requests whose caller went away: their calls end quietly.
+        self._abandoned: set[str] = set()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -77,6 +86,10 @@ class PrefillClient:
         try:
             reply = await self._stub.Prefill(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if msg.request_id in self._abandoned:
+                self._abandoned.discard(msg.request_id)
+                _PREFILLS.labels("abandoned").inc()
+                return None
             _PREFILLS.labels("failed").inc()
             error = error_from_rpc(exc)
             log = logger.info if self._failing else logger.warning
@@ -90,9 +103,24 @@ class PrefillClient:
             self._failing = True
             return None
         self._failing = False
+        if msg.request_id in self._abandoned:
+            self._abandoned.discard(msg.request_id)
+            _PREFILLS.labels("abandoned").inc()
+            return reply.kv_transfer if reply.kv_transfer.lease_ids else None
         transfer = reply.kv_transfer
         if transfer.num_stored_tokens <= 0:
             _PREFILLS.labels("nothing_to_transfer").inc()
             return None
         _PREFILLS.labels("transferred").inc()
         return transfer
+
+    async def abort(self, request_id: str) -> None:
+        """Stop computing ``request_id``'s prompt (its caller went away); its
+        ``prefill`` call then ends, with a transfer if the prompt was done."""
+        self._abandoned.add(request_id)
+        try:
+            await self._stub.AbortRequests(
+                scheduler_pb2.AbortRequestsRequest(request_ids=[request_id]), timeout=10
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.info("request %s: prefill abort failed: %s", request_id, exc.details())

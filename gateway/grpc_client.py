@@ -402,10 +402,22 @@ class GrpcEngineClient:
                     # The prefill replica runs the base model only: adapter
                     # prompts are computed where they decode.
                     if self._prefill is not None and request.lora_request is None:
-                        transfer = await self._prefill.prefill(msg)
+                        try:
+                            transfer = await self._prefill_for(msg)
+                        except asyncio.CancelledError:
+                            finished = True  # _abandon_prefill aborts what it admits
+                            raise
                         if transfer is not None:
                             msg.kv_transfer.CopyFrom(transfer)
-                    await self._admit(msg)
+                    # Not cancelled midway: a transfer's leases end only where the
+                    # decode replica holds them (held until it runs or is aborted).
+                    admission = asyncio.ensure_future(self._admit(msg))
+                    try:
+                        await asyncio.shield(admission)
+                    except asyncio.CancelledError:
+                        finished = True  # aborted once admitted, not before
+                        self._in_background(self._abort_once_admitted(admission, rid))
+                        raise
             except grpc.aio.AioRpcError as e:
                 finished = True  # never admitted: nothing to abort
                 raise error_from_rpc(e) from e
@@ -487,6 +499,45 @@ class GrpcEngineClient:
             return
         async with self._admissions:
             await scheduler.AddRequest(msg, timeout=30)
+
+    async def _prefill_for(
+        self, msg: scheduler_pb2.AddRequestRequest
+    ) -> scheduler_pb2.KVTransferParams | None:
+        """The prefill replica's transfer for ``msg``; if the caller goes away
+        meanwhile, the call is abandoned, not cancelled (gateway/disaggregation.py)."""
+        assert self._prefill is not None
+        call = asyncio.ensure_future(self._prefill.prefill(msg))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._in_background(self._abandon_prefill(call, msg))
+            raise
+
+    async def _abandon_prefill(
+        self,
+        call: asyncio.Future[scheduler_pb2.KVTransferParams | None],
+        msg: scheduler_pb2.AddRequestRequest,
+    ) -> None:
+        """Abort a prefill nobody waits for; if its transfer still comes, hand it
+        to the decode replica and abort it there, which ends its leases."""
+        assert self._prefill is not None
+        if not call.done():
+            await self._prefill.abort(msg.request_id)
+        transfer = await call
+        if transfer is None or not transfer.lease_ids:
+            return
+        msg.kv_transfer.CopyFrom(transfer)
+        admission = asyncio.ensure_future(self._admit(msg))
+        await self._abort_once_admitted(admission, msg.request_id)
+
+    async def _abort_once_admitted(self, admission: asyncio.Future[None], request_id: str) -> None:
+        """Abort ``request_id`` after its admission settled: an abort that overtook
+        the AddRequest would find nothing and leave the request running."""
+        try:
+            await admission
+        except grpc.aio.AioRpcError:
+            return  # refused: nothing admitted (a refusal ends the transfer's leases)
+        await self._abort_many([request_id])
 
     def _in_background(self, work: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(work)

@@ -222,16 +222,26 @@ class RowCodes:
 def quantize_int8(weight: torch.Tensor) -> RowCodes:
     """Symmetric int8 per 32 input features, as GGUF Q8_0 stores it.
 
-    scale = max |w| / 127 rounded to float16 (Q8_0's stored scale: it also
+    scale = max |w| / 127 rounded up to a float16 (Q8_0's stored scale: it also
     keeps ``code * scale`` exact, so the kernel and the dequantized prefill
     weight agree bit for bit); codes -127..127 stored as code + 128 with
     offset = -128 * scale. Weight-only: activations stay in float.
+
+    Rounding the scale up, not to nearest, keeps every |w| / scale <= 127, so no
+    code clamps and the error stays within half a step. It matters for small
+    blocks: below max |w| ~ 0.008 the scale is a float16 subnormal, whose
+    rounding to nearest can shrink it by several percent (the largest weights
+    then clamped, a third of a step off).
     """
     out_features, in_features = weight.shape
     if in_features % BLOCK:
         raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
     blocks = weight.detach().float().reshape(out_features, -1, BLOCK)
-    scale = (blocks.abs().amax(dim=-1) / 127).half().float()
+    exact = blocks.abs().amax(dim=-1) / 127
+    scale = exact.half()
+    below = scale.float() < exact
+    scale = torch.where(below, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
+    scale = scale.float()
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = (blocks / safe.unsqueeze(-1)).round_().clamp_(-127, 127).add_(128)
     return RowCodes(codes.to(torch.uint8).view(out_features, in_features), scale, -128 * scale)

@@ -34,8 +34,18 @@ class _Schedulers(scheduler_pb2_grpc.SchedulerServicer):
         )
         self.prefills: list[scheduler_pb2.PrefillRequest] = []
         self.prefill_cancelled = asyncio.Event()
+        # What a hanging prefill ends with once AbortRequests names it: aborted
+        # while computing (an error, as the real prefill replica answers) or
+        # already done and saving (its transfer comes all the same).
+        self.abort_ends_prefill_with: scheduler_pb2.PrefillResponse | Exception = (
+            UnavailableError("prefill failed: aborted")
+        )
+        self._hanging: asyncio.Future[scheduler_pb2.PrefillResponse] | None = None
         self.added: list[scheduler_pb2.AddRequestRequest] = []
-        self.refuse_with: KvmeshError = OverloadedError("decode queue is full")
+        self.refuse_with: KvmeshError | None = OverloadedError("decode queue is full")
+        self.add_delay_s = 0.0
+        # AddRequest and AbortRequests in the order they arrived at either scheduler.
+        self.calls: list[tuple[str, list[str]]] = []
 
     async def GetInfo(self, request, context) -> scheduler_pb2.SchedulerInfo:
         return scheduler_pb2.SchedulerInfo(
@@ -48,8 +58,9 @@ class _Schedulers(scheduler_pb2_grpc.SchedulerServicer):
         if isinstance(reply, Exception):
             raise reply
         if reply is None:
+            self._hanging = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.Event().wait()
+                return await self._hanging
             except asyncio.CancelledError:
                 self.prefill_cancelled.set()
                 raise
@@ -57,7 +68,21 @@ class _Schedulers(scheduler_pb2_grpc.SchedulerServicer):
 
     async def AddRequest(self, request, context) -> scheduler_pb2.AddRequestResponse:
         self.added.append(request)
-        raise self.refuse_with
+        await asyncio.sleep(self.add_delay_s)
+        self.calls.append(("AddRequest", [request.request_id]))
+        if self.refuse_with is not None:
+            raise self.refuse_with
+        return scheduler_pb2.AddRequestResponse()
+
+    async def AbortRequests(self, request, context) -> scheduler_pb2.AbortRequestsResponse:
+        self.calls.append(("AbortRequests", list(request.request_ids)))
+        if self._hanging is not None and not self._hanging.done():
+            ending = self.abort_ends_prefill_with
+            if isinstance(ending, Exception):
+                self._hanging.set_exception(ending)
+            else:
+                self._hanging.set_result(ending)
+        return scheduler_pb2.AbortRequestsResponse()
 
 
 @contextlib.asynccontextmanager
@@ -141,14 +166,62 @@ async def test_an_unreachable_prefill_replica_falls_back_to_decode_only() -> Non
         assert not schedulers.added[0].HasField("kv_transfer")
 
 
-async def test_a_client_gone_during_the_prefill_cancels_it_and_submits_nothing() -> None:
+async def _leave_during_the_prefill(schedulers: _Schedulers, engine: GrpcEngineClient) -> None:
+    schedulers.prefill_reply = None  # the prefill runs until aborted
+    client = asyncio.create_task(_submit(engine))
+    while not schedulers.prefills:
+        await asyncio.sleep(0.01)
+    client.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await client
+    await _settled(engine)
+
+
+async def _settled(engine: GrpcEngineClient) -> None:
+    """Wait for the gateway's background aborts and admissions."""
+    for _ in range(500):
+        if not engine._background:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail("background work never ended")
+
+
+async def test_a_client_gone_during_the_prefill_aborts_it_and_submits_nothing() -> None:
+    """The call is aborted, not cancelled: a cancelled call could lose a lease the
+    prefill replica had just taken (gateway/disaggregation.py)."""
     async with _gateway() as (schedulers, engine):
-        schedulers.prefill_reply = None  # the prefill runs until cancelled
+        await _leave_during_the_prefill(schedulers, engine)
+        assert schedulers.calls == [("AbortRequests", ["r"])]
+        assert schedulers.added == [] and not schedulers.prefill_cancelled.is_set()
+
+
+async def test_a_transfer_that_comes_after_the_client_left_is_handed_over_then_aborted() -> None:
+    """The prefill was done (its blocks saving) when the abort came: its leases go to
+    the decode replica, which ends them once the request is aborted there."""
+    async with _gateway() as (schedulers, engine):
+        schedulers.abort_ends_prefill_with = scheduler_pb2.PrefillResponse(kv_transfer=TRANSFER)
+        schedulers.refuse_with = None
+        await _leave_during_the_prefill(schedulers, engine)
+        assert schedulers.calls == [
+            ("AbortRequests", ["r"]),  # at the prefill replica
+            ("AddRequest", ["r"]),
+            ("AbortRequests", ["r"]),  # at the decode replica, after the admission
+        ]
+        assert schedulers.added[0].kv_transfer == TRANSFER
+
+
+async def test_a_client_gone_during_the_admission_is_aborted_after_it() -> None:
+    """An abort that overtook the AddRequest would find nothing there and leave the
+    request (and the leases it holds) to run: it waits for the admission."""
+    async with _gateway() as (schedulers, engine):
+        schedulers.refuse_with = None
+        schedulers.add_delay_s = 0.3
         client = asyncio.create_task(_submit(engine))
-        while not schedulers.prefills:
+        while not schedulers.added:
             await asyncio.sleep(0.01)
         client.cancel()
         with pytest.raises(asyncio.CancelledError):
             await client
-        await asyncio.wait_for(schedulers.prefill_cancelled.wait(), 5)
-        assert schedulers.added == []
+        await _settled(engine)
+        assert schedulers.calls == [("AddRequest", ["r"]), ("AbortRequests", ["r"])]
+        assert schedulers.added[0].kv_transfer == TRANSFER
