@@ -37,8 +37,8 @@ class _Schedulers(scheduler_pb2_grpc.SchedulerServicer):
         # What a hanging prefill ends with once AbortRequests names it: aborted
         # while computing (an error, as the real prefill replica answers) or
         # already done and saving (its transfer comes all the same).
-        self.abort_ends_prefill_with: scheduler_pb2.PrefillResponse | Exception = (
-            UnavailableError("prefill failed: aborted")
+        self.abort_ends_prefill_with: scheduler_pb2.PrefillResponse | Exception = UnavailableError(
+            "prefill failed: aborted"
         )
         self._hanging: asyncio.Future[scheduler_pb2.PrefillResponse] | None = None
         self.added: list[scheduler_pb2.AddRequestRequest] = []
