@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from services.math_utils import cdiv
 
 BLOCK = 32  # input features per scale/offset
@@ -103,21 +104,21 @@ def _guesses(blocks: torch.Tensor) -> list[Guess]:
     ]
 
 
-def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
-    """Exact 8-bit block codes for a 2-D float32 CPU weight, or None if it has none."""
+def find_block_codes(weight: torch.Tensor, use_native: bool = True) -> BlockCodes | None:
+    """Exact 8-bit block codes for a 2-D float32 CPU weight, or None if it has none.
+
+    ``use_native``: search in C++ (kernels/csrc/block_code_search.cpp: one pass,
+    same answer) where the ops are loaded; False forces the torch search (tests).
+    """
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
     out_features, in_features = weight.shape
-    if in_features % BLOCK or not bool(torch.isfinite(weight).all()):
+    if in_features % BLOCK:
         return None
     blocks = weight.reshape(-1, BLOCK)  # every 32-wide block of every row
-    codes = torch.empty(blocks.shape, dtype=torch.uint8)
-    scales = torch.empty(blocks.shape[0], dtype=torch.float32)
-    offsets = torch.empty(blocks.shape[0], dtype=torch.float32)
-    unsolved = torch.arange(blocks.shape[0])
-    # Each guess looks only at the blocks no earlier guess rebuilt. Guesses go
-    # in the order they fare on a sample: one of them solves (nearly) every
-    # block of a quantized checkpoint, and it should run first.
+    # Guesses go in the order they fare on a sample: one of them solves (nearly)
+    # every block of a quantized checkpoint, and it should run first. A non-finite
+    # weight is no guess's exact image (NaN != NaN; an infinite scale gives NaN).
     sample = blocks[:: max(1, blocks.shape[0] // 256)]
     sample_exact = [_try_layout(sample, *guess)[2] for guess in _guesses(sample)]
     if not bool(torch.stack(sample_exact).any(dim=0).all()):
@@ -125,6 +126,37 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
         # (the usual answer for a float checkpoint, found in a few microseconds).
         return None
     order = sorted(range(len(sample_exact)), key=lambda i: -int(sample_exact[i].sum()))
+    if use_native and native.unavailable_reason() is None:
+        codes, scales, offsets, solved = torch.ops.kvmesh.search_block_codes(
+            blocks.contiguous(), order
+        )
+        if not solved:
+            return None
+    else:
+        found = _search_with_torch(blocks, order)
+        if found is None:
+            return None
+        codes, scales, offsets = found
+    num_blocks = in_features // BLOCK
+    return RowCodes(
+        codes.view(out_features, in_features),
+        scales.view(out_features, num_blocks),
+        offsets.view(out_features, num_blocks),
+    ).to_panels()
+
+
+def _search_with_torch(
+    blocks: torch.Tensor, order: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes, scales and offsets of every block, trying the guesses in ``order``
+    (each only on the blocks no earlier guess rebuilt); None if some block is no
+    guess's exact image."""
+    if not bool(torch.isfinite(blocks).all()):
+        return None
+    codes = torch.empty(blocks.shape, dtype=torch.uint8)
+    scales = torch.empty(blocks.shape[0], dtype=torch.float32)
+    offsets = torch.empty(blocks.shape[0], dtype=torch.float32)
+    unsolved = torch.arange(blocks.shape[0])
     for step, index in enumerate(order):
         rest = blocks if step == 0 else blocks[unsolved]
         offset, scale, code_min, code_max = _guesses(rest)[index]
@@ -135,15 +167,8 @@ def find_block_codes(weight: torch.Tensor) -> BlockCodes | None:
         offsets[done] = stored_offset[exact].squeeze(-1)
         unsolved = unsolved[~exact]
         if unsolved.numel() == 0:
-            break
-    else:
-        return None  # some block is no layout's exact image: keep the dense weight
-    num_blocks = in_features // BLOCK
-    return RowCodes(
-        codes.view(out_features, in_features),
-        scales.view(out_features, num_blocks),
-        offsets.view(out_features, num_blocks),
-    ).to_panels()
+            return codes, scales, offsets
+    return None  # some block is no layout's exact image: keep the dense weight
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "isa_level.cpp": (),
     "paged_attention_cpu.cpp": FAST_MATH,
     "block_code_linear.cpp": (),
+    # Exact-rebuild checks: every product rounded before its sum, as torch's.
+    "block_code_search.cpp": ("-ffp-contract=off",),
     "int8_linear.cpp": (),
     # AMX level only (empty elsewhere); its exp is written out in intrinsics.
     "prefill_attention_amx.cpp": (),

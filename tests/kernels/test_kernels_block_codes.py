@@ -27,11 +27,13 @@ def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Ten
     return (codes.float() * scale + low).reshape(out_features, in_features)
 
 
-def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+def q8_0_weight(
+    out_features: int, in_features: int, seed: int = 0, scale_size: float = 0.01
+) -> torch.Tensor:
     """What GGUF Q8_0 dequantizes to: a float16 scale, codes -127..127 per 32."""
     g = torch.Generator().manual_seed(seed)
     blocks = (out_features, in_features // BLOCK, 1)
-    scale = (torch.rand(blocks, generator=g) * 0.01 + 1e-4).half().float()
+    scale = (torch.rand(blocks, generator=g) * scale_size + scale_size / 100).half().float()
     codes = torch.randint(-127, 128, (out_features, in_features // BLOCK, BLOCK), generator=g)
     codes[..., 0] = torch.where(torch.rand(blocks[:2], generator=g) < 0.5, -127, 127)
     return (codes.float() * scale).reshape(out_features, in_features)
@@ -216,3 +218,60 @@ def test_kernel_result_does_not_depend_on_thread_count(threads: int, dtype: torc
             assert torch.equal(torch.ops.kvmesh.block_code_linear(*args), expected)
     finally:
         torch.set_num_threads(before)
+
+
+def q4_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """What GGUF Q4_0 dequantizes to: a signed float16 scale, (code - 8) * scale."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (out_features, in_features // BLOCK, 1)
+    scale = ((torch.rand(blocks, generator=g) - 0.5) * 0.02).half().float()
+    codes = torch.randint(0, 16, (out_features, in_features // BLOCK, BLOCK), generator=g)
+    codes[..., 0] = 0  # the largest magnitude: code 0, the scale's sign
+    return ((codes.float() - 8) * scale).reshape(out_features, in_features)
+
+
+def _mixed_weight(seed: int) -> torch.Tensor:
+    """Blocks of every layout, constant and zero blocks, tiny (subnormal-scale) ones."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [
+        q4_1_weight(16, 256, seed=seed),
+        q8_0_weight(16, 256, seed=seed + 1),
+        q4_0_weight(16, 256, seed=seed + 2),
+        q8_0_weight(16, 256, seed=seed + 3, scale_size=1e-6),  # float16-subnormal scales
+        torch.zeros(2, 256),
+        torch.full((2, 256), -0.0),
+        torch.full((2, 256), 3.5),
+    ]
+    weight = torch.cat(rows)
+    return weight[torch.randperm(weight.shape[0], generator=g)].contiguous()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_search_finds_what_the_torch_search_finds(seed: int) -> None:
+    """kernels/csrc/block_code_search.cpp against the torch search, bit for bit."""
+    weight = _mixed_weight(seed)
+    ours = find_block_codes(weight)
+    reference = find_block_codes(weight, use_native=False)
+    assert ours is not None and reference is not None
+    for got, want in zip(
+        (ours.codes, ours.scales, ours.offsets),
+        (reference.codes, reference.scales, reference.offsets),
+        strict=True,
+    ):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(ours.dequantize(), weight)  # by value: the -0.0 blocks come back 0.0
+
+
+@pytest.mark.parametrize("where", ["first", "last", "unsampled"])
+@pytest.mark.parametrize("damage", ["one_ulp", "inf", "nan"])
+def test_native_search_refuses_what_the_torch_search_refuses(where: str, damage: str) -> None:
+    weight = _mixed_weight(0)
+    row, col = {"first": (0, 0), "last": (-1, -1), "unsampled": (3, 33)}[where]
+    value = weight[row, col]
+    weight[row, col] = {
+        "one_ulp": torch.nextafter(value, torch.tensor(1.0)),
+        "inf": torch.tensor(float("inf")),
+        "nan": torch.tensor(float("nan")),
+    }[damage]
+    assert find_block_codes(weight, use_native=False) is None
+    assert find_block_codes(weight) is None
