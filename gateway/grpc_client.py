@@ -409,15 +409,18 @@ class GrpcEngineClient:
                             raise
                         if transfer is not None:
                             msg.kv_transfer.CopyFrom(transfer)
-                    # Not cancelled midway: a transfer's leases end only where the
-                    # decode replica holds them (held until it runs or is aborted).
-                    admission = asyncio.ensure_future(self._admit(msg))
-                    try:
-                        await asyncio.shield(admission)
-                    except asyncio.CancelledError:
-                        finished = True  # aborted once admitted, not before
-                        self._in_background(self._abort_once_admitted(admission, rid))
-                        raise
+                    if msg.HasField("kv_transfer"):
+                        # Not cancelled midway: a transfer's leases end only where
+                        # the decode replica holds them (until it runs or is aborted).
+                        admission = asyncio.ensure_future(self._admit(msg))
+                        try:
+                            await asyncio.shield(admission)
+                        except asyncio.CancelledError:
+                            finished = True  # aborted once admitted, not before
+                            self._in_background(self._abort_once_admitted(admission, rid))
+                            raise
+                    else:
+                        await self._admit(msg)
             except grpc.aio.AioRpcError as e:
                 finished = True  # never admitted: nothing to abort
                 raise error_from_rpc(e) from e

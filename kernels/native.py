@@ -77,6 +77,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Sums of products: fused multiply-adds are both faster and closer.
     "lora_cpu.cpp": ("-ffp-contract=fast",),
 }
+# Sources whose every line is under an AMX guard: other levels skip them
+# instead of spending seconds per file compiling nothing.
+AMX_ONLY_SOURCES = frozenset({"prefill_attention_amx.cpp", "amx_linear.cpp"})
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 # Element types of rms_norm, add_rms_norm, silu_and_mul, rotary_embedding and
 # paged_decode_attention (kernels/csrc/float_or_bf16.h).
@@ -158,6 +161,8 @@ def build(level: IsaLevel, force: bool = False) -> Path:
             flags = [*COMPILE_FLAGS, *level.compile_flags, abi, f'-DKVMESH_ISA="{level.name}"']
             commands = []
             for name, extra in SOURCES.items():
+                if name in AMX_ONLY_SOURCES and not level.amx_tiles:
+                    continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = str(CSRC / name)
                 commands.append([compiler, *flags, *extra, *includes, "-c", source, "-o", str(obj)])
