@@ -1,7 +1,7 @@
 """A KV pool too small for the load: requests get preempted, and outputs do not change.
 
-16 concurrent greedy generations need ~64 KV blocks at their peak (prompt ~12 +
-48 new tokens each); the pool has 32. The scheduler must preempt (recompute) and
+16 concurrent greedy generations need ~48 KV blocks at their peak (prompt ~12 +
+32 new tokens each); the pool has 32. The scheduler must preempt (recompute) and
 resume, every request must finish, the preemption counter must move, and every output must equal
 Hugging Face's greedy output for that prompt alone.
 """
@@ -19,7 +19,7 @@ from tests.e2e.conftest import start_stack, stop_stack
 pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 16
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
