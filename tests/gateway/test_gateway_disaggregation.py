@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -166,15 +166,21 @@ async def test_an_unreachable_prefill_replica_falls_back_to_decode_only() -> Non
         assert not schedulers.added[0].HasField("kv_transfer")
 
 
-async def _leave_during_the_prefill(schedulers: _Schedulers, engine: GrpcEngineClient) -> None:
-    schedulers.prefill_reply = None  # the prefill runs until aborted
+async def _leave_once(engine: GrpcEngineClient, started: Callable[[], bool]) -> None:
+    """Submit, let the client go once ``started()`` holds, and wait for the
+    gateway's background work."""
     client = asyncio.create_task(_submit(engine))
-    while not schedulers.prefills:
+    while not started():
         await asyncio.sleep(0.01)
     client.cancel()
     with pytest.raises(asyncio.CancelledError):
         await client
     await _settled(engine)
+
+
+async def _leave_during_the_prefill(schedulers: _Schedulers, engine: GrpcEngineClient) -> None:
+    schedulers.prefill_reply = None  # the prefill runs until aborted
+    await _leave_once(engine, lambda: bool(schedulers.prefills))
 
 
 async def _settled(engine: GrpcEngineClient) -> None:
@@ -216,12 +222,6 @@ async def test_a_client_gone_during_the_admission_is_aborted_after_it() -> None:
     async with _gateway() as (schedulers, engine):
         schedulers.refuse_with = None
         schedulers.add_delay_s = 0.3
-        client = asyncio.create_task(_submit(engine))
-        while not schedulers.added:
-            await asyncio.sleep(0.01)
-        client.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await client
-        await _settled(engine)
+        await _leave_once(engine, lambda: bool(schedulers.added))
         assert schedulers.calls == [("AddRequest", ["r"]), ("AbortRequests", ["r"])]
         assert schedulers.added[0].kv_transfer == TRANSFER
