@@ -106,3 +106,32 @@ def test_amx_linear_switch_packs_for_onednn(monkeypatch: pytest.MonkeyPatch) -> 
     x = torch.randn(4, 96).bfloat16()
     expected = torch.nn.functional.linear(x.double(), weight.bfloat16().double())
     assert ((linear(x).double() - expected).abs() / (expected.abs() + 1)).max().item() < 2**-7
+
+
+def test_block_coded_weights_past_the_codes_kernel_take_the_plain_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight with block codes (the default model): small batches on the codes
+    kernel, then amx_linear, then oneDNN over the plain bfloat16 weight, never a
+    oneDNN-packed copy (slower at every batch past the codes: linear.py)."""
+    from tests.kernels.test_kernels_block_codes import q8_0_weight
+
+    weight = q8_0_weight(48, 128, seed=4)
+    linear = PackedLinear(weight, dtype=torch.bfloat16)
+    assert linear.uses_block_codes and linear.weight is not None
+    monkeypatch.setattr(linear_module, "MAX_BLOCK_CODE_ROWS_BF16_AMX", 4)
+    monkeypatch.setattr(linear_module, "MAX_AMX_LINEAR_ROWS", 8)
+    codes, w = linear.codes, weight.bfloat16()
+    assert codes is not None
+    g = torch.Generator().manual_seed(6)
+    for rows in (3, 8, 20):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        if rows <= 4:
+            expected = torch.ops.kvmesh.block_code_linear(
+                x, codes.codes, codes.scales, codes.offsets, codes.out_features
+            )
+        elif rows <= 8:
+            expected = torch.ops.kvmesh.amx_linear(x, w, None)
+        else:
+            expected = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        assert torch.equal(linear(x), expected)
