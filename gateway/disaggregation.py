@@ -86,9 +86,7 @@ class PrefillClient:
         try:
             reply = await self._stub.Prefill(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if msg.request_id in self._abandoned:
-                self._abandoned.discard(msg.request_id)
-                _PREFILLS.labels("abandoned").inc()
+            if self._ends_abandoned(msg.request_id):
                 return None
             _PREFILLS.labels("failed").inc()
             error = error_from_rpc(exc)
@@ -103,9 +101,7 @@ class PrefillClient:
             self._failing = True
             return None
         self._failing = False
-        if msg.request_id in self._abandoned:
-            self._abandoned.discard(msg.request_id)
-            _PREFILLS.labels("abandoned").inc()
+        if self._ends_abandoned(msg.request_id):
             return reply.kv_transfer if reply.kv_transfer.lease_ids else None
         transfer = reply.kv_transfer
         if transfer.num_stored_tokens <= 0:
@@ -113,6 +109,14 @@ class PrefillClient:
             return None
         _PREFILLS.labels("transferred").inc()
         return transfer
+
+    def _ends_abandoned(self, request_id: str) -> bool:
+        """Whether the call for ``request_id`` was abandoned (then counted so, once)."""
+        if request_id not in self._abandoned:
+            return False
+        self._abandoned.discard(request_id)
+        _PREFILLS.labels("abandoned").inc()
+        return True
 
     async def abort(self, request_id: str) -> None:
         """Stop computing ``request_id``'s prompt (its caller went away); its
