@@ -71,7 +71,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # AMX level only (empty elsewhere); its exp is written out in intrinsics.
     "prefill_attention_amx.cpp": (),
     "amx_linear.cpp": (),  # AMX level only, as the one above
-    "rms_norm_cpu.cpp": ("-fno-math-errno",),
+    "rms_norm_cpu.cpp": (),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),
     # Sums of products: fused multiply-adds are both faster and closer.
@@ -80,6 +80,12 @@ SOURCES: dict[str, tuple[str, ...]] = {
 # Sources whose every line is under an AMX guard: other levels skip them
 # instead of spending seconds per file compiling nothing.
 AMX_ONLY_SOURCES = frozenset({"prefill_attention_amx.cpp", "amx_linear.cpp"})
+# Compiled once per level and put in front of every source whose extra flags
+# are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
+# predefined macros (-ffast-math defines __FAST_MATH__), so those sources parse
+# the headers themselves. A failed or refused precompile only costs time.
+PRECOMPILED_HEADER = "precompiled_torch.h"
+PCH_NEUTRAL_FLAGS = frozenset({"-ffp-contract=off", "-ffp-contract=fast"})
 LIBRARY_NAME = "kvmesh_cpu_ops.so"
 # Element types of rms_norm, add_rms_norm, silu_and_mul, rotary_embedding and
 # paged_decode_attention (kernels/csrc/float_or_bf16.h).
@@ -140,6 +146,15 @@ def _run(cmd: list[str]) -> None:
         )
 
 
+def _precompile(cmd: list[str]) -> None:
+    """Precompile the shared header; on failure the sources include it as text."""
+    try:
+        _run(cmd)
+    except NativeKernelsUnavailable as exc:
+        Path(cmd[-1]).unlink(missing_ok=True)
+        logger.info("precompiled header not built, sources parse it themselves: %s", exc)
+
+
 def build(level: IsaLevel, force: bool = False) -> Path:
     """Compile the ops for ``level`` into the cache (if not there yet); returns the library."""
     from torch.utils import cpp_extension
@@ -159,17 +174,35 @@ def build(level: IsaLevel, force: bool = False) -> Path:
             objects = []
             abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
             flags = [*COMPILE_FLAGS, *level.compile_flags, abi, f'-DKVMESH_ISA="{level.name}"']
-            commands = []
+            header = Path(scratch) / PRECOMPILED_HEADER
+            shutil.copyfile(CSRC / PRECOMPILED_HEADER, header)
+            precompile = [*flags, *includes, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
+            alone, after_header = [], []
             for name, extra in SOURCES.items():
                 if name in AMX_ONLY_SOURCES and not level.amx_tiles:
                     continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
-                source = str(CSRC / name)
-                commands.append([compiler, *flags, *extra, *includes, "-c", source, "-o", str(obj)])
+                source = ["-c", str(CSRC / name), "-o", str(obj)]
+                if PCH_NEUTRAL_FLAGS.issuperset(extra):
+                    after_header.append(
+                        [compiler, "-include", str(header), *flags, *extra, *includes, *source]
+                    )
+                else:
+                    alone.append([compiler, *flags, *extra, *includes, *source])
                 objects.append(str(obj))
-            # One compiler per core: each file spends seconds in torch's headers.
+            # One compiler per core: the header first, the sources that cannot use it
+            # while it compiles, then the rest.
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                list(pool.map(_run, commands))
+                header_done = pool.submit(_precompile, [compiler, *precompile])
+                waiting = [pool.submit(_run, command) for command in alone]
+
+                def _run_after_header(command: list[str]) -> None:
+                    header_done.result()
+                    _run(command)
+
+                waiting += [pool.submit(_run_after_header, command) for command in after_header]
+                for future in waiting:
+                    future.result()
             partial = Path(scratch) / LIBRARY_NAME
             _run(
                 [
