@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from gateway.app import build_app
-from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.tokenizer import ChatTemplateError, Tokenizer, _tokenizer_class
+from services.local_stack import REPO_ROOT
 from services.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
@@ -87,3 +93,52 @@ async def test_template_exceptions_become_400_on_messages(
     assert error["param"] == "messages"
     assert "first message must be a system message" in error["message"]
     assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_class", "model_type", "without_torch"),
+    [
+        ("TokenizersBackend", "llama", True),
+        ("PreTrainedTokenizerFast", "llama", True),
+        ("TokenizersBackend", "qwen2", False),  # AutoTokenizer maps qwen2 to its own class
+        ("LlamaTokenizerFast", "llama", False),
+        (None, "llama", False),
+    ],
+)
+def test_the_class_is_the_one_auto_tokenizer_picks(
+    tmp_path: Path, tokenizer_class: str | None, model_type: str, without_torch: bool
+) -> None:
+    for source in default_model_path().iterdir():
+        if source.name.startswith("tokenizer") or source.suffix == ".jinja":
+            shutil.copy(source, tmp_path / source.name)
+    config = json.loads((default_model_path() / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("tokenizer_class", None)
+    if tokenizer_class is not None:
+        tokenizer_config["tokenizer_class"] = tokenizer_class
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+    picked = _tokenizer_class(tmp_path)
+    assert (picked is not AutoTokenizer) == without_torch
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_pretrained(tmp_path)
+    assert type(ours._hf) is type(reference)
+    assert ours.encode("Hello, wörld!  x") == reference.encode("Hello, wörld!  x")
+
+
+def test_the_gateway_never_imports_torch() -> None:
+    """The gateway runs no tensor: its process stays without torch (~250 MB, 2-3 s)."""
+    script = (
+        "import sys\n"
+        "import gateway.server\n"
+        "from gateway.tokenizer import Tokenizer\n"
+        "from services.model_prep import default_model_path\n"
+        "Tokenizer.from_pretrained(default_model_path()).apply_chat_template(\n"
+        "    [{'role': 'user', 'content': 'hi'}])\n"
+        "assert 'torch' not in sys.modules, 'the gateway imported torch'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
