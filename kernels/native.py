@@ -68,17 +68,17 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Exact-rebuild checks: every product rounded before its sum, as torch's.
     "block_code_search.cpp": ("-ffp-contract=off",),
     "int8_linear.cpp": (),
-    # AMX level only (empty elsewhere); its exp is written out in intrinsics.
+    # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_amx.cpp": (),
-    "amx_linear.cpp": (),  # AMX level only, as the one above
+    "amx_linear.cpp": (),
     "rms_norm_cpu.cpp": (),
     "silu_and_mul_cpu.cpp": FAST_MATH,
     "rotary_cpu.cpp": ("-ffp-contract=off",),
     # Sums of products: fused multiply-adds are both faster and closer.
     "lora_cpu.cpp": ("-ffp-contract=fast",),
 }
-# Sources whose every line is under an AMX guard: other levels skip them
-# instead of spending seconds per file compiling nothing.
+# Sources whose every line is under an AMX guard (empty at other levels): those
+# levels skip them instead of spending seconds per file compiling nothing.
 AMX_ONLY_SOURCES = frozenset({"prefill_attention_amx.cpp", "amx_linear.cpp"})
 # Compiled once per level and put in front of every source whose extra flags
 # are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
