@@ -10,7 +10,8 @@ Importing ``AutoTokenizer`` pulls in transformers' model configuration code and
 with it torch, which the gateway never runs. A Llama folder that declares the
 generic tokenizers backend (as transformers 5 saves one, the default model
 included) is loaded with that class directly: the same class AutoTokenizer
-picks, without torch in the process (~135 MB and 2-3 s less per gateway). Every
+picks, without torch in the process (on the default model and the 2-core AMX Xeon dev box:
+RSS 155 vs 290 MB, a stack ready in ~11 s vs ~13.7 s). Every
 other folder goes through ``AutoTokenizer``.
 """
 
