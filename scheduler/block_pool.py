@@ -5,10 +5,13 @@ Contract:
   with ``ref_cnt > 0``, never both.
 - A free block may still carry a hash: its KV stays reusable until the block is
   handed out again, at which point the old hash is dropped (evicted).
-- Eviction order is the free queue order: blocks are appended when their last
-  holder lets go, and taken from the front. Callers free a request's blocks in
-  reverse so that the tail of a sequence, the least likely to be shared, goes
-  first.
+- Eviction order is the free queue order: blocks are taken from the front.
+  A block whose last holder lets go joins the back if it is cached (LRU among
+  cached prefixes) and the front if it is not (a partial tail, a duplicate of
+  a cached block, or caching off): reusing a block no prefix can hit costs
+  nothing, so it goes before any cached one. Callers free a request's blocks
+  in reverse so that the tail of a sequence, the least likely to be shared,
+  goes first.
 - Every change of the prefix cache (a block registered under its hash, a
   cached block evicted, the whole cache reset) is told to ``event_sink``
   (scheduler.kv_events), if one was given, as it happens.
@@ -99,6 +102,23 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, ``blocks[0]`` first out."""
+        if not blocks:
+            return
+        first = self._head.next_free_block
+        assert first is not None
+        prev = self._head
+        for block in blocks:
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                raise KVCacheIntegrityError(f"{block} is already on the free queue")
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
     def append(self, block: KVCacheBlock) -> None:
         if block.prev_free_block is not None or block.next_free_block is not None:
             raise KVCacheIntegrityError(f"{block} is already on the free queue")
@@ -170,13 +190,19 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks nobody holds join the free queue in the
-        given order (first evicted first)."""
+        given order (first evicted first): cached ones at the back, the others
+        at the front (see the module docstring)."""
+        uncached: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise KVCacheIntegrityError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self.free_block_queue.append(block)
+        self.free_block_queue.prepend_n(uncached)
 
     def cache_full_blocks(
         self,

@@ -119,6 +119,26 @@ def test_least_recently_freed_sequence_is_evicted_first() -> None:
     assert _num_hit_tokens(kv, newer) == 8
 
 
+def test_blocks_no_prefix_can_hit_are_reused_before_cached_ones() -> None:
+    # 4 blocks of 4: `cached` fills 2; `partial` (6 tokens) leaves 1 full
+    # block cached and 1 partial block uncached. Freed last, the partial block
+    # is still handed out first: no cached prefix is evicted while it is free.
+    cached, partial = list(range(8)), list(range(100, 106))
+    kv = _manager_with_cached(4, cached)
+    req = make_request(6, prompt_token_ids=partial)
+    assert kv.allocate_slots(req, 6) is not None
+    kv.cache_full_blocks(req, 6)
+    partial_block = kv.get_blocks(req.request_id)[1]
+    assert partial_block.block_hash is None
+    kv.free(req)
+    kv.check_integrity()
+    other = make_request(4, prompt_token_ids=[50, 51, 52, 53])
+    assert kv.allocate_slots(other, 4) == [partial_block]
+    assert _num_hit_tokens(kv, cached) == 8
+    assert _num_hit_tokens(kv, partial) == 4
+    kv.check_integrity()
+
+
 def test_a_hit_on_a_free_block_takes_it_off_the_free_queue() -> None:
     seq = list(range(8))
     kv = _manager_with_cached(4, seq)
