@@ -153,6 +153,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             port=config.http_port,
             log_level=config.log_level.lower(),
             access_log=False,
+            # The C parser (a pinned dependency), never a silent fall-back to h11.
+            http="httptools",
             timeout_graceful_shutdown=5,
             **public_tls.uvicorn_options(),
         )
