@@ -1,17 +1,24 @@
-"""kvmesh on its defaults against vLLM's CPU build at its best dtype, one after the other.
+"""kvmesh on its defaults against vLLM's CPU build at its best dtype, in alternating rounds.
 
 Usage: .venv/bin/python benchmarks/vllm_compare.py [--vllm-python /tmp/vllm-cpu/venv/bin/python]
-           [--workloads 128x128x64 1024x64x32] [--concurrency 16] [--kvmesh-args "..."]
+           [--workloads 128x128x64 1024x64x32] [--concurrency 16] [--rounds 3]
+           [--kvmesh-args "..."]
 
 Each workload is INPUTxOUTPUTxPROMPTS: random token-id prompts of INPUT tokens,
 greedy, ``ignore_eos``, exactly OUTPUT tokens each, sent at ``--concurrency``
 through /v1/completions by kvmesh's own load client (the metrics of ``vllm
-bench serve``), after a 2-request warm-up. vLLM runs first, with
-``--dtype bfloat16`` where the CPU has AMX or AVX512-BF16 (its fast path there)
-and ``float32`` elsewhere; then ``kvmesh up`` with no flags but ports (its
-``--dtype auto`` makes the same call by itself). Prints output tok/s, mean
-TTFT and mean TPOT of each, and kvmesh/vLLM ratios, with the CPU and the load
-average: on a shared 2-core box a busy neighbour changes everything.
+bench serve``), after a 2-request warm-up. vLLM runs with ``--dtype bfloat16``
+where the CPU has AMX or AVX512-BF16 (its fast path there) and ``float32``
+elsewhere; kvmesh is ``kvmesh up`` with no flags but ports (its ``--dtype
+auto`` makes the same call by itself).
+
+Both servers start first and stay up; the script checks that an idle one
+takes no CPU, then runs ``--rounds`` rounds, each one workload on one server
+right after the other, the order flipping every round. On a shared 2-core
+VM the host's speed drifts by tens of % within minutes, so a ratio is only
+worth something between runs made back to back: it prints every run (output
+tok/s, mean TTFT and TPOT, load average), the kvmesh/vLLM ratio of each round,
+and their median.
 
 vLLM's CPU build lives in its own venv (benchmarks/README.md says how to make
 it); it serves the same prepared checkpoint folder.
@@ -21,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,27 +94,9 @@ def _wait_for_models(url: str, process: subprocess.Popen, timeout_s: float) -> N
     raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s")
 
 
-Prompts = dict[Workload, list[list[int]]]
-
-
-def _run_all(url: str, workloads: Prompts, concurrency: int, label: str) -> dict[Workload, HttpRun]:
-    results: dict[Workload, HttpRun] = {}
-    for workload, prompts in workloads.items():
-        before = load_average()
-        results[workload] = run = asyncio.run(
-            http_run(url, prompts, workload.output_len, concurrency)
-        )
-        print(
-            f"{label:<28} {workload!s:<24} {run.tokens_per_s:7.1f} output tok/s, {run.detail} "
-            f"(load {before} -> {load_average()})",
-            flush=True,
-        )
-    return results
-
-
-def measure_vllm(
-    python: str, model: Path, dtype: str, workloads: Prompts, concurrency: int
-) -> dict[Workload, HttpRun]:
+@contextlib.contextmanager
+def vllm_server(python: str, model: Path, dtype: str) -> Iterator[tuple[str, list[int]]]:
+    """vLLM's OpenAI server on a free port: (its URL, its process ids)."""
     port = _free_port()
     threads = os.cpu_count() or 1
     env = {
@@ -118,7 +110,7 @@ def measure_vllm(
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_for_models(url, process, 900)
-        return _run_all(url, workloads, concurrency, f"vLLM {dtype}")
+        yield url, [process.pid, *_descendants(process.pid)]
     finally:
         process.terminate()
         try:
@@ -127,16 +119,68 @@ def measure_vllm(
             process.kill()
 
 
-def measure_kvmesh(
-    model: Path, extra_args: list[str], workloads: Prompts, concurrency: int
-) -> dict[Workload, HttpRun]:
+@contextlib.contextmanager
+def kvmesh_server(model: Path, extra_args: list[str]) -> Iterator[tuple[str, list[int]]]:
+    """``kvmesh up`` on free ports: (its URL, its process ids)."""
     stack = LocalStack(extra_args, model=model)
     try:
         stack.wait_ready(timeout=900.0)
-        label = "kvmesh " + (" ".join(extra_args) or "defaults")
-        return _run_all(stack.http_url, workloads, concurrency, label)
+        yield stack.http_url, [stack.process.pid, *_descendants(stack.process.pid)]
     finally:
         stack.stop()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (from /proc: Linux only, like the servers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (those still alive)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def idle_cpu_share(pids: list[int], seconds: float = 10.0) -> float:
+    """Cores ``pids`` keep busy while serving nothing (both servers stay up
+    through the rounds, so an idle one must not take CPU from the other)."""
+    before = cpu_seconds(pids)
+    time.sleep(seconds)
+    return (cpu_seconds(pids) - before) / seconds
+
+
+def measure(
+    url: str, workload: Workload, prompts: list[list[int]], concurrency: int, label: str
+) -> HttpRun:
+    before = load_average()
+    run = asyncio.run(http_run(url, prompts, workload.output_len, concurrency))
+    print(
+        f"{label:<28} {workload!s:<24} {run.tokens_per_s:7.1f} output tok/s, {run.detail} "
+        f"(load {before} -> {load_average()})",
+        flush=True,
+    )
+    return run
 
 
 def main() -> None:
@@ -147,30 +191,58 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--kvmesh-args", default="", help="extra flags for kvmesh up")
     parser.add_argument("--vllm-dtype", default=None, help="override vLLM's best dtype")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per workload")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     cpu = CpuFeatures.detect()
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
-    workloads = {
-        workload: make_prompts(workload.num_prompts, workload.input_len, vocab_size, args.seed)
-        for workload in map(Workload.parse, args.workloads)
-    }
+    workloads = [Workload.parse(text) for text in args.workloads]
     vllm_dtype = args.vllm_dtype or vllm_best_dtype(cpu)
+    kvmesh_args = shlex.split(args.kvmesh_args)
     print(
         f"{cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} CPUs; model {args.model.name}; "
-        f"concurrency {args.concurrency}; load {load_average()}",
+        f"concurrency {args.concurrency}; {args.rounds} rounds; load {load_average()}",
         flush=True,
     )
-    vllm = measure_vllm(args.vllm_python, args.model, vllm_dtype, workloads, args.concurrency)
-    ours = measure_kvmesh(args.model, shlex.split(args.kvmesh_args), workloads, args.concurrency)
-    print("kvmesh / vLLM (same run):")
-    for workload in workloads:
-        a, b = ours[workload], vllm[workload]
-        print(
-            f"  {workload!s:<24} output tok/s {a.tokens_per_s / b.tokens_per_s:.2f}x, "
-            f"mean TTFT {a.mean_ttft_ms / b.mean_ttft_ms:.2f}x (lower is better), "
-            f"mean TPOT {a.mean_tpot_ms / b.mean_tpot_ms:.2f}x"
+    labels = (f"vLLM {vllm_dtype}", "kvmesh " + (args.kvmesh_args or "defaults"))
+    runs: dict[tuple[str, Workload], list[HttpRun]] = {}
+    with contextlib.ExitStack() as servers:
+        vllm_url, vllm_pids = servers.enter_context(
+            vllm_server(args.vllm_python, args.model, vllm_dtype)
         )
+        kvmesh_url, kvmesh_pids = servers.enter_context(kvmesh_server(args.model, kvmesh_args))
+        print(
+            f"idle CPU (cores): vLLM {idle_cpu_share(vllm_pids):.3f}, "
+            f"kvmesh {idle_cpu_share(kvmesh_pids):.3f}",
+            flush=True,
+        )
+        urls = dict(zip(labels, (vllm_url, kvmesh_url), strict=True))
+        for round_index in range(args.rounds):
+            # Alternate who goes first, so a host that drifts faster or slower
+            # within a round favours neither.
+            order = labels if round_index % 2 == 0 else labels[::-1]
+            for index, workload in enumerate(workloads):
+                # Fresh prompts for every round and workload, the same for both
+                # servers: a prompt seen before would be a prefix-cache hit
+                # (and prompts drawn from one seed share their first tokens).
+                seed = args.seed + round_index * len(workloads) + index
+                prompts = make_prompts(workload.num_prompts, workload.input_len, vocab_size, seed)
+                for label in order:
+                    run = measure(urls[label], workload, prompts, args.concurrency, label)
+                    runs.setdefault((label, workload), []).append(run)
+    print("kvmesh / vLLM, per round (same round, back to back), and the median:")
+    for workload in workloads:
+        pairs = list(zip(runs[(labels[1], workload)], runs[(labels[0], workload)], strict=True))
+        for name, ratio in (
+            ("output tok/s", lambda a, b: a.tokens_per_s / b.tokens_per_s),
+            ("mean TTFT (lower is better)", lambda a, b: a.mean_ttft_ms / b.mean_ttft_ms),
+            ("mean TPOT", lambda a, b: a.mean_tpot_ms / b.mean_tpot_ms),
+        ):
+            values = [ratio(a, b) for a, b in pairs]
+            print(
+                f"  {workload!s:<24} {name:<28} median {statistics.median(values):.2f}x  "
+                f"(rounds: {', '.join(f'{v:.2f}' for v in values)})"
+            )
 
 
 if __name__ == "__main__":
