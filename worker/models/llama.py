@@ -206,6 +206,23 @@ class LlamaDecoderLayer(nn.Module):
             )
         }
 
+    def share_plain_weights(self) -> None:
+        """Point each projection parameter at its packed projection's plain
+        weight where it keeps one (amx_linear's bfloat16 weight, or the torch
+        linear's): that tensor is the parameter in the compute dtype, which is
+        what the parameter becomes after packing anyway, so one copy serves
+        both instead of two."""
+        assert self._packed is not None
+        for name, param in (
+            ("qkv", self.qkv_proj),
+            ("o", self.o_proj),
+            ("gate_up", self.gate_up_proj),
+            ("down", self.down_proj),
+        ):
+            plain = self._packed[name].weight
+            if plain is not None and not is_placeholder(param) and plain.shape == param.shape:
+                param.data = plain
+
     def _linear(
         self,
         name: str,
@@ -423,6 +440,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.use_native = self._native_ops
         if self.has_head:
             self._pack_head(pieces, use_onednn, use_codes)
+        for layer in self.layers:
+            layer.share_plain_weights()
         # Packed from the exact weights; every parameter now rounds to the
         # compute dtype once (the embedding, the unpacked fallbacks).
         for param in self.parameters():
@@ -472,9 +491,18 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights resident after packing: the projections' (codes, packed
-        and dense copies), the embedding's codes, every parameter's own storage."""
+        and dense copies), the embedding's codes, every parameter's own storage
+        (one that is a projection's plain weight counts with the projections)."""
+        # A parameter sharing its packed projection's plain weight is counted there.
+        shared = {
+            p.weight.untyped_storage().data_ptr()
+            for p in self._all_packed()
+            if p.weight is not None
+        }
         params = sum(
-            p.untyped_storage().nbytes() for p in {id(p): p for p in self.parameters()}.values()
+            p.untyped_storage().nbytes()
+            for p in {id(p): p for p in self.parameters()}.values()
+            if p.untyped_storage().data_ptr() not in shared
         )
         return {
             "projections": sum(p.resident_bytes for p in self._all_packed()),
