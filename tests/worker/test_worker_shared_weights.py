@@ -66,3 +66,23 @@ def test_the_shared_parameters_hold_the_packed_values(
             rows = torch.randn(5, param.shape[1], generator=generator).to(torch.bfloat16)
             packed = layer._packed[name](rows)
             assert torch.equal(packed, torch.nn.functional.linear(rows, param)), name
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_lm_head_shares_its_parameter_tied_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool
+) -> None:
+    monkeypatch.setenv("KVMESH_DENSE_LINEAR", "1")
+    make_tiny_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", torch.float32, tied)
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(tmp_path / "ckpt", dtype="bfloat16"),
+        CacheConfig(block_size=4, num_kv_blocks=64),
+        num_threads=1,
+    )
+    model = runner.model
+    head = model._packed_lm_head.weight
+    assert head is not None and model.lm_head.data_ptr() == head.data_ptr()
+    # Tied: the embedding table is that same tensor, and lookups read it.
+    assert (model.embed_tokens.data_ptr() == head.data_ptr()) is tied
+    if tied:  # the table is counted once, with the projections
+        assert model.weight_bytes()["parameters"] < head.numel() * head.element_size()

@@ -107,6 +107,16 @@ def _pack(
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
+def share_plain_weight(param: nn.Parameter, packed: PackedLinear) -> None:
+    """Point ``param`` at ``packed``'s plain weight where it keeps one
+    (amx_linear's bfloat16 weight, or the torch linear's): that tensor is the
+    parameter in the compute dtype, what the parameter becomes after packing
+    anyway, so one copy serves both instead of two."""
+    plain = packed.weight
+    if plain is not None and not is_placeholder(param) and plain.shape == param.shape:
+        param.data = plain
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 like transformers, then cast back."""
     x32 = x.float()
@@ -207,11 +217,8 @@ class LlamaDecoderLayer(nn.Module):
         }
 
     def share_plain_weights(self) -> None:
-        """Point each projection parameter at its packed projection's plain
-        weight where it keeps one (amx_linear's bfloat16 weight, or the torch
-        linear's): that tensor is the parameter in the compute dtype, which is
-        what the parameter becomes after packing anyway, so one copy serves
-        both instead of two."""
+        """Each projection parameter becomes its packed projection's plain
+        weight where there is one (``share_plain_weight``)."""
         assert self._packed is not None
         for name, param in (
             ("qkv", self.qkv_proj),
@@ -219,9 +226,7 @@ class LlamaDecoderLayer(nn.Module):
             ("gate_up", self.gate_up_proj),
             ("down", self.down_proj),
         ):
-            plain = self._packed[name].weight
-            if plain is not None and not is_placeholder(param) and plain.shape == param.shape:
-                param.data = plain
+            share_plain_weight(param, self._packed[name])
 
     def _linear(
         self,
@@ -442,6 +447,8 @@ class LlamaForCausalLM(nn.Module):
             self._pack_head(pieces, use_onednn, use_codes)
         for layer in self.layers:
             layer.share_plain_weights()
+        if self.has_head and self._packed_lm_head is not None:
+            share_plain_weight(self.lm_head, self._packed_lm_head)  # the embedding if tied
         # Packed from the exact weights; every parameter now rounds to the
         # compute dtype once (the embedding, the unpacked fallbacks).
         for param in self.parameters():
