@@ -35,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,18 +81,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_for_models(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+def _wait_for_models(url: str, process: subprocess.Popen, timeout_s: float, log: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {process.returncode} during start-up")
+            raise RuntimeError(
+                f"vLLM exited with code {process.returncode} during start-up (its log: {log})"
+            )
         try:
             if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s")
+    raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s (its log: {log})")
 
 
 @contextlib.contextmanager
@@ -106,10 +109,13 @@ def vllm_server(python: str, model: Path, dtype: str) -> Iterator[tuple[str, lis
     }
     command = [python, str(VLLM_LAUNCHER), "serve", str(model), "--dtype", dtype]
     command += ["--port", str(port), "--max-model-len", "2048"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # A file, not a pipe: nobody reads vLLM's output while it serves, and a
+    # full pipe would stall it mid-run.
+    with tempfile.NamedTemporaryFile(prefix="vllm-compare-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for_models(url, process, 900)
+        _wait_for_models(url, process, 900, log.name)
         yield url, [process.pid, *_descendants(process.pid)]
     finally:
         process.terminate()
