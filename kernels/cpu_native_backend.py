@@ -21,6 +21,10 @@ chunks of the step in one call, K/V read through the block tables, Q K^T and
 P V on AMX tiles with a float32 online softmax, instead of one torch SDPA per
 chunk over gathered K/V (which runs its bfloat16 matmuls off AMX). Other
 dtypes, levels and head sizes take the torch path.
+
+New K/V rows go into the cache with one ``write_kv_cache`` call per layer
+(kernels/csrc/kv_cache_write_cpu.cpp) instead of a negative-slot check and
+two ``index_copy_``; a cache of another dtype or layout takes the torch path.
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             return f"C++ kernels run on CPU tensors only, not {device.type}"
         reason = native.unavailable_reason()
         return None if reason is None else f"C++ kernels unavailable: {reason}"
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if _native_write_fits(key, value, k_cache, v_cache, slot_mapping):
+            torch.ops.kvmesh.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+            return
+        super().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     @staticmethod
     def _decode(
@@ -111,3 +128,28 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             plan.prefill_context_lens,
             scale,
         )
+
+
+def _dense_rows(rows: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] whose per-token part is one dense row."""
+    return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
+
+
+def _native_write_fits(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Whether kvmesh::write_kv_cache takes these (its checks, asked up front)."""
+    return (
+        _dense_rows(key)
+        and _dense_rows(value)
+        and k_cache.dim() == 4
+        and key.dtype == k_cache.dtype == value.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    )

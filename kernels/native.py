@@ -76,6 +76,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "rotary_cpu.cpp": ("-ffp-contract=off",),
     # Sums of products: fused multiply-adds are both faster and closer.
     "lora_cpu.cpp": ("-ffp-contract=fast",),
+    # Vectorized only under it; finds NaNs from their bits.
+    "greedy_argmax_cpu.cpp": FAST_MATH,
+    "kv_cache_write_cpu.cpp": (),
 }
 # Sources whose every line is under an AMX guard (empty at other levels): those
 # levels skip them instead of spending seconds per file compiling nothing.

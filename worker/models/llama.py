@@ -479,6 +479,11 @@ class LlamaForCausalLM(nn.Module):
             self._packed_lm_head,
         )
 
+    @property
+    def uses_native_ops(self) -> bool:
+        """Whether the forward runs kvmesh's C++ CPU ops (so they are loaded)."""
+        return self._native_ops
+
     def set_native_elementwise(self, enabled: bool) -> None:
         """Switch the fused C++ RMSNorm/SwiGLU/rotary ops on or off after packing,
         leaving the projections as packed: an A/B of those ops alone."""
