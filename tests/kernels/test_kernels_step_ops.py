@@ -9,7 +9,9 @@ import torch
 
 from kernels import reference
 from kernels.cpu_native_backend import NativeCpuAttentionBackend, _native_write_fits
-from worker.sampler import row_argmax
+from services.sampling_params import SamplingParams
+from tests.worker.sampling_lists import sampling_metadata_from_lists
+from worker.sampler import Sampler, row_argmax
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +110,29 @@ def test_write_kv_cache_falls_back_for_another_cache_dtype(backend) -> None:
     # The torch path then refuses the mix as it always did (no silent conversion).
     with pytest.raises(RuntimeError, match="dtype"):
         backend.write_kv_cache(key, value, k_half, v_half, slots)
+
+
+def test_the_sampler_draws_the_same_tokens_with_the_native_argmax(backend) -> None:
+    """Greedy rows and seeded random rows (the exponential race's argmax) alike."""
+    vocab = 5000
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.0, top_k=50, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+    ]
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(5)) * 3
+
+    def draw(native: bool) -> list[int]:
+        generators = {
+            row: torch.Generator().manual_seed(100 + row)
+            for row, p in enumerate(params)
+            if p.temperature > 0
+        }
+        metadata = sampling_metadata_from_lists(
+            params, [[1, 2]] * len(params), [[]] * len(params), generators, [0], vocab
+        )
+        return Sampler(native_argmax=native)(logits.clone(), metadata).token_ids.tolist()
+
+    assert draw(native=True) == draw(native=False)
