@@ -25,6 +25,7 @@ per-round kvmesh/vLLM time ratios (below 1: kvmesh faster).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import subprocess
@@ -76,11 +77,8 @@ def kvmesh_child(model: Path) -> None:
 
 def vllm_child(model: Path) -> None:
     sys.path.insert(0, str(REPO_ROOT))
-    import benchmarks.vllm_cpu_launcher  # noqa: F401  (answers vLLM's version lookup)
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    # Before vLLM is imported: it answers vLLM's lookup of its own version.
+    importlib.import_module("benchmarks.vllm_cpu_launcher")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -102,11 +100,13 @@ def vllm_child(model: Path) -> None:
     _serve_jobs(run_job)
 
 
-def _start(label: str, command: list[str]) -> subprocess.Popen[str]:
+def _start(
+    label: str, command: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     log = Path(f"/tmp/vllm-inprocess-{label}.log")
     with log.open("w") as sink:
         child = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True, env=env
         )
     assert child.stdout is not None
     for line in child.stdout:
@@ -137,6 +137,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.baselines import load_average
+    from services.config import environment_without_options
     from services.cpu_features import CpuFeatures
 
     cpu = CpuFeatures.detect()
@@ -151,7 +152,15 @@ def main() -> None:
             "kvmesh", [sys.executable, script, "--child", "kvmesh", "--model", str(args.model)]
         ),
         "vLLM": _start(
-            "vllm", [args.vllm_python, script, "--child", "vllm", "--model", str(args.model)]
+            "vllm",
+            [args.vllm_python, script, "--child", "vllm", "--model", str(args.model)],
+            {
+                **environment_without_options(),
+                # Its engine in this child, not in a process of its own.
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+            },
         ),
     }
     jobs = [tuple(int(part) for part in job.split("x")) for job in args.jobs]
