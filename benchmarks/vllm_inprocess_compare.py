@@ -7,7 +7,8 @@ Usage: .venv/bin/python benchmarks/vllm_inprocess_compare.py
 ``vllm_compare.py`` measures the served stacks; this measures the engines
 alone, without HTTP, gRPC or the other services, to tell the two apart. Two
 long-lived child processes load the same checkpoint in bfloat16: kvmesh's
-``ModelRunner`` driven by ``LocalDriver``, and vLLM's offline ``LLM``
+``InProcessEngine`` (the real scheduler driving a ``ModelRunner``,
+benchmarks/inprocess_engine.py; no prefix caching), and vLLM's offline ``LLM``
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so its engine runs in the child;
 ``max_num_batched_tokens=2048`` as ``vllm serve`` uses on CPU; no prefix
 caching). A job ``NxLxO`` is N random-token prompts of L tokens, greedy,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import statistics
 import subprocess
@@ -37,39 +39,31 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 READY = "READY"
 
 
-def _prompts(num: int, length: int, seed: int) -> list[list[int]]:
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 40_000, (length,), generator=generator).tolist() for _ in range(num)]
-
-
 def _serve_jobs(run_job) -> None:  # type: ignore[no-untyped-def]
-    """The child's loop: one job per stdin line ``N L O SEED``, its seconds on stdout."""
-    run_job(2, 64, 2, 0)  # warm-up: first calls pay for lazy initialisation
+    """The child's loop: one JSON job per stdin line (``prompts``, ``output_len``),
+    its seconds on stdout."""
+    run_job([list(range(3, 67))] * 2, 2)  # warm-up: first calls pay for lazy initialisation
     print(READY, flush=True)
     for line in sys.stdin:
-        num, length, output_len, seed = (int(part) for part in line.split())
-        print(f"{run_job(num, length, output_len, seed):.6f}", flush=True)
+        job = json.loads(line)
+        print(f"{run_job(job['prompts'], job['output_len']):.6f}", flush=True)
 
 
 def kvmesh_child(model: Path) -> None:
     sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.inprocess_engine import InProcessEngine
     from services.sampling_params import SamplingParams
     from worker.config import CacheConfig, ModelConfig
-    from worker.local_driver import LocalDriver
     from worker.model_runner import ModelRunner
 
     config = ModelConfig.from_pretrained(model, max_model_len=2048, dtype="bfloat16")
     runner = ModelRunner(config, CacheConfig(num_kv_blocks=2048))
 
-    def run_job(num: int, length: int, output_len: int, seed: int) -> float:
-        driver = LocalDriver(runner)
+    def run_job(prompts: list[list[int]], output_len: int) -> float:
+        engine = InProcessEngine(runner, max_num_batched_tokens=2048, enable_prefix_caching=False)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        for index, prompt in enumerate(_prompts(num, length, seed)):
-            driver.add_request(f"job{seed}-{index}", prompt, params, output_len)
         start = time.perf_counter()
-        driver.run()
+        engine.generate(prompts, params, max_concurrency=len(prompts))
         return time.perf_counter() - start
 
     _serve_jobs(run_job)
@@ -90,8 +84,8 @@ def vllm_child(model: Path) -> None:
         enable_prefix_caching=False,
     )
 
-    def run_job(num: int, length: int, output_len: int, seed: int) -> float:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(num, length, seed)]
+    def run_job(token_ids: list[list[int]], output_len: int) -> float:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in token_ids]
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -136,11 +130,13 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.baselines import load_average
+    from benchmarks.baselines import load_average, make_prompts
     from services.config import environment_without_options
     from services.cpu_features import CpuFeatures
+    from worker.config import ModelConfig
 
     cpu = CpuFeatures.detect()
+    vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
     print(
         f"{cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} CPUs; "
         f"model {args.model.name}; {args.rounds} rounds; load {load_average()}",
@@ -169,10 +165,14 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = list(children) if round_index % 2 == 0 else list(children)[::-1]
             for job in jobs:
+                # Fresh prompts every round, the same for both engines.
+                num, length, output_len = job
+                prompts = make_prompts(num, length, vocab_size, seed=1000 + round_index)
+                line = json.dumps({"prompts": prompts, "output_len": output_len})
                 for label in order:
                     child = children[label]
                     assert child.stdin is not None and child.stdout is not None
-                    child.stdin.write(f"{job[0]} {job[1]} {job[2]} {1000 + round_index}\n")
+                    child.stdin.write(line + "\n")
                     child.stdin.flush()
                     seconds.setdefault((label, job), []).append(float(child.stdout.readline()))
             print(

@@ -60,6 +60,7 @@ int64_t row_argmax(const float* v, int64_t n) {
   if (nan) return first_index(v, n, [](float value) { return is_nan(value); });
   return first_index(v, n, [m](float value) { return value == m; });
 }
+
 // [rows, vocab] float32 (unit stride along vocab) -> [rows] int64.
 at::Tensor greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
