@@ -9,10 +9,11 @@ head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
 
 ``--prefill N`` times prefill chunks of N tokens instead (``--prefix P``: on a
 cached prefix of P tokens; ``--chunks C`` per step): ``cpu`` runs one torch
-SDPA per chunk, ``cpu_native`` at the amx level and in bfloat16 all chunks in
-one C++ call on AMX tiles (kernels/csrc/prefill_attention_amx.cpp). Prints ms
-per layer call and GFLOP/s counting the causal FLOPs (4 x heads x head_dim per
-visible query-key pair), the two paths interleaved ``--rounds`` times.
+SDPA per chunk, ``cpu_native`` in bfloat16 all chunks in one C++ call
+(kernels/csrc/prefill_attention_cpu.cpp: AMX tiles at the amx level, vdpbf16ps
+at avx512_bf16). Prints ms per layer call and GFLOP/s counting the causal FLOPs
+(4 x heads x head_dim per visible query-key pair), the two paths interleaved
+``--rounds`` times.
 """
 
 from __future__ import annotations

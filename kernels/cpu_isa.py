@@ -48,8 +48,9 @@ class IsaLevel:
     name: str
     compile_flags: tuple[str, ...]
     required_cpu_flags: frozenset[str]
-    # The block-code linear takes bfloat16 activations (vdpbf16ps).
-    bf16_block_codes: bool = False
+    # bfloat16 pairs multiply in hardware (vdpbf16ps): the block-code linear
+    # takes bfloat16 activations and paged_prefill_attention is built.
+    bf16_dot_products: bool = False
     # ... and multiplies them on AMX tiles (tdpbf16ps).
     amx_tiles: bool = False
 
@@ -71,7 +72,7 @@ X86_LEVELS: tuple[IsaLevel, ...] = (
         "avx512_bf16",
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
         _X86_V4 | {"avx512_bf16", "avx512_vnni"},
-        bf16_block_codes=True,
+        bf16_dot_products=True,
     ),
     IsaLevel(
         "amx",
@@ -84,7 +85,7 @@ X86_LEVELS: tuple[IsaLevel, ...] = (
             "-mamx-int8",
         ),
         _X86_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"},
-        bf16_block_codes=True,
+        bf16_dot_products=True,
         amx_tiles=True,
     ),
 )

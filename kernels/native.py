@@ -23,11 +23,12 @@ hidden visibility, so no level's library can bind another level's copy.
 The elementwise ops and decode attention take float32 or bfloat16 tensors
 (``NATIVE_DTYPES``: bfloat16 is computed in float32 and rounded where torch's
 bfloat16 ops round); the block-code linear takes float32 activations, and
-bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_block_codes``;
+bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_dot_products``;
 on AMX tiles at ``amx``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
-Prefill attention (``paged_prefill_attention``) exists only at levels with AMX
-tiles (``IsaLevel.amx_tiles``) and takes bfloat16.
+Prefill attention (``paged_prefill_attention``) exists only at levels with
+bfloat16 dot products (``IsaLevel.bf16_dot_products``: vdpbf16ps, or AMX tiles
+at ``amx``) and takes bfloat16.
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -69,7 +70,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_search.cpp": ("-ffp-contract=off",),
     "int8_linear.cpp": (),
     # Its exp is written out in intrinsics: no -ffast-math needed.
-    "prefill_attention_amx.cpp": (),
+    "prefill_attention_cpu.cpp": (),
     "amx_linear.cpp": (),
     "rms_norm_cpu.cpp": (),
     "silu_and_mul_cpu.cpp": FAST_MATH,
@@ -80,9 +81,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "greedy_argmax_cpu.cpp": FAST_MATH,
     "kv_cache_write_cpu.cpp": (),
 }
-# Sources whose every line is under an AMX guard (empty at other levels): those
-# levels skip them instead of spending seconds per file compiling nothing.
-AMX_ONLY_SOURCES = frozenset({"prefill_attention_amx.cpp", "amx_linear.cpp"})
+# Sources whose every line is under an AMX (or AVX512-BF16) guard, empty at
+# other levels: those levels skip them instead of spending seconds per file
+# compiling nothing.
+AMX_ONLY_SOURCES = frozenset({"amx_linear.cpp"})
+BF16_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
 # Compiled once per level and put in front of every source whose extra flags
 # are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
 # predefined macros (-ffast-math defines __FAST_MATH__), so those sources parse
@@ -184,6 +187,8 @@ def build(level: IsaLevel, force: bool = False) -> Path:
             for name, extra in SOURCES.items():
                 if name in AMX_ONLY_SOURCES and not level.amx_tiles:
                     continue
+                if name in BF16_ONLY_SOURCES and not level.bf16_dot_products:
+                    continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = ["-c", str(CSRC / name), "-o", str(obj)]
                 if PCH_NEUTRAL_FLAGS.issuperset(extra):
@@ -254,9 +259,17 @@ def loaded_level() -> IsaLevel | None:
     return level_named(str(torch.ops.kvmesh.isa_level()))
 
 
+def bf16_dot_products_loaded() -> bool:
+    """Whether the loaded ops' level multiplies bfloat16 pairs in hardware
+    (vdpbf16ps or AMX tiles): the block-code linear's bfloat16 rows and
+    paged_prefill_attention."""
+    level = loaded_level()
+    return level is not None and level.bf16_dot_products
+
+
 def amx_tiles_loaded() -> bool:
     """Whether the loaded ops' level has the AMX-tile paths (the block-code
-    linear's bfloat16 rows, paged_prefill_attention, amx_linear)."""
+    linear's bfloat16 rows and paged_prefill_attention on tiles, amx_linear)."""
     level = loaded_level()
     return level is not None and level.amx_tiles
 

@@ -112,7 +112,7 @@ def test_kernel_matches_float64_matmul(rows: int, out_features: int) -> None:
 def _bf16_level_or_skip() -> None:
     level = native.loaded_level()
     assert level is not None
-    if not level.bf16_block_codes:
+    if not level.bf16_dot_products:
         pytest.skip(f"the loaded {level.name} level multiplies float32 activations only")
 
 

@@ -75,7 +75,7 @@ def test_choice_follows_the_flags_and_refuses_what_the_cpu_lacks() -> None:
     assert choose_level(
         _fake_cpu(avx512_bf16.required_cpu_flags, amx_flags - {"amx_int8"})
     ).level == (avx512_bf16)
-    assert amx.bf16_block_codes and amx.amx_tiles and not avx512_bf16.amx_tiles
+    assert amx.bf16_dot_products and amx.amx_tiles and not avx512_bf16.amx_tiles
     assert choose_level(_fake_cpu(avx512.required_cpu_flags), "generic").level == generic
     with pytest.raises(ValueError, match=r"cannot run the avx512 level: no \['avx512bw'"):
         choose_level(_fake_cpu(avx2.required_cpu_flags, {"avx512f"}), "avx512")

@@ -185,7 +185,7 @@ def amx_linear_takes(weight: torch.Tensor) -> bool:
 def _kernel_takes_bf16() -> bool:
     """Whether the loaded kernels' level multiplies bfloat16 rows natively."""
     level = native.loaded_level()
-    return level is not None and level.bf16_block_codes
+    return level is not None and level.bf16_dot_products
 
 
 class PackedLinear:

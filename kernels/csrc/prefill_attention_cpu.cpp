@@ -1,4 +1,6 @@
-// Paged prefill (chunk) attention for bfloat16 on AMX tiles, as a torch custom op.
+// Paged prefill (chunk) attention for bfloat16, as a torch custom op: its
+// matrix products on AMX tiles at the amx level, on AVX512-BF16 dot products
+// (vdpbf16ps) at the avx512_bf16 level, the same packed operands for both.
 //
 // Every prefill chunk of a step in one call. A chunk's query rows attend to
 // its context (cached prefix + the chunk itself), causally: query row i of a
@@ -7,7 +9,9 @@
 //
 // Two passes over torch's threads (work_stealing.h):
 //  1. Pack: each (chunk, KV head, 64-key block) copies its K and V rows out of
-//     the cache once into the operand layouts tdpbf16ps wants (B tiles):
+//     the cache once into the operand layouts tdpbf16ps wants (B tiles), which
+//     are also what vdpbf16ps wants (a tile row is one 512-bit register of 16
+//     lanes, each a bfloat16 pair):
 //       K^T: per 16 keys x 32 head dims, tile row r = dims (2r, 2r+1) of the
 //            16 keys, interleaved: a 16x16 transpose of 32-bit dim pairs;
 //       V:   per 32 keys x 16 head dims, tile row r = keys (2r, 2r+1)
@@ -17,9 +21,11 @@
 //     runs the GQA group's query heads one after the other over the same
 //     packed K/V (hot in L1/L2), key blocks of 64 up to the causal limit
 //     (blocks past it skipped, only blocks crossing it masked):
-//       S = Q K^T on AMX (Q rows are A tiles as they are, 32 dims each),
+//       S = Q K^T (AMX: Q rows are A tiles as they are, 32 dims each; AVX-512:
+//           each query row's dim pair broadcast against a K^T tile row),
 //       online softmax in float32 with AVX-512 (running max and sum per row),
-//       P rounded to bfloat16, P V on AMX, O = O * alpha + P V in float32,
+//       P rounded to bfloat16, P V (the same two ways, P in place of Q),
+//       O = O * alpha + P V in float32,
 //     and the output rounded once to bfloat16 at the end.
 //
 // Numerics versus the float32 reference (kernels/reference.py): q, K and V are
@@ -41,7 +47,10 @@
 #include "amx_tiles.h"
 #include "work_stealing.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Built at the avx512_bf16 and amx levels (kernels/native.py skips the others).
+#if defined(__AVX512BF16__)
+
+#include <immintrin.h>
 
 namespace {
 
@@ -62,6 +71,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kTileBytes = 64;
 constexpr float kNoScore = -1e30f;  // finite "minus infinity": the float maths stays finite
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // Tiles: 0..3 accumulators (S columns, then P V columns), 4 the A operand
 // (Q, then P), 5 the B operand (K^T, then V). GCC pastes tile numbers into
 // its asm, so they are literals.
@@ -92,6 +102,7 @@ inline void zero_accumulators() {
   _tile_zero(2);
   _tile_zero(3);
 }
+#endif
 
 // exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r with
 // |r| <= ln2 / 2, exp(r) by its degree-4 Taylor polynomial (relative error
@@ -216,6 +227,149 @@ void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, fl
                    _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(step_sum)));
 }
 
+// The two matrix products of pass 2, one struct per instruction set:
+//   scores: S[16 rows][64 keys] = Q K^T for one 64-key block, rows of `s`
+//           kStepKeys floats apart; `kt` is the block's first K^T tile.
+//   values: PV[16 rows][head_dim] = P V over `width` keys (a multiple of 64),
+//           rows of `pv` head_dim floats apart; `v` is the first key's V tile.
+//   Scope: what a thread holds while it runs items (AMX: the tile config).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct AmxProducts {
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+    const int64_t dim_chunks = head_dim / kDimChunk;
+    zero_accumulators();
+    kvmesh::compiler_barrier();
+    for (int64_t dc = 0; dc < dim_chunks; ++dc) {
+      _tile_loadd(4, q_tile + dc * kDimChunk, head_dim * sizeof(uint16_t));
+      for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
+        _tile_loadd(5, kt + (t * dim_chunks + dc) * 512, kTileBytes);
+        multiply_into(t);
+      }
+    }
+    for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
+      store_accumulator(t, s + t * kKeyTile, kStepKeys * sizeof(float));
+    }
+    kvmesh::compiler_barrier();
+  }
+
+  static void values(float* pv, const uint16_t* p, const uint16_t* v, int64_t width,
+                     int64_t head_dim) {
+    const int64_t dim_tiles = head_dim / kDimTile;
+    // Up to 4 output tiles of 16 dims at a time.
+    for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
+      const int64_t tiles = std::min<int64_t>(4, dim_tiles - dt0);
+      zero_accumulators();
+      for (int64_t k = 0; k < width; k += kPairKeys) {
+        kvmesh::compiler_barrier();
+        _tile_loadd(4, p + k, kStepKeys * sizeof(uint16_t));
+        for (int64_t t = 0; t < tiles; ++t) {
+          _tile_loadd(5, v + ((k / kPairKeys) * dim_tiles + dt0 + t) * 512, kTileBytes);
+          multiply_into(t);
+        }
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        store_accumulator(t, pv + (dt0 + t) * kDimTile, head_dim * sizeof(float));
+      }
+    }
+    kvmesh::compiler_barrier();
+  }
+
+  struct Scope {
+    Scope() {
+      const kvmesh::TileConfig config = tile_config();
+      _tile_loadconfig(&config);  // this thread's; oneDNN configures its own between ops
+    }
+    ~Scope() { _tile_release(); }
+  };
+};
+using Products = AmxProducts;
+#else
+// vdpbf16ps: lane n += a[2n] * b[2n] + a[2n + 1] * b[2n + 1] in float32. A
+// packed tile row is one register of 16 lanes of pairs (K^T: 16 keys' dims
+// 2r, 2r + 1; V: 16 dims of keys 2r, 2r + 1), so each query (or P) row's
+// pair, broadcast to all lanes, multiplies it: 4 rows x 4 tile columns of
+// accumulators per pass, 16 of the 32 registers.
+struct VectorProducts {
+  static constexpr int64_t kRows = 4;
+
+  static __m512bh pair_of(const uint16_t* words) {
+    int32_t pair;
+    std::memcpy(&pair, words, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+
+  static __m512bh row_of(const uint16_t* tile_row) {
+    return (__m512bh)_mm512_loadu_si512(tile_row);  // std::vector: 16-byte aligned
+  }
+
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+    constexpr int64_t kTiles = kKeyBlock / kKeyTile;
+    const int64_t dim_chunks = head_dim / kDimChunk;
+    for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
+      __m512 acc[kRows][kTiles];
+      for (auto& row : acc) {
+        for (auto& a : row) a = _mm512_setzero_ps();
+      }
+      for (int64_t dc = 0; dc < dim_chunks; ++dc) {
+        for (int64_t r = 0; r < 16; ++r) {
+          __m512bh k[kTiles];
+          for (int64_t t = 0; t < kTiles; ++t) k[t] = row_of(kt + (t * dim_chunks + dc) * 512 + r * 32);
+          for (int64_t i = 0; i < kRows; ++i) {
+            const __m512bh q = pair_of(q_tile + (r0 + i) * head_dim + dc * kDimChunk + 2 * r);
+            for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], q, k[t]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        for (int64_t t = 0; t < kTiles; ++t) {
+          _mm512_store_ps(s + (r0 + i) * kStepKeys + t * kKeyTile, acc[i][t]);
+        }
+      }
+    }
+  }
+
+  template <int64_t kTiles>
+  static void values_tiles(float* pv, const uint16_t* p, const uint16_t* v, int64_t width,
+                           int64_t head_dim, int64_t dt0) {
+    const int64_t dim_tiles = head_dim / kDimTile;
+    for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
+      __m512 acc[kRows][kTiles];
+      for (auto& row : acc) {
+        for (auto& a : row) a = _mm512_setzero_ps();
+      }
+      for (int64_t k = 0; k < width; k += kPairKeys) {
+        const uint16_t* v_block = v + ((k / kPairKeys) * dim_tiles + dt0) * 512;
+        for (int64_t r = 0; r < 16; ++r) {
+          __m512bh vr[kTiles];
+          for (int64_t t = 0; t < kTiles; ++t) vr[t] = row_of(v_block + t * 512 + r * 32);
+          for (int64_t i = 0; i < kRows; ++i) {
+            const __m512bh pr = pair_of(p + (r0 + i) * kStepKeys + k + 2 * r);
+            for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], pr, vr[t]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        for (int64_t t = 0; t < kTiles; ++t) {
+          _mm512_store_ps(pv + (r0 + i) * head_dim + (dt0 + t) * kDimTile, acc[i][t]);
+        }
+      }
+    }
+  }
+
+  static void values(float* pv, const uint16_t* p, const uint16_t* v, int64_t width,
+                     int64_t head_dim) {
+    // head_dim is a multiple of 32: whole groups of 4 dim tiles, then maybe 2.
+    const int64_t dim_tiles = head_dim / kDimTile;
+    int64_t dt0 = 0;
+    for (; dt0 + 4 <= dim_tiles; dt0 += 4) values_tiles<4>(pv, p, v, width, head_dim, dt0);
+    if (dt0 < dim_tiles) values_tiles<2>(pv, p, v, width, head_dim, dt0);
+  }
+
+  struct Scope {};
+};
+using Products = VectorProducts;
+#endif
+
 // Pass 2 for one query head and up to 16 query rows of one chunk.
 //   q: the rows' query vectors (bfloat16 words), `q_stride` words apart
 //   first_limit: the last key query row 0 may see (prefix + its chunk index)
@@ -244,24 +398,11 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
 
   for (int64_t key0 = 0; key0 <= last_key; key0 += kStepKeys) {
-    // Q K^T passes of 64 keys (tiles 0..3), none wholly past the last key.
+    // Q K^T passes of 64 keys, none wholly past the last key.
     const int64_t width = std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
     for (int64_t k = 0; k < width; k += kKeyBlock) {
-      zero_accumulators();
-      kvmesh::compiler_barrier();
-      for (int64_t dc = 0; dc < dim_chunks; ++dc) {
-        _tile_loadd(4, q_tile + dc * kDimChunk, head_dim * sizeof(uint16_t));
-        for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
-          _tile_loadd(5, kv.kt + (((key0 + k) / kKeyTile + t) * dim_chunks + dc) * 512,
-                      kTileBytes);
-          multiply_into(t);
-        }
-      }
-      for (int64_t t = 0; t < kKeyBlock / kKeyTile; ++t) {
-        store_accumulator(t, s + k + t * kKeyTile, kStepKeys * sizeof(float));
-      }
+      Products::scores(s + k, q_tile, kv.kt + ((key0 + k) / kKeyTile) * dim_chunks * 512, head_dim);
     }
-    kvmesh::compiler_barrier();
     if (key0 + width - 1 <= first_limit) {  // no key past any row's limit
       softmax_step<true>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
                          scale);
@@ -269,24 +410,7 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       softmax_step<false>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
                           scale);
     }
-    // P V: 16 rows x head_dim, up to 4 output tiles of 16 dims at a time.
-    for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
-      const int64_t tiles = std::min<int64_t>(4, dim_tiles - dt0);
-      zero_accumulators();
-      for (int64_t k = 0; k < width; k += kPairKeys) {
-        kvmesh::compiler_barrier();
-        _tile_loadd(4, p + k, kStepKeys * sizeof(uint16_t));
-        for (int64_t t = 0; t < tiles; ++t) {
-          _tile_loadd(5, kv.v + (((key0 + k) / kPairKeys) * dim_tiles + dt0 + t) * 512,
-                      kTileBytes);
-          multiply_into(t);
-        }
-      }
-      for (int64_t t = 0; t < tiles; ++t) {
-        store_accumulator(t, pv + (dt0 + t) * kDimTile, head_dim * sizeof(float));
-      }
-    }
-    kvmesh::compiler_barrier();
+    Products::values(pv, p, kv.v + (key0 / kPairKeys) * dim_tiles * 512, width, head_dim);
     for (int64_t r = 0; r < kTileRows; ++r) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
       for (int64_t d = 0; d < head_dim; d += 16) {
@@ -373,7 +497,9 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
     attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);
   }
   if (num_chunks == 0) return;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   kvmesh::require_amx_permission(op);
+#endif
 
   // K^T then V of every (chunk, KV head); reused across calls of this thread
   // (every layer of a step needs the same size) instead of a fresh mmap each.
@@ -417,8 +543,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
     const int64_t rows = std::min(kTileRows, lens[c] - row0);
     auto [kt, v] = packed_kv(c, h);
     const PackedKv kv{kt, v};
-    const kvmesh::TileConfig config = tile_config();
-    _tile_loadconfig(&config);  // this thread's; oneDNN configures its own between ops
+    const Products::Scope scope;
     const int64_t prefix = contexts[c] - lens[c];
     for (int64_t g = 0; g < group; ++g) {
       const int64_t head = h * group + g;
@@ -426,7 +551,6 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                   out.stride(0), q_base + (starts[c] + row0) * query.stride(0) + head * query.stride(1),
                   query.stride(0), rows, kv, head_dim, prefix + row0, contexts[c], scale_f);
     }
-    _tile_release();
   });
 }
 
@@ -441,4 +565,4 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
 
-#endif  // AMX
+#endif  // __AVX512BF16__

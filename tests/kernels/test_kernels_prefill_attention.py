@@ -1,9 +1,11 @@
-"""bfloat16 prefill chunks on AMX tiles (kernels/csrc/prefill_attention_amx.cpp).
+"""bfloat16 prefill chunks in C++ (kernels/csrc/prefill_attention_cpu.cpp).
 
 The ``cpu_native`` backend's prefill chunks against the float32 reference
 (kernels/reference.py) over the same bfloat16 values, and against torch's own
-bfloat16 SDPA path (``cpu``). Skipped, with the reason, where the loaded ops
-are not the ``amx`` level (a CPU without AMX, or ``KVMESH_CPU_ISA`` lower).
+bfloat16 SDPA path (``cpu``). The loaded level decides which products run:
+AMX tiles at ``amx``, vdpbf16ps at ``avx512_bf16`` (``KVMESH_CPU_ISA=avx512_bf16``
+runs the latter on an AMX machine). Skipped, with the reason, where the loaded
+ops have no bfloat16 dot products (a CPU without AVX512-BF16, or a lower level).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 def _skip_reason() -> str | None:
     if (reason := native.unavailable_reason()) is not None:
         return f"native kernels unavailable: {reason}"
-    if not native.amx_tiles_loaded():
+    if not native.bf16_dot_products_loaded():
         return (
-            f"loaded level is {native.loaded_level().name}, not amx "
+            f"loaded level is {native.loaded_level().name}, without bfloat16 dot products "
             f"({CpuFeatures.detect().model_name})"
         )
     return None
@@ -102,6 +104,21 @@ def test_prefill_matches_reference(
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_head_sizes_off_the_64_grid(head_dim: int, no_torch_prefill: None) -> None:
+    """Head sizes whose output is not whole groups of 64 dims (the vector path's
+    2-tile tail) and the largest one, past one 256-key softmax step."""
+    batch = make_paged_batch(
+        [(37, 70), (0, 300), (5, 1)],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    assert_matches_reference(batch)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
     """Several chunks of hundreds of tokens, on prefixes or not: the mean error
@@ -123,9 +140,9 @@ def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
     expected = run_backend(TorchReferenceBackend(), batch.to_float32())
     actual = assert_matches_reference(batch)
     torch_sdpa = run_backend(CpuAttentionBackend(), batch)
-    amx_error = (actual.float() - expected).abs().mean()
+    native_error = (actual.float() - expected).abs().mean()
     sdpa_error = (torch_sdpa.float() - expected).abs().mean()
-    assert amx_error <= 1.1 * sdpa_error, (amx_error, sdpa_error)
+    assert native_error <= 1.1 * sdpa_error, (native_error, sdpa_error)
 
 
 def test_large_scores_do_not_overflow(no_torch_prefill: None) -> None:
@@ -165,7 +182,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
 
 
 def test_other_dtypes_and_head_sizes_take_the_torch_path() -> None:
-    """float32, and head sizes that are not whole 32-dim AMX rows, still give the reference."""
+    """float32, and head sizes that are not whole 32-dim operand rows, still give the reference."""
     for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 80)):
         batch = make_paged_batch(
             [(19, 13), (0, 21)],
