@@ -54,6 +54,11 @@ class IsaLevel:
     # ... and multiplies them on AMX tiles (tdpbf16ps).
     amx_tiles: bool = False
 
+    @property
+    def avx512(self) -> bool:
+        """Whether the level's code may use AVX-512 (F/BW/CD/DQ/VL)."""
+        return "avx512f" in self.required_cpu_flags
+
     def missing(self, cpu: CpuFeatures) -> list[str]:
         """The flags this level needs that the CPU lacks (empty: it runs here)."""
         return sorted(self.required_cpu_flags - cpu.flags)

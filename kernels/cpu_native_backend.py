@@ -1,7 +1,7 @@
 """The CPU path with decode attention in C++ (``kernels/csrc/paged_attention_cpu.cpp``).
 
 Same plan as ``cpu`` (kernels/cpu_attention.py); the batched decode differs,
-and at levels with bfloat16 dot products so do bfloat16 prefill chunks (below). For decodes,
+and from the avx512 level up so do prefill chunks (below). For decodes,
 the torch path gathers every decode's context into a padded tensor (a copy
 of all K/V rows per layer) and runs a masked SDPA whose query length is the
 GQA group; this backend reads K/V in place through the block tables, skips
@@ -15,13 +15,14 @@ run in C++ (bfloat16 q and K/V with float32 softmax and accumulation, one
 rounding of the output); other dtypes fall back to the torch decode path per
 call.
 
-Prefill chunks in bfloat16, when the loaded level multiplies bfloat16 pairs
-in hardware (``avx512_bf16``: vdpbf16ps; ``amx``: AMX tiles), run
-``paged_prefill_attention`` (kernels/csrc/prefill_attention_cpu.cpp): all
-chunks of the step in one call, K/V read through the block tables, Q K^T and
-P V in bfloat16 products with a float32 online softmax, instead of one torch
-SDPA per chunk over gathered K/V (which runs its bfloat16 matmuls off AMX and
-off vdpbf16ps). Other dtypes, levels and head sizes take the torch path.
+Prefill chunks run ``paged_prefill_attention``
+(kernels/csrc/prefill_attention_cpu.cpp) in float32 from the avx512 level up
+and in bfloat16 where the level multiplies bfloat16 pairs in hardware
+(``avx512_bf16``: vdpbf16ps; ``amx``: AMX tiles): all chunks of the step in
+one call, K/V read through the block tables, Q K^T and P V with a float32
+online softmax, instead of one torch SDPA per chunk over gathered K/V (whose
+bfloat16 matmuls run off AMX and off vdpbf16ps). Other dtypes, levels and
+head sizes take the torch path.
 
 New K/V rows go into the cache with one ``write_kv_cache`` call per layer
 (kernels/csrc/kv_cache_write_cpu.cpp) instead of a negative-slot check and
@@ -39,8 +40,8 @@ from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan
 
 # paged_prefill_attention's head sizes: whole 32-dim operand rows (an AMX tile
 # row, 16 bfloat16 pairs), at most 256.
-_AMX_HEAD_DIM_MULTIPLE = 32
-_AMX_MAX_HEAD_DIM = 256
+_HEAD_DIM_MULTIPLE = 32
+_MAX_HEAD_DIM = 256
 
 
 class NativeCpuAttentionBackend(CpuAttentionBackend):
@@ -110,12 +111,11 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
     ) -> None:
         head_dim = query.shape[2]
         if (
-            query.dtype != torch.bfloat16
-            or k_cache.dtype != torch.bfloat16
+            query.dtype not in native.prefill_attention_dtypes()
+            or k_cache.dtype != query.dtype
             or not query.is_cpu
-            or head_dim % _AMX_HEAD_DIM_MULTIPLE
-            or head_dim > _AMX_MAX_HEAD_DIM
-            or not native.bf16_dot_products_loaded()
+            or head_dim % _HEAD_DIM_MULTIPLE
+            or head_dim > _MAX_HEAD_DIM
         ):
             CpuAttentionBackend._prefill(query, k_cache, v_cache, plan, scale, group, out)
             return

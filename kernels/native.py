@@ -26,9 +26,9 @@ bfloat16 ops round); the block-code linear takes float32 activations, and
 bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_dot_products``;
 on AMX tiles at ``amx``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
-Prefill attention (``paged_prefill_attention``) exists only at levels with
-bfloat16 dot products (``IsaLevel.bf16_dot_products``: vdpbf16ps, or AMX tiles
-at ``amx``) and takes bfloat16.
+Prefill attention (``paged_prefill_attention``) exists from the avx512 level
+up and takes float32 there, and bfloat16 too at levels with bfloat16 dot
+products (``IsaLevel.bf16_dot_products``: vdpbf16ps, or AMX tiles at ``amx``).
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
 says so and falls back to the torch path), for A/B benchmarks.
@@ -81,11 +81,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "greedy_argmax_cpu.cpp": FAST_MATH,
     "kv_cache_write_cpu.cpp": (),
 }
-# Sources whose every line is under an AMX (or AVX512-BF16) guard, empty at
-# other levels: those levels skip them instead of spending seconds per file
+# Sources whose every line is under an AMX (or AVX-512) guard, empty at other
+# levels: those levels skip them instead of spending seconds per file
 # compiling nothing.
 AMX_ONLY_SOURCES = frozenset({"amx_linear.cpp"})
-BF16_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
+AVX512_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
 # Compiled once per level and put in front of every source whose extra flags
 # are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
 # predefined macros (-ffast-math defines __FAST_MATH__), so those sources parse
@@ -187,7 +187,7 @@ def build(level: IsaLevel, force: bool = False) -> Path:
             for name, extra in SOURCES.items():
                 if name in AMX_ONLY_SOURCES and not level.amx_tiles:
                     continue
-                if name in BF16_ONLY_SOURCES and not level.bf16_dot_products:
+                if name in AVX512_ONLY_SOURCES and not level.avx512:
                     continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = ["-c", str(CSRC / name), "-o", str(obj)]
@@ -259,12 +259,16 @@ def loaded_level() -> IsaLevel | None:
     return level_named(str(torch.ops.kvmesh.isa_level()))
 
 
-def bf16_dot_products_loaded() -> bool:
-    """Whether the loaded ops' level multiplies bfloat16 pairs in hardware
-    (vdpbf16ps or AMX tiles): the block-code linear's bfloat16 rows and
-    paged_prefill_attention."""
+def prefill_attention_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the loaded ops' ``paged_prefill_attention`` takes: float32 from
+    the avx512 level up, bfloat16 too where bfloat16 pairs multiply in hardware
+    (vdpbf16ps or AMX tiles); none below avx512 or without the ops."""
     level = loaded_level()
-    return level is not None and level.bf16_dot_products
+    if level is None or not level.avx512:
+        return frozenset()
+    if level.bf16_dot_products:
+        return frozenset({torch.float32, torch.bfloat16})
+    return frozenset({torch.float32})
 
 
 def amx_tiles_loaded() -> bool:

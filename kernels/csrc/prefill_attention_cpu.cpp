@@ -1,6 +1,8 @@
-// Paged prefill (chunk) attention for bfloat16, as a torch custom op: its
-// matrix products on AMX tiles at the amx level, on AVX512-BF16 dot products
-// (vdpbf16ps) at the avx512_bf16 level, the same packed operands for both.
+// Paged prefill (chunk) attention for bfloat16 and float32, as a torch custom
+// op. bfloat16: the matrix products on AMX tiles at the amx level, on
+// AVX512-BF16 dot products (vdpbf16ps) at the avx512_bf16 level, the same
+// packed operands for both. float32: AVX-512 fused multiply-adds, at every
+// level from avx512 up (K^T packed as 16 keys per register, V as its rows).
 //
 // Every prefill chunk of a step in one call. A chunk's query rows attend to
 // its context (cached prefix + the chunk itself), causally: query row i of a
@@ -31,7 +33,9 @@
 // Numerics versus the float32 reference (kernels/reference.py): q, K and V are
 // bfloat16 already; products are exact and summed in float32; P is rounded to
 // bfloat16 before P V (as torch's bfloat16 SDPA does), the sums of P stay
-// float32. Errors are of the order of bfloat16 rounding of the output.
+// float32. Errors are of the order of bfloat16 rounding of the output. In
+// float32 only the order of the sums and the exp polynomial differ from the
+// reference: errors of a few float32 ulps of the output.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -47,10 +51,13 @@
 #include "amx_tiles.h"
 #include "work_stealing.h"
 
-// Built at the avx512_bf16 and amx levels (kernels/native.py skips the others).
-#if defined(__AVX512BF16__)
+// Built at the avx512, avx512_bf16 and amx levels (kernels/native.py skips the
+// others); bfloat16 only where the level has AVX512-BF16.
+#if defined(__AVX512F__)
 
 #include <immintrin.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -105,17 +112,20 @@ inline void zero_accumulators() {
 #endif
 
 // exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by its degree-4 Taylor polynomial (relative error
-// < 5e-5, far below the 2^-9 of the bfloat16 rounding every probability gets
-// next), times 2^n by vscalefps (which underflows to 0 for very negative n
-// instead of wrapping). The clamp keeps r exact for the -1e30 "no score yet".
+// |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
+// < 2e-7, about a float32 ulp: the float32 path's probabilities are not
+// rounded further), times 2^n by vscalefps (which underflows to 0 for very
+// negative n instead of wrapping). The clamp keeps r exact for the -1e30 "no
+// score yet".
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 24);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
@@ -124,14 +134,20 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 // The packed K^T and V of one (chunk, KV head): `padded_len` keys (a multiple
-// of kKeyBlock), each half padded_len * head_dim bfloat16 words.
+// of kKeyBlock), each half padded_len * head_dim words (bfloat16 or float32),
+// so the 64-key block from key k starts k * head_dim words in, in both halves.
+//   bfloat16 K^T [padded_len / 16][head_dim / 32][16 rows][32 words]
+//            V   [padded_len / 32][head_dim / 16][16 rows][32 words]
+//   float32  K^T [padded_len / 16][head_dim][16 keys]
+//            V   [padded_len][head_dim] (the rows as they are)
+template <typename Word>
 struct PackedKv {
-  const uint16_t* kt;  // [padded_len / 16][head_dim / 32][16 rows][32 words]
-  const uint16_t* v;   // [padded_len / 32][head_dim / 16][16 rows][32 words]
+  const Word* kt;
+  const Word* v;
 };
 
-// Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head.
-void pack_block(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
+// Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head, bfloat16.
+void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
                 const int64_t* table, int64_t block_size, int64_t row_stride, int64_t context_len,
                 int64_t key0, int64_t head_dim) {
   alignas(64) uint16_t rows_k[kKeyBlock][kMaxHeadDim];
@@ -175,15 +191,56 @@ void pack_block(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16
   }
 }
 
+// Pass 1 in float32: K^T as 16-key registers per head dim, V rows copied.
+void pack_block_f32(float* kt, float* v, const float* k_cache, const float* v_cache,
+                    const int64_t* table, int64_t block_size, int64_t row_stride,
+                    int64_t context_len, int64_t key0, int64_t head_dim) {
+  for (int64_t j = 0; j < kKeyBlock; ++j) {
+    const int64_t key = key0 + j;
+    float* kt_lane = kt + (j / kKeyTile) * head_dim * kKeyTile + j % kKeyTile;
+    if (key < context_len) {
+      const int64_t slot = table[key / block_size] * block_size + key % block_size;
+      const float* k_row = k_cache + slot * row_stride;
+      for (int64_t d = 0; d < head_dim; ++d) kt_lane[d * kKeyTile] = k_row[d];
+      std::memcpy(v + j * head_dim, v_cache + slot * row_stride, head_dim * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) kt_lane[d * kKeyTile] = 0.f;
+      std::memset(v + j * head_dim, 0, head_dim * sizeof(float));
+    }
+  }
+}
+
+// A probability as P V will multiply it: bfloat16 P rounded (and its rounded
+// value returned, for the row sums), float32 P as it is.
+inline __m512 store_probabilities(float* p, __m512 e) {
+  _mm512_store_ps(p, e);
+  return e;
+}
+
+// One output row chunk of 16 dims, rounded to the output's type.
+inline void store_output(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+
+#if defined(__AVX512BF16__)
+inline __m512 store_probabilities(uint16_t* p, __m512 e) {
+  const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p), (__m256i)e_bf16);
+  return _mm512_cvtpbh_ps(e_bf16);
+}
+
+inline void store_output(uint16_t* out, __m512 y) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+}
+#endif
+
 // The online softmax of one step of `width` keys (a multiple of 16, at most
 // kStepKeys) for 16 rows, one row at a time: new running max of the scaled
 // scores, alpha = exp(old max - new max) per row, p = exp(scaled scores - new
-// max) rounded to bfloat16 (0 past the row's causal limit unless WHOLE: no key
-// of the step is past any row's limit), row sums rescaled by alpha plus the
-// rounded p. Rows of s and p are kStepKeys apart.
+// max) as P V takes it (store_probabilities; 0 past the row's causal limit
+// unless WHOLE: no key of the step is past any row's limit), row sums rescaled
+// by alpha plus the stored p. Rows of s and p are kStepKeys apart.
 //   first_limit: the last key row 0 may see (prefix + its index in the chunk)
-template <bool WHOLE>
-void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, float* row_sum,
+template <bool WHOLE, typename Word>
+void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float* row_sum,
                   float* alpha, int64_t key0, int64_t first_limit, int64_t context_len,
                   float scale) {
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -191,7 +248,7 @@ void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, fl
   alignas(64) float old_max[kTileRows], step_sum[kTileRows];
   for (int64_t r = 0; r < kTileRows; ++r) {
     const float* s_row = s + r * kStepKeys;
-    uint16_t* p_row = p + r * kStepKeys;
+    Word* p_row = p + r * kStepKeys;
     const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
     auto keep = [&](int64_t k) -> __mmask16 {
       if constexpr (WHOLE) return 0xFFFF;
@@ -212,10 +269,8 @@ void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, fl
     for (int64_t k = 0; k < width; k += kKeyTile) {
       __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_load_ps(s_row + k), scale_v, max_v));
       if constexpr (!WHOLE) e = _mm512_maskz_mov_ps(keep(k), e);
-      // Sum what P V will multiply: the bfloat16-rounded probabilities.
-      const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
-      sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e_bf16));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + k), (__m256i)e_bf16);
+      // Sum what P V will multiply: the stored (for bfloat16, rounded) probabilities.
+      sum = _mm512_add_ps(sum, store_probabilities(p_row + k, e));
     }
     step_sum[r] = _mm512_reduce_add_ps(sum);
   }
@@ -235,6 +290,9 @@ void softmax_step(const float* s, uint16_t* p, int64_t width, float* row_max, fl
 //   Scope: what a thread holds while it runs items (AMX: the tile config).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct AmxProducts {
+  using Word = uint16_t;
+  static constexpr auto pack = pack_block_bf16;
+
   static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
     const int64_t dim_chunks = head_dim / kDimChunk;
     zero_accumulators();
@@ -282,14 +340,16 @@ struct AmxProducts {
     ~Scope() { _tile_release(); }
   };
 };
-using Products = AmxProducts;
-#else
+using Bf16Products = AmxProducts;
+#elif defined(__AVX512BF16__)
 // vdpbf16ps: lane n += a[2n] * b[2n] + a[2n + 1] * b[2n + 1] in float32. A
 // packed tile row is one register of 16 lanes of pairs (K^T: 16 keys' dims
 // 2r, 2r + 1; V: 16 dims of keys 2r, 2r + 1), so each query (or P) row's
 // pair, broadcast to all lanes, multiplies it: 4 rows x 4 tile columns of
 // accumulators per pass, 16 of the 32 registers.
 struct VectorProducts {
+  using Word = uint16_t;
+  static constexpr auto pack = pack_block_bf16;
   static constexpr int64_t kRows = 4;
 
   static __m512bh pair_of(const uint16_t* words) {
@@ -367,18 +427,85 @@ struct VectorProducts {
 
   struct Scope {};
 };
-using Products = VectorProducts;
+using Bf16Products = VectorProducts;
 #endif
 
+// float32: a query (or P) row's value broadcast against 16 keys' (or dims')
+// values, 4 rows x 4 register columns of accumulators per pass.
+struct Float32Products {
+  using Word = float;
+  static constexpr auto pack = pack_block_f32;
+  static constexpr int64_t kRows = 4;
+
+  static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim) {
+    constexpr int64_t kTiles = kKeyBlock / kKeyTile;
+    for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
+      __m512 acc[kRows][kTiles];
+      for (auto& row : acc) {
+        for (auto& a : row) a = _mm512_setzero_ps();
+      }
+      for (int64_t d = 0; d < head_dim; ++d) {
+        __m512 k[kTiles];
+        for (int64_t t = 0; t < kTiles; ++t) k[t] = _mm512_loadu_ps(kt + (t * head_dim + d) * kKeyTile);
+        for (int64_t i = 0; i < kRows; ++i) {
+          const __m512 q = _mm512_set1_ps(q_tile[(r0 + i) * head_dim + d]);
+          for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_fmadd_ps(q, k[t], acc[i][t]);
+        }
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        for (int64_t t = 0; t < kTiles; ++t) {
+          _mm512_store_ps(s + (r0 + i) * kStepKeys + t * kKeyTile, acc[i][t]);
+        }
+      }
+    }
+  }
+
+  template <int64_t kTiles>
+  static void values_tiles(float* pv, const float* p, const float* v, int64_t width,
+                           int64_t head_dim, int64_t dt0) {
+    for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
+      __m512 acc[kRows][kTiles];
+      for (auto& row : acc) {
+        for (auto& a : row) a = _mm512_setzero_ps();
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        __m512 vr[kTiles];
+        for (int64_t t = 0; t < kTiles; ++t) {
+          vr[t] = _mm512_loadu_ps(v + j * head_dim + (dt0 + t) * kDimTile);
+        }
+        for (int64_t i = 0; i < kRows; ++i) {
+          const __m512 pj = _mm512_set1_ps(p[(r0 + i) * kStepKeys + j]);
+          for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_fmadd_ps(pj, vr[t], acc[i][t]);
+        }
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        for (int64_t t = 0; t < kTiles; ++t) {
+          _mm512_store_ps(pv + (r0 + i) * head_dim + (dt0 + t) * kDimTile, acc[i][t]);
+        }
+      }
+    }
+  }
+
+  static void values(float* pv, const float* p, const float* v, int64_t width, int64_t head_dim) {
+    const int64_t dim_tiles = head_dim / kDimTile;
+    int64_t dt0 = 0;
+    for (; dt0 + 4 <= dim_tiles; dt0 += 4) values_tiles<4>(pv, p, v, width, head_dim, dt0);
+    if (dt0 < dim_tiles) values_tiles<2>(pv, p, v, width, head_dim, dt0);
+  }
+
+  struct Scope {};
+};
+
 // Pass 2 for one query head and up to 16 query rows of one chunk.
-//   q: the rows' query vectors (bfloat16 words), `q_stride` words apart
+//   q: the rows' query vectors, `q_stride` words apart
 //   first_limit: the last key query row 0 may see (prefix + its chunk index)
-void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
-                 int64_t rows, const PackedKv& kv, int64_t head_dim, int64_t first_limit,
+template <class Products, typename Word = typename Products::Word>
+void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride, int64_t rows,
+                 const PackedKv<Word>& kv, int64_t head_dim, int64_t first_limit,
                  int64_t context_len, float scale) {
-  alignas(64) uint16_t q_tile[kTileRows * kMaxHeadDim];
+  alignas(64) Word q_tile[kTileRows * kMaxHeadDim];
   alignas(64) float s[kTileRows * kStepKeys];
-  alignas(64) uint16_t p[kTileRows * kStepKeys];
+  alignas(64) Word p[kTileRows * kStepKeys];
   alignas(64) float pv[kTileRows * kMaxHeadDim];
   alignas(64) float o[kTileRows * kMaxHeadDim];
   float row_max[kTileRows], row_sum[kTileRows], alpha[kTileRows];
@@ -386,22 +513,21 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   // Padding rows are zeros: their scores are 0, their outputs discarded.
   for (int64_t r = 0; r < kTileRows; ++r) {
     if (r < rows) {
-      std::memcpy(q_tile + r * head_dim, q + r * q_stride, head_dim * sizeof(uint16_t));
+      std::memcpy(q_tile + r * head_dim, q + r * q_stride, head_dim * sizeof(Word));
     } else {
-      std::memset(q_tile + r * head_dim, 0, head_dim * sizeof(uint16_t));
+      std::memset(q_tile + r * head_dim, 0, head_dim * sizeof(Word));
     }
     row_max[r] = kNoScore;
     row_sum[r] = 0.f;
   }
   std::fill(o, o + kTileRows * head_dim, 0.f);
-  const int64_t dim_chunks = head_dim / kDimChunk, dim_tiles = head_dim / kDimTile;
   const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
 
   for (int64_t key0 = 0; key0 <= last_key; key0 += kStepKeys) {
     // Q K^T passes of 64 keys, none wholly past the last key.
     const int64_t width = std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
     for (int64_t k = 0; k < width; k += kKeyBlock) {
-      Products::scores(s + k, q_tile, kv.kt + ((key0 + k) / kKeyTile) * dim_chunks * 512, head_dim);
+      Products::scores(s + k, q_tile, kv.kt + (key0 + k) * head_dim, head_dim);
     }
     if (key0 + width - 1 <= first_limit) {  // no key past any row's limit
       softmax_step<true>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
@@ -410,7 +536,7 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       softmax_step<false>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
                           scale);
     }
-    Products::values(pv, p, kv.v + (key0 / kPairKeys) * dim_tiles * 512, width, head_dim);
+    Products::values(pv, p, kv.v + key0 * head_dim, width, head_dim);
     for (int64_t r = 0; r < kTileRows; ++r) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
       for (int64_t d = 0; d < head_dim; d += 16) {
@@ -423,17 +549,94 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
     for (int64_t d = 0; d < head_dim; d += 16) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + d), (__m256i)y);
+      store_output(out + r * out_stride + d, _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), inv));
     }
   }
 }
 
+// What paged_prefill_attention validated and laid out, for the passes.
+struct ChunkPlan {
+  const int64_t* tables;
+  const int64_t* starts;
+  const int64_t* lens;
+  const int64_t* contexts;
+  int64_t max_blocks, block_size, num_kv_heads, head_dim, group;
+  // Words per KV head before each chunk's packed K (prefix sums), and the
+  // first pack and attend item of each chunk.
+  const std::vector<int64_t>& packed_offset;
+  const std::vector<int64_t>& pack_items;
+  const std::vector<int64_t>& attend_items;
+  float scale;
+};
+
+// Pass 1 then pass 2 over torch's threads, in the Products' word type.
+template <class Products>
+void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  using Word = typename Products::Word;
+  const auto& [tables, starts, lens, contexts, max_blocks, block_size, num_kv_heads, head_dim,
+               group, packed_offset, pack_items, attend_items, scale] = plan;
+  const int64_t num_chunks = static_cast<int64_t>(packed_offset.size()) - 1;
+
+  // K^T then V of every (chunk, KV head); reused across calls of this thread
+  // (every layer of a step needs the same size) instead of a fresh mmap each.
+  thread_local std::vector<Word> packed;
+  const int64_t head_words = packed_offset[num_chunks];  // per KV head, K or V
+  packed.resize(static_cast<size_t>(2 * num_kv_heads * head_words));
+  Word* packed_base = packed.data();
+  auto packed_kv = [&](int64_t c, int64_t h) -> std::pair<Word*, Word*> {
+    const int64_t words = packed_offset[c + 1] - packed_offset[c];
+    Word* kt = packed_base + 2 * num_kv_heads * packed_offset[c] + 2 * h * words;
+    return {kt, kt + words};
+  };
+  const auto* k_cache = static_cast<const Word*>(key_cache.data_ptr());
+  const auto* v_cache = static_cast<const Word*>(value_cache.data_ptr());
+  const int64_t row_stride = num_kv_heads * head_dim;
+  auto chunk_of = [&](const std::vector<int64_t>& firsts, int64_t item) {
+    return static_cast<int64_t>(std::upper_bound(firsts.begin(), firsts.end(), item) -
+                                firsts.begin()) -
+           1;
+  };
+
+  kvmesh::parallel_items(pack_items[num_chunks], [&](int64_t item, bool) {
+    const int64_t c = chunk_of(pack_items, item);
+    const int64_t local = item - pack_items[c];
+    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
+    const int64_t h = local / key_blocks, kb = local % key_blocks;
+    auto [kt, v] = packed_kv(c, h);
+    Products::pack(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
+               k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
+               block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
+  });
+
+  auto* out_base = static_cast<Word*>(out.data_ptr());
+  const auto* q_base = static_cast<const Word*>(query.data_ptr());
+  kvmesh::parallel_items(attend_items[num_chunks], [&](int64_t item, bool) {
+    const int64_t c = chunk_of(attend_items, item);
+    const int64_t local = item - attend_items[c];
+    const int64_t row_tiles = (lens[c] + kTileRows - 1) / kTileRows;
+    const int64_t h = local / row_tiles, row0 = (local % row_tiles) * kTileRows;
+    const int64_t rows = std::min(kTileRows, lens[c] - row0);
+    auto [kt, v] = packed_kv(c, h);
+    const PackedKv<Word> kv{kt, v};
+    const typename Products::Scope scope;
+    const int64_t prefix = contexts[c] - lens[c];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
+                  out.stride(0), q_base + (starts[c] + row0) * query.stride(0) + head * query.stride(1),
+                  query.stride(0), rows, kv, head_dim, prefix + row0, contexts[c], plan.scale);
+    }
+  });
+}
+
+
 // out[query_starts[c] + i] = causal attention of chunk c's query row i over its
 // context, for every chunk c.
-//   out, query:   [num_tokens, num_heads, head_dim] bfloat16, head_dim contiguous
+//   out, query:   [num_tokens, num_heads, head_dim] bfloat16 or float32 (all
+//                 four tensors alike), head_dim contiguous
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-//                 bfloat16, contiguous
+//                 contiguous
 //   block_tables: [num_chunks, max_blocks_per_seq] int64
 //   query_starts, query_lens, context_lens: [num_chunks] int64
 //                 (context = cached prefix + chunk, so context_len >= query_len)
@@ -443,10 +646,16 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& context_lens, double scale) {
   const char* op = "paged_prefill_attention";
-  for (const at::Tensor* t : {&std::as_const(out), &query, &key_cache, &value_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16, op, ": tensors must be bfloat16, not ",
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
+              ": tensors must be bfloat16 or float32, not ", dtype);
+  for (const at::Tensor* t : {&std::as_const(out), &key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == dtype, op, ": tensors must all be ", dtype, ", not ",
                 t->scalar_type());
   }
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(dtype == at::kFloat, op, ": bfloat16 needs the avx512_bf16 or amx level");
+#endif
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, op, ": bad ranks");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
               ": caches must be contiguous");
@@ -497,61 +706,19 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
     attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);
   }
   if (num_chunks == 0) return;
+  const ChunkPlan plan{tables,       starts,       lens,       contexts,     max_blocks,
+                       block_size,   num_kv_heads, head_dim,   group,        packed_offset,
+                       pack_items,   attend_items, static_cast<float>(scale)};
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  kvmesh::require_amx_permission(op);
+    kvmesh::require_amx_permission(op);
 #endif
-
-  // K^T then V of every (chunk, KV head); reused across calls of this thread
-  // (every layer of a step needs the same size) instead of a fresh mmap each.
-  thread_local std::vector<uint16_t> packed;
-  const int64_t head_words = packed_offset[num_chunks];  // per KV head, K or V
-  packed.resize(static_cast<size_t>(2 * num_kv_heads * head_words));
-  uint16_t* packed_base = packed.data();
-  auto packed_kv = [&](int64_t c, int64_t h) -> std::pair<uint16_t*, uint16_t*> {
-    const int64_t words = packed_offset[c + 1] - packed_offset[c];
-    uint16_t* kt = packed_base + 2 * num_kv_heads * packed_offset[c] + 2 * h * words;
-    return {kt, kt + words};
-  };
-  const auto* k_cache = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
-  const auto* v_cache = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
-  const int64_t row_stride = num_kv_heads * head_dim;
-  auto chunk_of = [&](const std::vector<int64_t>& firsts, int64_t item) {
-    return static_cast<int64_t>(std::upper_bound(firsts.begin(), firsts.end(), item) -
-                                firsts.begin()) -
-           1;
-  };
-
-  kvmesh::parallel_items(pack_items[num_chunks], [&](int64_t item, bool) {
-    const int64_t c = chunk_of(pack_items, item);
-    const int64_t local = item - pack_items[c];
-    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
-    const int64_t h = local / key_blocks, kb = local % key_blocks;
-    auto [kt, v] = packed_kv(c, h);
-    pack_block(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
-               k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
-               block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
-  });
-
-  auto* out_base = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* q_base = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  const float scale_f = static_cast<float>(scale);
-  kvmesh::parallel_items(attend_items[num_chunks], [&](int64_t item, bool) {
-    const int64_t c = chunk_of(attend_items, item);
-    const int64_t local = item - attend_items[c];
-    const int64_t row_tiles = (lens[c] + kTileRows - 1) / kTileRows;
-    const int64_t h = local / row_tiles, row0 = (local % row_tiles) * kTileRows;
-    const int64_t rows = std::min(kTileRows, lens[c] - row0);
-    auto [kt, v] = packed_kv(c, h);
-    const PackedKv kv{kt, v};
-    const Products::Scope scope;
-    const int64_t prefix = contexts[c] - lens[c];
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t head = h * group + g;
-      attend_rows(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
-                  out.stride(0), q_base + (starts[c] + row0) * query.stride(0) + head * query.stride(1),
-                  query.stride(0), rows, kv, head_dim, prefix + row0, contexts[c], scale_f);
-    }
-  });
+    attend_chunks<Bf16Products>(plan, out, query, key_cache, value_cache);
+    return;
+  }
+#endif
+  attend_chunks<Float32Products>(plan, out, query, key_cache, value_cache);
 }
 
 }  // namespace
@@ -565,4 +732,4 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__

@@ -1,11 +1,12 @@
-"""bfloat16 prefill chunks in C++ (kernels/csrc/prefill_attention_cpu.cpp).
+"""Prefill chunks in C++ (kernels/csrc/prefill_attention_cpu.cpp), bfloat16 and float32.
 
 The ``cpu_native`` backend's prefill chunks against the float32 reference
-(kernels/reference.py) over the same bfloat16 values, and against torch's own
-bfloat16 SDPA path (``cpu``). The loaded level decides which products run:
-AMX tiles at ``amx``, vdpbf16ps at ``avx512_bf16`` (``KVMESH_CPU_ISA=avx512_bf16``
-runs the latter on an AMX machine). Skipped, with the reason, where the loaded
-ops have no bfloat16 dot products (a CPU without AVX512-BF16, or a lower level).
+(kernels/reference.py) over the same values, and against torch's own SDPA path
+(``cpu``). The loaded level decides which products run: bfloat16 on AMX tiles
+at ``amx``, on vdpbf16ps at ``avx512_bf16`` (``KVMESH_CPU_ISA=avx512_bf16`` runs
+the latter on an AMX machine); float32 on AVX-512 FMAs from ``avx512`` up. Each
+dtype's tests are skipped, with the reason, where the loaded ops do not take it
+(bfloat16 without AVX512-BF16; both below avx512).
 """
 
 from __future__ import annotations
@@ -21,25 +22,36 @@ from services.cpu_features import CpuFeatures
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 
-def _skip_reason() -> str | None:
+def _skip_reason(dtype: torch.dtype) -> str | None:
     if (reason := native.unavailable_reason()) is not None:
         return f"native kernels unavailable: {reason}"
-    if not native.bf16_dot_products_loaded():
+    if dtype not in native.prefill_attention_dtypes():
         return (
-            f"loaded level is {native.loaded_level().name}, without bfloat16 dot products "
+            f"loaded level {native.loaded_level().name} has no {dtype} prefill attention "
             f"({CpuFeatures.detect().model_name})"
         )
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+def _dtype_param(dtype: torch.dtype) -> object:
+    reason = _skip_reason(dtype)
+    return pytest.param(
+        dtype,
+        id=str(dtype).removeprefix("torch."),
+        marks=pytest.mark.skipif(reason is not None, reason=str(reason)),
+    )
 
-# The kernel rounds the probabilities to bfloat16 before P V (as torch's
-# bfloat16 SDPA does) and the output once: errors of a few bfloat16 ulps of
-# the O(1) outputs. Measured on these batches: max |error| ~0.008, the same
-# as torch's bfloat16 SDPA path on them.
-ATOL = 2**-6
-RTOL = 2**-6
+
+DTYPES = [_dtype_param(torch.bfloat16), _dtype_param(torch.float32)]
+BF16 = [_dtype_param(torch.bfloat16)]
+
+# bfloat16: the kernel rounds the probabilities to bfloat16 before P V (as
+# torch's bfloat16 SDPA does) and the output once: errors of a few bfloat16
+# ulps of the O(1) outputs (measured on these batches: max |error| ~0.008, the
+# same as torch's bfloat16 SDPA path on them). float32: only the order of the
+# sums and the exp polynomial differ (measured: max |error| ~7e-7, as torch's
+# float32 SDPA path).
+TOLERANCE = {torch.bfloat16: 2**-6, torch.float32: 1e-5}
 
 GQA_SHAPES = [(9, 3), (4, 4), (8, 1), (12, 3)]  # (num_heads, num_kv_heads)
 # (num_cached_tokens, num_new_tokens) per sequence.
@@ -65,9 +77,10 @@ def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
 def assert_matches_reference(batch: PagedBatch) -> torch.Tensor:
     expected = run_backend(TorchReferenceBackend(), batch.to_float32())
     actual = run_backend(NativeCpuAttentionBackend(), batch)
-    assert actual.dtype == torch.bfloat16
+    assert actual.dtype == batch.query.dtype
     assert not torch.isnan(actual).any(), "read a never-written (NaN) cache slot"
-    torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+    tolerance = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
     return actual
 
 
@@ -76,11 +89,12 @@ def no_torch_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if any prefill chunk takes the torch SDPA path."""
 
     def torch_prefill(*args: object) -> None:
-        raise AssertionError("a bfloat16 prefill chunk fell back to torch SDPA")
+        raise AssertionError("a prefill chunk fell back to torch SDPA")
 
     monkeypatch.setattr(CpuAttentionBackend, "_prefill_chunk", staticmethod(torch_prefill))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -91,6 +105,7 @@ def test_prefill_matches_reference(
     num_heads: int,
     num_kv_heads: int,
     block_size: int,
+    dtype: torch.dtype,
     no_torch_prefill: None,
 ) -> None:
     batch = make_paged_batch(
@@ -99,13 +114,16 @@ def test_prefill_matches_reference(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
-def test_head_sizes_off_the_64_grid(head_dim: int, no_torch_prefill: None) -> None:
+def test_head_sizes_off_the_64_grid(
+    head_dim: int, dtype: torch.dtype, no_torch_prefill: None
+) -> None:
     """Head sizes whose output is not whole groups of 64 dims (the vector path's
     2-tile tail) and the largest one, past one 256-key softmax step."""
     batch = make_paged_batch(
@@ -114,13 +132,14 @@ def test_head_sizes_off_the_64_grid(head_dim: int, no_torch_prefill: None) -> No
         num_kv_heads=2,
         head_dim=head_dim,
         block_size=16,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("dtype", BF16)
 @pytest.mark.parametrize("seed", range(3))
-def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
+def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int, dtype: torch.dtype) -> None:
     """Several chunks of hundreds of tokens, on prefixes or not: the mean error
     against float32 is no larger than that of torch's bfloat16 SDPA path."""
     generator = torch.Generator().manual_seed(seed)
@@ -134,7 +153,7 @@ def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
         num_kv_heads=3,
         head_dim=64,
         block_size=16,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         seed=seed + int(torch.randint(0, 1000, (), generator=generator).item()),
     )
     expected = run_backend(TorchReferenceBackend(), batch.to_float32())
@@ -145,7 +164,8 @@ def test_long_ragged_chunks_no_less_accurate_than_torch_sdpa(seed: int) -> None:
     assert native_error <= 1.1 * sdpa_error, (native_error, sdpa_error)
 
 
-def test_large_scores_do_not_overflow(no_torch_prefill: None) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_scores_do_not_overflow(dtype: torch.dtype, no_torch_prefill: None) -> None:
     """The running max is subtracted before exp: scores of ~1e4 stay finite."""
     batch = make_paged_batch(
         [(40, 30), (0, 20)],
@@ -153,16 +173,19 @@ def test_large_scores_do_not_overflow(no_torch_prefill: None) -> None:
         num_kv_heads=2,
         head_dim=64,
         block_size=16,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     big = PagedBatch(**{**batch.__dict__, "query": batch.query * 1000.0})
     actual = run_backend(NativeCpuAttentionBackend(), big)
     expected = run_backend(TorchReferenceBackend(), big.to_float32())
     assert torch.isfinite(actual).all()
-    torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+    # Scores of ~1e4 leave ~1e-3 of relative error in float32 scores.
+    tolerance = max(TOLERANCE[dtype], 1e-3)
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_results_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     """Each 16-row item is computed the same way whichever thread takes it."""
     batch = make_paged_batch(
         [(0, 200), (50, 90)],
@@ -170,7 +193,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         num_kv_heads=3,
         head_dim=64,
         block_size=16,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     threads = torch.get_num_threads()
     try:
@@ -181,9 +204,10 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     assert torch.equal(single, run_backend(NativeCpuAttentionBackend(), batch))
 
 
-def test_other_dtypes_and_head_sizes_take_the_torch_path() -> None:
-    """float32, and head sizes that are not whole 32-dim operand rows, still give the reference."""
-    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 80)):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_other_head_sizes_take_the_torch_path(dtype: torch.dtype) -> None:
+    """Head sizes that are not whole 32-dim operand rows still give the reference."""
+    for head_dim in (80, 16):
         batch = make_paged_batch(
             [(19, 13), (0, 21)],
             num_heads=4,
@@ -194,10 +218,12 @@ def test_other_dtypes_and_head_sizes_take_the_torch_path() -> None:
         )
         expected = run_backend(TorchReferenceBackend(), batch.to_float32())
         actual = run_backend(NativeCpuAttentionBackend(), batch)
-        torch.testing.assert_close(actual.float(), expected, atol=ATOL, rtol=RTOL)
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_only_the_chunks_rows_are_written() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_only_the_chunks_rows_are_written(dtype: torch.dtype) -> None:
     """Rows outside every chunk (here: between two chunks) keep what ``out`` held."""
     batch = make_paged_batch(
         [(0, 20), (5, 1), (3, 30)],
@@ -205,7 +231,7 @@ def test_only_the_chunks_rows_are_written() -> None:
         num_kv_heads=2,
         head_dim=64,
         block_size=16,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     k_cache, v_cache = batch.fresh_caches()
     backend = NativeCpuAttentionBackend()
@@ -249,7 +275,8 @@ def _prefill_args() -> dict[str, torch.Tensor]:
         ({"context_lens": torch.tensor([33, 8])}, "context length 33"),
         ({"query_starts": torch.tensor([0, 13])}, "chunk rows out of range"),
         ({"query_lens": torch.tensor([12, 8], dtype=torch.int32)}, "int64"),
-        ({"query": torch.randn(20, 4, 64)}, "bfloat16"),
+        ({"query": torch.randn(20, 4, 64)}, "must all be Float, not BFloat16"),
+        ({"query": torch.randn(20, 4, 64, dtype=torch.float16)}, "bfloat16 or float32"),
         ({"key_cache": torch.randn(4, 16, 3, 64, dtype=torch.bfloat16)}, "differ in shape"),
         (
             {
@@ -265,6 +292,7 @@ def _prefill_args() -> dict[str, torch.Tensor]:
         ),
     ],
 )
+@pytest.mark.skipif(_skip_reason(torch.bfloat16) is not None, reason="bfloat16 op absent")
 def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message: str) -> None:
     args = {**_prefill_args(), **change}
     with pytest.raises(RuntimeError, match=message):
