@@ -112,20 +112,25 @@ inline void zero_accumulators() {
 #endif
 
 // exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
-// < 2e-7, about a float32 ulp: the float32 path's probabilities are not
-// rounded further), times 2^n by vscalefps (which underflows to 0 for very
-// negative n instead of wrapping). The clamp keeps r exact for the -1e30 "no
-// score yet".
+// |r| <= ln2 / 2, exp(r) by its Taylor polynomial, times 2^n by vscalefps
+// (which underflows to 0 for very negative n instead of wrapping). The clamp
+// keeps r exact for the -1e30 "no score yet". PRECISE: degree 6 (relative
+// error < 2e-7, about a float32 ulp: float32 probabilities are not rounded
+// further); else degree 4 (< 5e-5, far below the 2^-9 of the bfloat16
+// rounding every bfloat16 probability gets next).
+template <bool PRECISE>
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  __m512 p = _mm512_set1_ps(1.f / 24);
+  if constexpr (PRECISE) {
+    p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  }
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
@@ -243,6 +248,7 @@ template <bool WHOLE, typename Word>
 void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float* row_sum,
                   float* alpha, int64_t key0, int64_t first_limit, int64_t context_len,
                   float scale) {
+  constexpr bool kPrecise = std::is_same_v<Word, float>;
   const __m512 scale_v = _mm512_set1_ps(scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float old_max[kTileRows], step_sum[kTileRows];
@@ -267,7 +273,7 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
     const __m512 max_v = _mm512_set1_ps(new_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < width; k += kKeyTile) {
-      __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_load_ps(s_row + k), scale_v, max_v));
+      __m512 e = exp_ps<kPrecise>(_mm512_fmsub_ps(_mm512_load_ps(s_row + k), scale_v, max_v));
       if constexpr (!WHOLE) e = _mm512_maskz_mov_ps(keep(k), e);
       // Sum what P V will multiply: the stored (for bfloat16, rounded) probabilities.
       sum = _mm512_add_ps(sum, store_probabilities(p_row + k, e));
@@ -276,7 +282,7 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
   }
   // All 16 rows' alpha in one register (one exp_ps instead of 16 calls).
   static_assert(kTileRows == 16, "one register per 16 rows");
-  const __m512 a = exp_ps(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_loadu_ps(row_max)));
+  const __m512 a = exp_ps<kPrecise>(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_loadu_ps(row_max)));
   _mm512_storeu_ps(alpha, a);
   _mm512_storeu_ps(row_sum,
                    _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(step_sum)));
