@@ -9,11 +9,11 @@ head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
 
 ``--prefill N`` times prefill chunks of N tokens instead (``--prefix P``: on a
 cached prefix of P tokens; ``--chunks C`` per step): ``cpu`` runs one torch
-SDPA per chunk, ``cpu_native`` in bfloat16 all chunks in one C++ call
-(kernels/csrc/prefill_attention_cpu.cpp: AMX tiles at the amx level, vdpbf16ps
-at avx512_bf16). Prints ms per layer call and GFLOP/s counting the causal FLOPs
-(4 x heads x head_dim per visible query-key pair), the two paths interleaved
-``--rounds`` times.
+SDPA per chunk, ``cpu_native`` all chunks in one C++ call
+(kernels/csrc/prefill_attention_cpu.cpp; bfloat16: AMX tiles at the amx level,
+vdpbf16ps at avx512_bf16; float32: AVX-512 FMAs from avx512 up). Prints ms per
+layer call and GFLOP/s counting the causal FLOPs (4 x heads x head_dim per
+visible query-key pair), the two paths interleaved ``--rounds`` times.
 """
 
 from __future__ import annotations
