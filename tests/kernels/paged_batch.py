@@ -54,6 +54,14 @@ class PagedBatch:
         )
 
 
+def run_backend(backend: AttentionBackend, batch: PagedBatch) -> torch.Tensor:
+    """Writes the batch's new K/V into fresh caches with ``backend``, then runs its forward."""
+    k_cache, v_cache = batch.fresh_caches()
+    metadata = batch.metadata(backend)
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
+
+
 def make_paged_batch(
     seqs: list[tuple[int, int]],
     *,

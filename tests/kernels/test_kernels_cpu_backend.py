@@ -10,7 +10,7 @@ import torch
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
-from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
+from tests.kernels.paged_batch import SCENARIOS, make_paged_batch, run_backend
 
 # float32 with a different summation order than the reference (fused SDPA vs
 # einsum + softmax): differences are a few ulps of O(1) outputs.
@@ -19,13 +19,6 @@ RTOL = 1e-5
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 GQA_SHAPES = [(9, 3), (4, 4), (8, 1)]  # (num_heads, num_kv_heads)
-
-
-def run_backend(backend: AttentionBackend, batch: PagedBatch) -> torch.Tensor:
-    k_cache, v_cache = batch.fresh_caches()
-    metadata = batch.metadata(backend)
-    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
-    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,7 @@ from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_isa import all_levels
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
-from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
+from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch, run_backend
 
 # float32; the kernel sums in another order than the reference and uses a
 # vectorized exp (glibc libmvec, within 4 ulp): differences are a few ulps of
@@ -35,13 +35,6 @@ HEAD_DIMS = [64, 128, 32, 80]
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
     native.ensure_loaded()
-
-
-def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
-    k_cache, v_cache = batch.fresh_caches()
-    metadata = batch.metadata(backend)
-    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
-    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
 
 
 def assert_matches_reference(batch: PagedBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from services.cpu_features import CpuFeatures
-from tests.kernels.paged_batch import PagedBatch, make_paged_batch
+from tests.kernels.paged_batch import PagedBatch, make_paged_batch, run_backend
 
 
 def _skip_reason(dtype: torch.dtype) -> str | None:
@@ -65,13 +65,6 @@ PREFILL_BATCHES = {
     # Prefill chunks among decodes, in any order.
     "mixed_with_decodes": [(9, 1), (0, 33), (40, 1), (12, 17), (1, 1), (0, 2), (130, 66)],
 }
-
-
-def run_backend(backend: object, batch: PagedBatch) -> torch.Tensor:
-    k_cache, v_cache = batch.fresh_caches()
-    metadata = batch.metadata(backend)
-    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
-    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
 
 
 def assert_matches_reference(batch: PagedBatch) -> torch.Tensor:

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels.backend import AttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
 from kernels.triton_backend import TritonAttentionBackend
-from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch
+from tests.kernels.paged_batch import SCENARIOS, make_paged_batch, run_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 throughout (ieee dot products, float32 online softmax); the online
@@ -31,13 +30,6 @@ RTOL = 2e-5
 
 if DEVICE == "cpu" and not TritonAttentionBackend.supports_device(torch.device("cpu")):
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 at import", allow_module_level=True)
-
-
-def run_backend(backend: AttentionBackend, batch: PagedBatch) -> torch.Tensor:
-    k_cache, v_cache = batch.fresh_caches()
-    metadata = batch.metadata(backend)
-    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
-    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
