@@ -11,7 +11,7 @@ head_dim 64). Usage: ``python benchmarks/attention_bench.py [--context 256]``.
 cached prefix of P tokens; ``--chunks C`` per step): ``cpu`` runs one torch
 SDPA per chunk, ``cpu_native`` all chunks in one C++ call
 (kernels/csrc/prefill_attention_cpu.cpp; bfloat16: AMX tiles at the amx level,
-vdpbf16ps at avx512_bf16; float32: AVX-512 FMAs from avx512 up). Prints ms per
+vdpbf16ps at avx512_bf16; float32: FMAs on AVX-512 or AVX2 from avx2 up). Prints ms per
 layer call and GFLOP/s counting the causal FLOPs (4 x heads x head_dim per
 visible query-key pair), the two paths interleaved ``--rounds`` times.
 """

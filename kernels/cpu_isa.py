@@ -55,9 +55,9 @@ class IsaLevel:
     amx_tiles: bool = False
 
     @property
-    def avx512(self) -> bool:
-        """Whether the level's code may use AVX-512 (F/BW/CD/DQ/VL)."""
-        return "avx512f" in self.required_cpu_flags
+    def avx2(self) -> bool:
+        """Whether the level's code may use AVX2 and FMA."""
+        return {"avx2", "fma"} <= self.required_cpu_flags
 
     def missing(self, cpu: CpuFeatures) -> list[str]:
         """The flags this level needs that the CPU lacks (empty: it runs here)."""

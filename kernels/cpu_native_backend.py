@@ -1,7 +1,7 @@
 """The CPU path with decode attention in C++ (``kernels/csrc/paged_attention_cpu.cpp``).
 
 Same plan as ``cpu`` (kernels/cpu_attention.py); the batched decode differs,
-and from the avx512 level up so do prefill chunks (below). For decodes,
+and from the avx2 level up so do prefill chunks (below). For decodes,
 the torch path gathers every decode's context into a padded tensor (a copy
 of all K/V rows per layer) and runs a masked SDPA whose query length is the
 GQA group; this backend reads K/V in place through the block tables, skips
@@ -16,7 +16,7 @@ rounding of the output); other dtypes fall back to the torch decode path per
 call.
 
 Prefill chunks run ``paged_prefill_attention``
-(kernels/csrc/prefill_attention_cpu.cpp) in float32 from the avx512 level up
+(kernels/csrc/prefill_attention_cpu.cpp) in float32 from the avx2 level up
 and in bfloat16 where the level multiplies bfloat16 pairs in hardware
 (``avx512_bf16``: vdpbf16ps; ``amx``: AMX tiles): all chunks of the step in
 one call, K/V read through the block tables, Q K^T and P V with a float32

@@ -26,8 +26,8 @@ bfloat16 ops round); the block-code linear takes float32 activations, and
 bfloat16 ones at a level with AVX512-BF16 (``IsaLevel.bf16_dot_products``;
 on AMX tiles at ``amx``);
 batched LoRA (``add_lora``) takes either and accumulates in float32.
-Prefill attention (``paged_prefill_attention``) exists from the avx512 level
-up and takes float32 there, and bfloat16 too at levels with bfloat16 dot
+Prefill attention (``paged_prefill_attention``) exists from the avx2 level up
+and takes float32 there, and bfloat16 too at levels with bfloat16 dot
 products (``IsaLevel.bf16_dot_products``: vdpbf16ps, or AMX tiles at ``amx``).
 
 ``KVMESH_NATIVE_KERNELS=0`` turns the ops off (the attention registry then
@@ -81,11 +81,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "greedy_argmax_cpu.cpp": FAST_MATH,
     "kv_cache_write_cpu.cpp": (),
 }
-# Sources whose every line is under an AMX (or AVX-512) guard, empty at other
+# Sources whose every line is under an AMX (or AVX2) guard, empty at other
 # levels: those levels skip them instead of spending seconds per file
 # compiling nothing.
 AMX_ONLY_SOURCES = frozenset({"amx_linear.cpp"})
-AVX512_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
+AVX2_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
 # Compiled once per level and put in front of every source whose extra flags
 # are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
 # predefined macros (-ffast-math defines __FAST_MATH__), so those sources parse
@@ -187,7 +187,7 @@ def build(level: IsaLevel, force: bool = False) -> Path:
             for name, extra in SOURCES.items():
                 if name in AMX_ONLY_SOURCES and not level.amx_tiles:
                     continue
-                if name in AVX512_ONLY_SOURCES and not level.avx512:
+                if name in AVX2_ONLY_SOURCES and not level.avx2:
                     continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = ["-c", str(CSRC / name), "-o", str(obj)]
@@ -261,10 +261,10 @@ def loaded_level() -> IsaLevel | None:
 
 def prefill_attention_dtypes() -> frozenset[torch.dtype]:
     """The dtypes the loaded ops' ``paged_prefill_attention`` takes: float32 from
-    the avx512 level up, bfloat16 too where bfloat16 pairs multiply in hardware
-    (vdpbf16ps or AMX tiles); none below avx512 or without the ops."""
+    the avx2 level up, bfloat16 too where bfloat16 pairs multiply in hardware
+    (vdpbf16ps or AMX tiles); none at generic or without the ops."""
     level = loaded_level()
-    if level is None or not level.avx512:
+    if level is None or not level.avx2:
         return frozenset()
     if level.bf16_dot_products:
         return frozenset({torch.float32, torch.bfloat16})

@@ -1,8 +1,9 @@
 // Paged prefill (chunk) attention for bfloat16 and float32, as a torch custom
 // op. bfloat16: the matrix products on AMX tiles at the amx level, on
 // AVX512-BF16 dot products (vdpbf16ps) at the avx512_bf16 level, the same
-// packed operands for both. float32: AVX-512 fused multiply-adds, at every
-// level from avx512 up (K^T packed as 16 keys per register, V as its rows).
+// packed operands for both. float32: fused multiply-adds on 16-lane vectors
+// (vec16.h: one AVX-512 or two AVX2 registers), at every level from avx2 up
+// (K^T packed as 16 keys per vector, V as its rows).
 //
 // Every prefill chunk of a step in one call. A chunk's query rows attend to
 // its context (cached prefix + the chunk itself), causally: query row i of a
@@ -51,11 +52,13 @@
 #include "amx_tiles.h"
 #include "work_stealing.h"
 
-// Built at the avx512, avx512_bf16 and amx levels (kernels/native.py skips the
-// others); bfloat16 only where the level has AVX512-BF16.
-#if defined(__AVX512F__)
+// Built from the avx2 level up (kernels/native.py skips generic); bfloat16
+// only where the level has AVX512-BF16.
+#if defined(__AVX2__) && defined(__FMA__)
 
 #include <immintrin.h>
+
+#include "vec16.h"
 
 #include <type_traits>
 
@@ -111,32 +114,8 @@ inline void zero_accumulators() {
 }
 #endif
 
-// exp(x) for x <= 0 (scores minus their running max): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by its Taylor polynomial, times 2^n by vscalefps
-// (which underflows to 0 for very negative n instead of wrapping). The clamp
-// keeps r exact for the -1e30 "no score yet". PRECISE: degree 6 (relative
-// error < 2e-7, about a float32 ulp: float32 probabilities are not rounded
-// further); else degree 4 (< 5e-5, far below the 2^-9 of the bfloat16
-// rounding every bfloat16 probability gets next).
-template <bool PRECISE>
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 24);
-  if constexpr (PRECISE) {
-    p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  }
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using kvmesh::exp16;
+using kvmesh::Vec16;
 
 // The packed K^T and V of one (chunk, KV head): `padded_len` keys (a multiple
 // of kKeyBlock), each half padded_len * head_dim words (bfloat16 or float32),
@@ -217,23 +196,23 @@ void pack_block_f32(float* kt, float* v, const float* k_cache, const float* v_ca
 
 // A probability as P V will multiply it: bfloat16 P rounded (and its rounded
 // value returned, for the row sums), float32 P as it is.
-inline __m512 store_probabilities(float* p, __m512 e) {
-  _mm512_store_ps(p, e);
+inline Vec16 store_probabilities(float* p, Vec16 e) {
+  e.store(p);
   return e;
 }
 
 // One output row chunk of 16 dims, rounded to the output's type.
-inline void store_output(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+inline void store_output(float* out, Vec16 y) { y.store(out); }
 
 #if defined(__AVX512BF16__)
-inline __m512 store_probabilities(uint16_t* p, __m512 e) {
-  const __m256bh e_bf16 = _mm512_cvtneps_pbh(e);
+inline Vec16 store_probabilities(uint16_t* p, Vec16 e) {
+  const __m256bh e_bf16 = _mm512_cvtneps_pbh(e.v);
   _mm256_store_si256(reinterpret_cast<__m256i*>(p), (__m256i)e_bf16);
-  return _mm512_cvtpbh_ps(e_bf16);
+  return {_mm512_cvtpbh_ps(e_bf16)};
 }
 
-inline void store_output(uint16_t* out, __m512 y) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y));
+inline void store_output(uint16_t* out, Vec16 y) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y.v));
 }
 #endif
 
@@ -249,43 +228,37 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
                   float* alpha, int64_t key0, int64_t first_limit, int64_t context_len,
                   float scale) {
   constexpr bool kPrecise = std::is_same_v<Word, float>;
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec16 scale_v = Vec16::splat(scale), no_score = Vec16::splat(kNoScore);
   alignas(64) float old_max[kTileRows], step_sum[kTileRows];
   for (int64_t r = 0; r < kTileRows; ++r) {
     const float* s_row = s + r * kStepKeys;
     Word* p_row = p + r * kStepKeys;
     const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
-    auto keep = [&](int64_t k) -> __mmask16 {
-      if constexpr (WHOLE) return 0xFFFF;
-      return _mm512_cmplt_epi32_mask(
-          lane, _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(visible - k, 0, 16))));
-    };
-    __m512 step_max = _mm512_set1_ps(kNoScore);
+    Vec16 step_max = no_score;
     for (int64_t k = 0; k < width; k += kKeyTile) {
-      const __m512 x = _mm512_load_ps(s_row + k);
-      step_max = WHOLE ? _mm512_max_ps(step_max, x) : _mm512_mask_max_ps(step_max, keep(k), step_max, x);
+      Vec16 x = Vec16::load(s_row + k);
+      if constexpr (!WHOLE) x = Vec16::first_lanes(visible - k, x, no_score);
+      step_max = Vec16::max(step_max, x);
     }
     // scale > 0, so the max of the scaled scores is the scaled max.
-    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(step_max) * scale);
+    const float new_max = std::max(row_max[r], step_max.reduce_max() * scale);
     old_max[r] = row_max[r];
     row_max[r] = new_max;
-    const __m512 max_v = _mm512_set1_ps(new_max);
-    __m512 sum = _mm512_setzero_ps();
+    const Vec16 minus_max = Vec16::splat(-new_max);
+    Vec16 sum = Vec16::zero();
     for (int64_t k = 0; k < width; k += kKeyTile) {
-      __m512 e = exp_ps<kPrecise>(_mm512_fmsub_ps(_mm512_load_ps(s_row + k), scale_v, max_v));
-      if constexpr (!WHOLE) e = _mm512_maskz_mov_ps(keep(k), e);
+      Vec16 e = exp16<kPrecise>(Vec16::fma(Vec16::load(s_row + k), scale_v, minus_max));
+      if constexpr (!WHOLE) e = Vec16::first_lanes(visible - k, e, Vec16::zero());
       // Sum what P V will multiply: the stored (for bfloat16, rounded) probabilities.
-      sum = _mm512_add_ps(sum, store_probabilities(p_row + k, e));
+      sum = sum + store_probabilities(p_row + k, e);
     }
-    step_sum[r] = _mm512_reduce_add_ps(sum);
+    step_sum[r] = sum.reduce_add();
   }
-  // All 16 rows' alpha in one register (one exp_ps instead of 16 calls).
-  static_assert(kTileRows == 16, "one register per 16 rows");
-  const __m512 a = exp_ps<kPrecise>(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_loadu_ps(row_max)));
-  _mm512_storeu_ps(alpha, a);
-  _mm512_storeu_ps(row_sum,
-                   _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(step_sum)));
+  // All 16 rows' alpha in one vector (one exp16 instead of 16 calls).
+  static_assert(kTileRows == 16, "one vector per 16 rows");
+  const Vec16 a = exp16<kPrecise>(Vec16::load(old_max) - Vec16::load(row_max));
+  a.store(alpha);
+  Vec16::fma(Vec16::load(row_sum), a, Vec16::load(step_sum)).store(row_sum);
 }
 
 // The two matrix products of pass 2, one struct per instruction set:
@@ -379,7 +352,9 @@ struct VectorProducts {
       for (int64_t dc = 0; dc < dim_chunks; ++dc) {
         for (int64_t r = 0; r < 16; ++r) {
           __m512bh k[kTiles];
-          for (int64_t t = 0; t < kTiles; ++t) k[t] = row_of(kt + (t * dim_chunks + dc) * 512 + r * 32);
+          for (int64_t t = 0; t < kTiles; ++t) {
+            k[t] = row_of(kt + (t * dim_chunks + dc) * 512 + r * 32);
+          }
           for (int64_t i = 0; i < kRows; ++i) {
             const __m512bh q = pair_of(q_tile + (r0 + i) * head_dim + dc * kDimChunk + 2 * r);
             for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], q, k[t]);
@@ -437,65 +412,77 @@ using Bf16Products = VectorProducts;
 #endif
 
 // float32: a query (or P) row's value broadcast against 16 keys' (or dims')
-// values, 4 rows x 4 register columns of accumulators per pass.
+// values, kRows rows x kTiles vectors of accumulators per pass: 4 x 4 AVX-512
+// registers (16 of 32), or 4 x 1 pairs of AVX2 registers (8 of 16).
 struct Float32Products {
   using Word = float;
   static constexpr auto pack = pack_block_f32;
   static constexpr int64_t kRows = 4;
+#if defined(__AVX512F__)
+  static constexpr int64_t kTiles = 4;
+#else
+  static constexpr int64_t kTiles = 1;
+#endif
 
   static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim) {
-    constexpr int64_t kTiles = kKeyBlock / kKeyTile;
     for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
-      __m512 acc[kRows][kTiles];
-      for (auto& row : acc) {
-        for (auto& a : row) a = _mm512_setzero_ps();
-      }
-      for (int64_t d = 0; d < head_dim; ++d) {
-        __m512 k[kTiles];
-        for (int64_t t = 0; t < kTiles; ++t) k[t] = _mm512_loadu_ps(kt + (t * head_dim + d) * kKeyTile);
-        for (int64_t i = 0; i < kRows; ++i) {
-          const __m512 q = _mm512_set1_ps(q_tile[(r0 + i) * head_dim + d]);
-          for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_fmadd_ps(q, k[t], acc[i][t]);
+      for (int64_t t0 = 0; t0 < kKeyBlock / kKeyTile; t0 += kTiles) {
+        Vec16 acc[kRows][kTiles];
+        for (auto& row : acc) {
+          for (auto& a : row) a = Vec16::zero();
         }
-      }
-      for (int64_t i = 0; i < kRows; ++i) {
-        for (int64_t t = 0; t < kTiles; ++t) {
-          _mm512_store_ps(s + (r0 + i) * kStepKeys + t * kKeyTile, acc[i][t]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          Vec16 k[kTiles];
+          for (int64_t t = 0; t < kTiles; ++t) {
+            k[t] = Vec16::load(kt + ((t0 + t) * head_dim + d) * kKeyTile);
+          }
+          for (int64_t i = 0; i < kRows; ++i) {
+            const Vec16 q = Vec16::splat(q_tile[(r0 + i) * head_dim + d]);
+            for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = Vec16::fma(q, k[t], acc[i][t]);
+          }
+        }
+        for (int64_t i = 0; i < kRows; ++i) {
+          for (int64_t t = 0; t < kTiles; ++t) {
+            acc[i][t].store(s + (r0 + i) * kStepKeys + (t0 + t) * kKeyTile);
+          }
         }
       }
     }
   }
 
-  template <int64_t kTiles>
+  template <int64_t kGroup>
   static void values_tiles(float* pv, const float* p, const float* v, int64_t width,
                            int64_t head_dim, int64_t dt0) {
     for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
-      __m512 acc[kRows][kTiles];
+      Vec16 acc[kRows][kGroup];
       for (auto& row : acc) {
-        for (auto& a : row) a = _mm512_setzero_ps();
+        for (auto& a : row) a = Vec16::zero();
       }
       for (int64_t j = 0; j < width; ++j) {
-        __m512 vr[kTiles];
-        for (int64_t t = 0; t < kTiles; ++t) {
-          vr[t] = _mm512_loadu_ps(v + j * head_dim + (dt0 + t) * kDimTile);
+        Vec16 vr[kGroup];
+        for (int64_t t = 0; t < kGroup; ++t) {
+          vr[t] = Vec16::load(v + j * head_dim + (dt0 + t) * kDimTile);
         }
         for (int64_t i = 0; i < kRows; ++i) {
-          const __m512 pj = _mm512_set1_ps(p[(r0 + i) * kStepKeys + j]);
-          for (int64_t t = 0; t < kTiles; ++t) acc[i][t] = _mm512_fmadd_ps(pj, vr[t], acc[i][t]);
+          const Vec16 pj = Vec16::splat(p[(r0 + i) * kStepKeys + j]);
+          for (int64_t t = 0; t < kGroup; ++t) acc[i][t] = Vec16::fma(pj, vr[t], acc[i][t]);
         }
       }
       for (int64_t i = 0; i < kRows; ++i) {
-        for (int64_t t = 0; t < kTiles; ++t) {
-          _mm512_store_ps(pv + (r0 + i) * head_dim + (dt0 + t) * kDimTile, acc[i][t]);
+        for (int64_t t = 0; t < kGroup; ++t) {
+          acc[i][t].store(pv + (r0 + i) * head_dim + (dt0 + t) * kDimTile);
         }
       }
     }
   }
 
   static void values(float* pv, const float* p, const float* v, int64_t width, int64_t head_dim) {
+    // head_dim is a multiple of 32: whole groups of kTiles dim tiles, then maybe 2.
     const int64_t dim_tiles = head_dim / kDimTile;
     int64_t dt0 = 0;
-    for (; dt0 + 4 <= dim_tiles; dt0 += 4) values_tiles<4>(pv, p, v, width, head_dim, dt0);
+    for (; dt0 + kTiles <= dim_tiles; dt0 += kTiles) {
+      values_tiles<kTiles>(pv, p, v, width, head_dim, dt0);
+    }
     if (dt0 < dim_tiles) values_tiles<2>(pv, p, v, width, head_dim, dt0);
   }
 
@@ -531,7 +518,8 @@ void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride,
 
   for (int64_t key0 = 0; key0 <= last_key; key0 += kStepKeys) {
     // Q K^T passes of 64 keys, none wholly past the last key.
-    const int64_t width = std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
+    const int64_t width =
+        std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
     for (int64_t k = 0; k < width; k += kKeyBlock) {
       Products::scores(s + k, q_tile, kv.kt + (key0 + k) * head_dim, head_dim);
     }
@@ -544,18 +532,17 @@ void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride,
     }
     Products::values(pv, p, kv.v + key0 * head_dim, width, head_dim);
     for (int64_t r = 0; r < kTileRows; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
+      const Vec16 a = Vec16::splat(alpha[r]);
       for (int64_t d = 0; d < head_dim; d += 16) {
         float* od = o + r * head_dim + d;
-        _mm512_store_ps(od, _mm512_fmadd_ps(_mm512_load_ps(od), a,
-                                            _mm512_load_ps(pv + r * head_dim + d)));
+        Vec16::fma(Vec16::load(od), a, Vec16::load(pv + r * head_dim + d)).store(od);
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    const Vec16 inv = Vec16::splat(1.f / row_sum[r]);
     for (int64_t d = 0; d < head_dim; d += 16) {
-      store_output(out + r * out_stride + d, _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), inv));
+      store_output(out + r * out_stride + d, Vec16::load(o + r * head_dim + d) * inv);
     }
   }
 }
@@ -629,9 +616,10 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
     const int64_t prefix = contexts[c] - lens[c];
     for (int64_t g = 0; g < group; ++g) {
       const int64_t head = h * group + g;
+      const int64_t q_row = (starts[c] + row0) * query.stride(0) + head * query.stride(1);
       attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
-                  out.stride(0), q_base + (starts[c] + row0) * query.stride(0) + head * query.stride(1),
-                  query.stride(0), rows, kv, head_dim, prefix + row0, contexts[c], plan.scale);
+                            out.stride(0), q_base + q_row, query.stride(0), rows, kv, head_dim,
+                            prefix + row0, contexts[c], plan.scale);
     }
   });
 }
@@ -738,4 +726,4 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
 
-#endif  // __AVX512F__
+#endif  // __AVX2__ && __FMA__

@@ -4,9 +4,10 @@ The ``cpu_native`` backend's prefill chunks against the float32 reference
 (kernels/reference.py) over the same values, and against torch's own SDPA path
 (``cpu``). The loaded level decides which products run: bfloat16 on AMX tiles
 at ``amx``, on vdpbf16ps at ``avx512_bf16`` (``KVMESH_CPU_ISA=avx512_bf16`` runs
-the latter on an AMX machine); float32 on AVX-512 FMAs from ``avx512`` up. Each
-dtype's tests are skipped, with the reason, where the loaded ops do not take it
-(bfloat16 without AVX512-BF16; both below avx512).
+the latter on an AMX machine); float32 on FMAs over AVX-512 or AVX2 registers
+from ``avx2`` up (``KVMESH_CPU_ISA=avx2`` runs the AVX2 form). Each dtype's
+tests are skipped, with the reason, where the loaded ops do not take it
+(bfloat16 without AVX512-BF16; both at generic).
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+// Sixteen float32 lanes: one AVX-512 register, or two AVX2 registers.
+//
+// What the prefill attention kernel's float32 parts (online softmax, output
+// updates, the float32 products) need, written once for both instruction
+// sets: on AVX-512 every operation is the one instruction it names, so code
+// written against Vec16 compiles to what it would with __m512 directly.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace kvmesh {
+
+#if defined(__AVX512F__)
+struct Vec16 {
+  __m512 v;
+
+  static Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec16 zero() { return {_mm512_setzero_ps()}; }
+  static Vec16 splat(float x) { return {_mm512_set1_ps(x)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+
+  friend Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  // a * b + c, one rounding.
+  static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // Lanes below n (0..16) from a, the others from b.
+  static Vec16 first_lanes(int64_t n, Vec16 a, Vec16 b) {
+    const __mmask16 keep = n >= 16 ? 0xFFFF : (__mmask16)((1u << (n < 0 ? 0 : n)) - 1);
+    return {_mm512_mask_mov_ps(b.v, keep, a.v)};
+  }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+};
+
+// exp(x) for x <= 0 as x = n ln2 + r, |r| <= ln2 / 2: exp(r) by its Taylor
+// polynomial times 2^n by vscalefps (which underflows to 0 for very negative
+// n instead of wrapping; the clamp keeps r exact for -1e30 "no score yet").
+// PRECISE: degree 6 (relative error < 2e-7, about a float32 ulp); else
+// degree 4 (< 5e-5, below the 2^-9 of a bfloat16 rounding that follows).
+template <bool PRECISE>
+inline Vec16 exp16(Vec16 in) {
+  const __m512 x = _mm512_max_ps(in.v, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 24);
+  if constexpr (PRECISE) {
+    p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  }
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return {_mm512_scalef_ps(p, n)};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec16 {
+  __m256 lo, hi;
+
+  static Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static Vec16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Vec16 splat(float x) {
+    const __m256 v = _mm256_set1_ps(x);
+    return {v, v};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+
+  friend Vec16 operator+(Vec16 a, Vec16 b) {
+    return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+  }
+  friend Vec16 operator-(Vec16 a, Vec16 b) {
+    return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+  }
+  friend Vec16 operator*(Vec16 a, Vec16 b) {
+    return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+  }
+  static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+  static Vec16 max(Vec16 a, Vec16 b) {
+    return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+  }
+  static Vec16 first_lanes(int64_t n, Vec16 a, Vec16 b) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i limit = _mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 16 ? 16 : n));
+    const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, lane));
+    const __m256 keep_hi = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(limit, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+    return {_mm256_blendv_ps(b.lo, a.lo, keep_lo), _mm256_blendv_ps(b.hi, a.hi, keep_hi)};
+  }
+  float reduce_max() const { return reduce(_mm256_max_ps(lo, hi), _mm_max_ps); }
+  float reduce_add() const { return reduce(_mm256_add_ps(lo, hi), _mm_add_ps); }
+
+ private:
+  template <class Op>
+  static float reduce(__m256 x, Op op) {
+    __m128 v = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    v = op(v, _mm_movehl_ps(v, v));
+    v = op(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+  }
+};
+
+// As the AVX-512 exp16, with 2^n built in the exponent bits: x is clamped to
+// [-87, 88] so n stays a normal float's exponent (exp(-87) ~ 1.6e-38 stands
+// in for 0: every use multiplies it into sums of O(1) terms).
+template <bool PRECISE>
+inline Vec16 exp16(Vec16 in) {
+  auto half = [](__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 24);
+    if constexpr (PRECISE) {
+      p = _mm256_set1_ps(1.f / 720);
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    }
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  };
+  return {half(in.lo), half(in.hi)};
+}
+#endif
+
+}  // namespace kvmesh
