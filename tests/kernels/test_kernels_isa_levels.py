@@ -34,6 +34,7 @@ KERNEL_TESTS = (
     "tests/kernels/test_kernels_int8_linear.py",
     "tests/kernels/test_kernels_elementwise.py",
     "tests/kernels/test_kernels_cpu_native.py",
+    "tests/kernels/test_kernels_prefill_attention.py",
 )
 VECTOR_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 
@@ -76,6 +77,9 @@ def test_choice_follows_the_flags_and_refuses_what_the_cpu_lacks() -> None:
         _fake_cpu(avx512_bf16.required_cpu_flags, amx_flags - {"amx_int8"})
     ).level == (avx512_bf16)
     assert amx.bf16_dot_products and amx.amx_tiles and not avx512_bf16.amx_tiles
+    # paged_prefill_attention is built from avx2 up (float32), bfloat16 where dot products are.
+    assert [level.avx2 for level in all_levels()] == [False, True, True, True, True]
+    assert [level.bf16_dot_products for level in all_levels()] == [False, False, False, True, True]
     assert choose_level(_fake_cpu(avx512.required_cpu_flags), "generic").level == generic
     with pytest.raises(ValueError, match=r"cannot run the avx512 level: no \['avx512bw'"):
         choose_level(_fake_cpu(avx2.required_cpu_flags, {"avx512f"}), "avx512")
