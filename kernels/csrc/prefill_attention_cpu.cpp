@@ -12,24 +12,27 @@
 //
 // Two passes over torch's threads (work_stealing.h):
 //  1. Pack: each (chunk, KV head, 64-key block) copies its K and V rows out of
-//     the cache once into the operand layouts tdpbf16ps wants (B tiles), which
-//     are also what vdpbf16ps wants (a tile row is one 512-bit register of 16
-//     lanes, each a bfloat16 pair):
+//     the cache once into the operand layouts the products want. bfloat16:
+//     what tdpbf16ps wants (B tiles), which is also what vdpbf16ps wants (a
+//     tile row is one 512-bit register of 16 lanes, each a bfloat16 pair):
 //       K^T: per 16 keys x 32 head dims, tile row r = dims (2r, 2r+1) of the
 //            16 keys, interleaved: a 16x16 transpose of 32-bit dim pairs;
 //       V:   per 32 keys x 16 head dims, tile row r = keys (2r, 2r+1)
 //            interleaved dim by dim (the VNNI pair layout).
+//     float32: K^T per 16 keys as head_dim vectors of the 16 keys' values of
+//     one dim; V as its rows.
 //     Keys past the context are zeros (finite, so masked 0 x V stays 0).
 //  2. Attend, flash-attention style: each (chunk, KV head, 16 query rows)
 //     runs the GQA group's query heads one after the other over the same
 //     packed K/V (hot in L1/L2), key blocks of 64 up to the causal limit
 //     (blocks past it skipped, only blocks crossing it masked):
-//       S = Q K^T (AMX: Q rows are A tiles as they are, 32 dims each; AVX-512:
-//           each query row's dim pair broadcast against a K^T tile row),
-//       online softmax in float32 with AVX-512 (running max and sum per row),
-//       P rounded to bfloat16, P V (the same two ways, P in place of Q),
+//       S = Q K^T (AMX: Q rows are A tiles as they are, 32 dims each;
+//           vdpbf16ps: each query row's dim pair broadcast against a K^T tile
+//           row; float32: each query value against a 16-key vector),
+//       online softmax in float32 (running max and sum per row),
+//       P (bfloat16: rounded) V, the same ways with P in place of Q,
 //       O = O * alpha + P V in float32,
-//     and the output rounded once to bfloat16 at the end.
+//     and the output rounded once to its dtype at the end.
 //
 // Numerics versus the float32 reference (kernels/reference.py): q, K and V are
 // bfloat16 already; products are exact and summed in float32; P is rounded to
