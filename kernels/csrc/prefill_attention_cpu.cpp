@@ -133,10 +133,11 @@ struct PackedKv {
   const Word* v;
 };
 
+#if defined(__AVX512BF16__)
 // Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head, bfloat16.
 void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
-                const int64_t* table, int64_t block_size, int64_t row_stride, int64_t context_len,
-                int64_t key0, int64_t head_dim) {
+                     const int64_t* table, int64_t block_size, int64_t row_stride,
+                     int64_t context_len, int64_t key0, int64_t head_dim) {
   alignas(64) uint16_t rows_k[kKeyBlock][kMaxHeadDim];
   alignas(64) uint16_t rows_v[kKeyBlock][kMaxHeadDim];
   for (int64_t j = 0; j < kKeyBlock; ++j) {
@@ -177,8 +178,9 @@ void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const u
     }
   }
 }
+#endif
 
-// Pass 1 in float32: K^T as 16-key registers per head dim, V rows copied.
+// Pass 1 in float32: K^T as 16-key vectors per head dim, V rows copied.
 void pack_block_f32(float* kt, float* v, const float* k_cache, const float* v_cache,
                     const int64_t* table, int64_t block_size, int64_t row_stride,
                     int64_t context_len, int64_t key0, int64_t head_dim) {
@@ -601,8 +603,8 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
     const int64_t h = local / key_blocks, kb = local % key_blocks;
     auto [kt, v] = packed_kv(c, h);
     Products::pack(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
-               k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
-               block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
+                   k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
+                   block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
   });
 
   auto* out_base = static_cast<Word*>(out.data_ptr());
@@ -622,11 +624,10 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
       const int64_t q_row = (starts[c] + row0) * query.stride(0) + head * query.stride(1);
       attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
                             out.stride(0), q_base + q_row, query.stride(0), rows, kv, head_dim,
-                            prefix + row0, contexts[c], plan.scale);
+                            prefix + row0, contexts[c], scale);
     }
   });
 }
-
 
 // out[query_starts[c] + i] = causal attention of chunk c's query row i over its
 // context, for every chunk c.
@@ -703,9 +704,9 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
     attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);
   }
   if (num_chunks == 0) return;
-  const ChunkPlan plan{tables,       starts,       lens,       contexts,     max_blocks,
-                       block_size,   num_kv_heads, head_dim,   group,        packed_offset,
-                       pack_items,   attend_items, static_cast<float>(scale)};
+  const ChunkPlan plan{tables, starts, lens, contexts, max_blocks, block_size, num_kv_heads,
+                       head_dim, group, packed_offset, pack_items, attend_items,
+                       static_cast<float>(scale)};
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

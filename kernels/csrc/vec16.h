@@ -3,7 +3,8 @@
 // What the prefill attention kernel's float32 parts (online softmax, output
 // updates, the float32 products) need, written once for both instruction
 // sets: on AVX-512 every operation is the one instruction it names, so code
-// written against Vec16 compiles to what it would with __m512 directly.
+// written against Vec16 compiles to what it would with __m512 directly. The
+// two differ only in exp16's last step (times_pow2) and how low it clamps.
 #pragma once
 
 #include <immintrin.h>
@@ -27,6 +28,7 @@ struct Vec16 {
   // a * b + c, one rounding.
   static Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static Vec16 min(Vec16 a, Vec16 b) { return {_mm512_min_ps(a.v, b.v)}; }
   // Lanes below n (0..16) from a, the others from b.
   static Vec16 first_lanes(int64_t n, Vec16 a, Vec16 b) {
     const __mmask16 keep = n >= 16 ? 0xFFFF : (__mmask16)((1u << (n < 0 ? 0 : n)) - 1);
@@ -34,32 +36,17 @@ struct Vec16 {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
+
+  // For exp16: lanes rounded to the nearest integer, and this x 2^n for
+  // integral n (vscalefps underflows to 0 for very negative n instead of
+  // wrapping, so exp16 may clamp as low as kExpFloor).
+  static constexpr float kExpFloor = -104.f;
+  Vec16 round_nearest() const {
+    return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  }
+  Vec16 times_pow2(Vec16 n) const { return {_mm512_scalef_ps(v, n.v)}; }
 };
 
-// exp(x) for x <= 0 as x = n ln2 + r, |r| <= ln2 / 2: exp(r) by its Taylor
-// polynomial times 2^n by vscalefps (which underflows to 0 for very negative
-// n instead of wrapping; the clamp keeps r exact for -1e30 "no score yet").
-// PRECISE: degree 6 (relative error < 2e-7, about a float32 ulp); else
-// degree 4 (< 5e-5, below the 2^-9 of a bfloat16 rounding that follows).
-template <bool PRECISE>
-inline Vec16 exp16(Vec16 in) {
-  const __m512 x = _mm512_max_ps(in.v, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 24);
-  if constexpr (PRECISE) {
-    p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  }
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return {_mm512_scalef_ps(p, n)};
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Vec16 {
   __m256 lo, hi;
@@ -90,6 +77,9 @@ struct Vec16 {
   static Vec16 max(Vec16 a, Vec16 b) {
     return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
   }
+  static Vec16 min(Vec16 a, Vec16 b) {
+    return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)};
+  }
   static Vec16 first_lanes(int64_t n, Vec16 a, Vec16 b) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i limit = _mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 16 ? 16 : n));
@@ -101,6 +91,22 @@ struct Vec16 {
   float reduce_max() const { return reduce(_mm256_max_ps(lo, hi), _mm_max_ps); }
   float reduce_add() const { return reduce(_mm256_add_ps(lo, hi), _mm_add_ps); }
 
+  // 2^n is built in the exponent bits, so n must stay a normal float's
+  // exponent: exp16 clamps at kExpFloor (exp(-87) ~ 1.6e-38 stands in for 0:
+  // every use multiplies it into sums of O(1) terms).
+  static constexpr float kExpFloor = -87.f;
+  Vec16 round_nearest() const {
+    constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(lo, kMode), _mm256_round_ps(hi, kMode)};
+  }
+  Vec16 times_pow2(Vec16 n) const {
+    auto pow2 = [](__m256 e) {
+      const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+    };
+    return {_mm256_mul_ps(lo, pow2(n.lo)), _mm256_mul_ps(hi, pow2(n.hi))};
+  }
+
  private:
   template <class Op>
   static float reduce(__m256 x, Op op) {
@@ -110,34 +116,30 @@ struct Vec16 {
     return _mm_cvtss_f32(v);
   }
 };
-
-// As the AVX-512 exp16, with 2^n built in the exponent bits: x is clamped to
-// [-87, 88] so n stays a normal float's exponent (exp(-87) ~ 1.6e-38 stands
-// in for 0: every use multiplies it into sums of O(1) terms).
-template <bool PRECISE>
-inline Vec16 exp16(Vec16 in) {
-  auto half = [](__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 24);
-    if constexpr (PRECISE) {
-      p = _mm256_set1_ps(1.f / 720);
-      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    }
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i bits =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  };
-  return {half(in.lo), half(in.hi)};
-}
 #endif
+
+// exp(x) for x <= 0 (scores minus their running max) as x = n ln2 + r, |r| <=
+// ln2 / 2: exp(r) by its Taylor polynomial, times 2^n. x is clamped to
+// [kExpFloor, 88]: r stays exact for a -1e30 "no score yet", and 2^n finite
+// for the positive garbage of masked lanes (zeroed after). PRECISE: degree 6
+// (relative error < 2e-7, about a float32 ulp); else degree 4 (< 5e-5, below
+// the 2^-9 of a bfloat16 rounding that follows).
+template <bool PRECISE>
+inline Vec16 exp16(Vec16 x) {
+  x = Vec16::min(Vec16::max(x, Vec16::splat(Vec16::kExpFloor)), Vec16::splat(88.f));
+  const Vec16 n = (x * Vec16::splat(1.44269504088896341f)).round_nearest();
+  Vec16 r = Vec16::fma(n, Vec16::splat(-0.693359375f), x);
+  r = Vec16::fma(n, Vec16::splat(2.12194440e-4f), r);
+  Vec16 p = Vec16::splat(1.f / 24);
+  if constexpr (PRECISE) {
+    p = Vec16::fma(Vec16::splat(1.f / 720), r, Vec16::splat(1.f / 120));
+    p = Vec16::fma(p, r, Vec16::splat(1.f / 24));
+  }
+  p = Vec16::fma(p, r, Vec16::splat(1.f / 6));
+  p = Vec16::fma(p, r, Vec16::splat(0.5f));
+  p = Vec16::fma(p, r, Vec16::splat(1.f));
+  p = Vec16::fma(p, r, Vec16::splat(1.f));
+  return p.times_pow2(n);
+}
 
 }  // namespace kvmesh

@@ -199,9 +199,21 @@ def test_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_other_head_sizes_take_the_torch_path(dtype: torch.dtype) -> None:
-    """Head sizes that are not whole 32-dim operand rows still give the reference."""
+def test_other_head_sizes_take_the_torch_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head sizes that are not whole 32-dim operand rows go to torch's SDPA per
+    chunk (never the op) and still give the reference."""
+    torch_chunks = []
+    torch_prefill_chunk = CpuAttentionBackend._prefill_chunk
+
+    def counted(*args: object) -> None:
+        torch_chunks.append(args)
+        torch_prefill_chunk(*args)
+
+    monkeypatch.setattr(CpuAttentionBackend, "_prefill_chunk", staticmethod(counted))
     for head_dim in (80, 16):
+        torch_chunks.clear()
         batch = make_paged_batch(
             [(19, 13), (0, 21)],
             num_heads=4,
@@ -212,6 +224,7 @@ def test_other_head_sizes_take_the_torch_path(dtype: torch.dtype) -> None:
         )
         expected = run_backend(TorchReferenceBackend(), batch.to_float32())
         actual = run_backend(NativeCpuAttentionBackend(), batch)
+        assert len(torch_chunks) == 2, head_dim
         tolerance = TOLERANCE[dtype]
         torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
