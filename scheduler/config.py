@@ -13,6 +13,17 @@ from services.config import (
 )
 
 PREFIX_HASHES = ("sha256", "builtin")
+# The step token budget when neither --max-num-batched-tokens nor the worker
+# names one (WorkerInfo.step_token_budget): vLLM's default.
+DEFAULT_STEP_TOKEN_BUDGET = 2048
+
+
+def step_token_budget(configured: int, worker_preferred: int) -> int:
+    """The budget a scheduler steps with: ``configured`` (--max-num-batched-tokens)
+    when set (> 0), else what the worker's hardware runs best at, else the default."""
+    if configured > 0:
+        return configured
+    return worker_preferred if worker_preferred > 0 else DEFAULT_STEP_TOKEN_BUDGET
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +35,7 @@ class SchedulerConfig:
     """
 
     # Tokens computed in one step, over all requests (prefill chunks + decodes).
-    max_num_batched_tokens: int = SchedulerServiceConfig.max_num_batched_tokens
+    max_num_batched_tokens: int = DEFAULT_STEP_TOKEN_BUDGET
     # Requests running at once (the worker's batch size).
     max_num_seqs: int = SchedulerServiceConfig.max_num_seqs
     # Prompt + output tokens of one request.

@@ -10,7 +10,7 @@ from kvstore.client import KVStoreClient
 from kvstore.layout import KVLayout
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.block_hash import get_block_hasher
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, step_token_budget
 from scheduler.kv_events_service import KVEventsServicer, attach_publisher
 from scheduler.kv_leases import StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
@@ -61,8 +61,16 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     num_micro_batches = (
         info.pipeline_parallel_size if info.pipeline_overlap and async_scheduling else 1
     )
+    token_budget = step_token_budget(config.max_num_batched_tokens, info.step_token_budget)
+    if config.max_num_batched_tokens == 0:
+        logger.info(
+            "step token budget %d: what the worker (%s, %s) runs best at",
+            token_budget,
+            info.device,
+            info.dtype,
+        )
     core_config = SchedulerConfig(
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=token_budget,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
@@ -105,7 +113,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         num_kv_blocks=info.num_kv_blocks,
         block_size=info.block_size,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=token_budget,
         max_waiting_requests=config.max_waiting_requests,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,

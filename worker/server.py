@@ -56,6 +56,7 @@ from worker.parallel.layout import RankLayout
 from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
 from worker.request_tracing import WorkerRequestTraces
+from worker.step_budget import preferred_step_tokens
 from worker.step_in_flight import StepInFlight
 from worker.step_watchdog import StepWatchdog
 
@@ -359,6 +360,7 @@ def build_runner(
         dtype=str(model_config.dtype).removeprefix("torch."),
         dtype_reason=model_config.dtype_reason,
         quantization=model_config.weights_description,
+        step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
     )
     return runner, info
 

@@ -318,7 +318,12 @@ class SchedulerServiceConfig(KVConnectorOptions, StepDeadlineOptions, MigrationO
     scheduler_port: int = port(50052, "gRPC port of the scheduler")
     scheduler_metrics_port: int = port(9101, "Prometheus port of the scheduler")
     worker_addr: str = opt("127.0.0.1:50053", "host:port of the worker")
-    max_num_batched_tokens: int = opt(2048, "token budget per engine step", minimum=1)
+    max_num_batched_tokens: int = opt(
+        0,
+        "token budget per engine step (0: what the worker's hardware runs best at: 1024 "
+        "on CPUs, 2048 for bf16 on AMX and on accelerators)",
+        minimum=0,
+    )
     max_num_seqs: int = opt(128, "most requests per engine step", minimum=1)
     long_prefill_token_threshold: int = opt(
         0, "cap on one request's tokens per step (0: off)", minimum=0

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 import httpx
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import generation_pb2, generation_pb2_grpc
+from protos import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.grpc_server import internal_channel
 from tests.e2e import hf_oracle
+from worker.step_budget import LONG_STEP_TOKENS, SHORT_STEP_TOKENS, preferred_step_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -211,3 +215,19 @@ def test_grpc_health_reflection_and_public_api(stack) -> None:
             )
         assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "temperature" in excinfo.value.details()
+
+
+def test_the_scheduler_steps_with_the_workers_budget_by_default(stack) -> None:
+    """No --max-num-batched-tokens: the scheduler takes the budget the worker names
+    for its hardware (a CPU here: 1024, or 2048 for bf16 on AMX), as its GetInfo says."""
+
+    async def scheduler_info() -> scheduler_pb2.SchedulerInfo:
+        address = f"127.0.0.1:{stack.ports['scheduler_port']}"
+        async with internal_channel(address, stack.internal_security("scheduler")) as channel:
+            return await scheduler_pb2_grpc.SchedulerStub(channel).GetInfo(
+                scheduler_pb2.GetSchedulerInfoRequest(), timeout=10
+            )
+
+    info = asyncio.run(scheduler_info())
+    expected = preferred_step_tokens("cpu", getattr(torch, info.dtype))
+    assert info.max_num_batched_tokens == expected in (SHORT_STEP_TOKENS, LONG_STEP_TOKENS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from scheduler.config import DEFAULT_STEP_TOKEN_BUDGET, SchedulerConfig, step_token_budget
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 
@@ -115,3 +116,11 @@ def test_watermark_does_not_block_a_request_that_runs_alone() -> None:
     sched.add_request(req)
     _, outputs = run_step(sched)
     assert outputs[0].finish_reason is not None
+
+
+def test_the_step_budget_is_the_flag_else_the_workers_else_the_default() -> None:
+    assert step_token_budget(4096, 1024) == 4096  # --max-num-batched-tokens wins
+    assert step_token_budget(0, 1024) == 1024  # 0 (its default): the worker's
+    assert step_token_budget(0, 0) == DEFAULT_STEP_TOKEN_BUDGET == 2048  # no preference
+    # What a library user gets without the service.
+    assert SchedulerConfig(num_kv_blocks=128).max_num_batched_tokens == 2048
