@@ -73,7 +73,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "prefill_attention_cpu.cpp": (),
     "amx_linear.cpp": (),
     "rms_norm_cpu.cpp": (),
-    "silu_and_mul_cpu.cpp": FAST_MATH,
+    # Its exp is Vec16's from the avx2 level up; -ffast-math would let gcc turn
+    # gate / (1 + exp(-gate)) into a reciprocal estimate that makes NaN of inf.
+    "silu_and_mul_cpu.cpp": (),
     "rotary_cpu.cpp": ("-ffp-contract=off",),
     # Sums of products: fused multiply-adds are both faster and closer.
     "lora_cpu.cpp": ("-ffp-contract=fast",),

@@ -1,7 +1,7 @@
 // Sixteen float32 lanes: one AVX-512 register, or two AVX2 registers.
 //
 // What the prefill attention kernel's float32 parts (online softmax, output
-// updates, the float32 products) need, written once for both instruction
+// updates, the float32 products) and silu_and_mul need, written once for both instruction
 // sets: on AVX-512 every operation is the one instruction it names, so code
 // written against Vec16 compiles to what it would with __m512 directly. The
 // two differ only in exp16's last step (times_pow2) and how low it clamps.
@@ -34,8 +34,21 @@ struct Vec16 {
     const __mmask16 keep = n >= 16 ? 0xFFFF : (__mmask16)((1u << (n < 0 ? 0 : n)) - 1);
     return {_mm512_mask_mov_ps(b.v, keep, a.v)};
   }
+  friend Vec16 operator/(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
+
+  // bfloat16 in memory (the raw 16-bit patterns): loaded exactly; rounded to
+  // the nearest, ties to even, as torch rounds (float_or_bf16.h's from_float,
+  // with no NaN test either).
+  static Vec16 load_bf16(const uint16_t* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
+  }
+  Vec16 round_bf16() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(), 16))}; }
+  void store_bf16(uint16_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits()));
+  }
 
   // For exp16: lanes rounded to the nearest integer, and this x 2^n for
   // integral n (vscalefps underflows to 0 for very negative n instead of
@@ -45,6 +58,15 @@ struct Vec16 {
     return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   }
   Vec16 times_pow2(Vec16 n) const { return {_mm512_scalef_ps(v, n.v)}; }
+
+ private:
+  // Each lane's nearest bfloat16 bits, in its low 16 bits.
+  __m512i bf16_bits() const {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  }
 };
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -88,8 +110,28 @@ struct Vec16 {
         _mm256_cmpgt_epi32(limit, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
     return {_mm256_blendv_ps(b.lo, a.lo, keep_lo), _mm256_blendv_ps(b.hi, a.hi, keep_hi)};
   }
+  friend Vec16 operator/(Vec16 a, Vec16 b) {
+    return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+  }
   float reduce_max() const { return reduce(_mm256_max_ps(lo, hi), _mm_max_ps); }
   float reduce_add() const { return reduce(_mm256_add_ps(lo, hi), _mm_add_ps); }
+
+  static Vec16 load_bf16(const uint16_t* p) {
+    auto widen = [](const uint16_t* q) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    };
+    return {widen(p), widen(p + 8)};
+  }
+  Vec16 round_bf16() const {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(lo), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(hi), 16))};
+  }
+  void store_bf16(uint16_t* p) const {
+    // packus interleaves the two halves' 128-bit lanes; the permute puts them back.
+    const __m256i packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
 
   // 2^n is built in the exponent bits, so n must stay a normal float's
   // exponent: exp16 clamps at kExpFloor (exp(-87) ~ 1.6e-38 stands in for 0:
@@ -108,6 +150,13 @@ struct Vec16 {
   }
 
  private:
+  static __m256i bf16_bits(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  }
+
   template <class Op>
   static float reduce(__m256 x, Op op) {
     __m128 v = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -123,10 +172,14 @@ struct Vec16 {
 // [kExpFloor, 88]: r stays exact for a -1e30 "no score yet", and 2^n finite
 // for the positive garbage of masked lanes (zeroed after). PRECISE: degree 6
 // (relative error < 2e-7, about a float32 ulp); else degree 4 (< 5e-5, below
-// the 2^-9 of a bfloat16 rounding that follows).
-template <bool PRECISE>
+// the 2^-9 of a bfloat16 rounding that follows). OVERFLOW_TO_INF (for x of
+// either sign, as silu's exp(-gate)): clamped at 89 instead, where n = 128 and
+// 2^n is +inf on both ISAs (the exponent bits all ones), so exp(x) overflows
+// to +inf past float's largest as std::exp does.
+template <bool PRECISE, bool OVERFLOW_TO_INF = false>
 inline Vec16 exp16(Vec16 x) {
-  x = Vec16::min(Vec16::max(x, Vec16::splat(Vec16::kExpFloor)), Vec16::splat(88.f));
+  constexpr float kCeiling = OVERFLOW_TO_INF ? 89.f : 88.f;
+  x = Vec16::min(Vec16::max(x, Vec16::splat(Vec16::kExpFloor)), Vec16::splat(kCeiling));
   const Vec16 n = (x * Vec16::splat(1.44269504088896341f)).round_nearest();
   Vec16 r = Vec16::fma(n, Vec16::splat(-0.693359375f), x);
   r = Vec16::fma(n, Vec16::splat(2.12194440e-4f), r);

@@ -176,3 +176,25 @@ def test_rotary_rejects_bad_tables() -> None:
         torch.ops.kvmesh.rotary_embedding(
             torch.randn(4, 2, 7), torch.randn(4, 3), torch.randn(4, 3)
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_vector_lanes_and_row_tail(dtype: torch.dtype) -> None:
+    """37 outputs per row: two 16-lane vectors (the avx2 level up) and a 5-wide
+    tail on the portable loop, with NaN, inf and saturating gates in both."""
+    g = torch.Generator().manual_seed(37)
+    gate = _randn(3, 37, generator=g, dtype=torch.float32).mul(6)
+    up = _randn(3, 37, generator=g, dtype=torch.float32)
+    for column in (3, 20, 34):  # first vector, second vector, tail
+        gate[0, column], gate[1, column], gate[2, column] = float("nan"), float("inf"), -200.0
+    gate[2, 5], gate[2, 35] = 200.0, 95.0
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    expected = F.silu(gate_up[:, :37]) * gate_up[:, 37:]
+    actual = torch.ops.kvmesh.silu_and_mul(gate_up)
+    assert torch.equal(actual.isnan(), expected.isnan())
+    assert torch.equal(actual.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    if dtype == torch.bfloat16:
+        assert_bf16_close(actual[finite], expected[finite], max_ulps=2)
+    else:
+        torch.testing.assert_close(actual[finite], expected[finite], atol=1e-6, rtol=1e-5)
