@@ -4,7 +4,7 @@ A step's token budget (``--max-num-batched-tokens``) trades the efficiency of
 a step's matmuls, which grows with their rows, against how long every running
 decode and every newly arrived prompt waits for that step. Where the matmuls
 are already as efficient per row at 1,024 rows as at 2,048, a smaller budget
-costs nothing and moves first tokens earlier: a burst of prompts is prefilled
+costs little and moves first tokens earlier: a burst of prompts is prefilled
 in steps the first of which ends sooner, and decodes are not held behind a
 1.2-1.6 s step (2,048 bf16 tokens of SmolLM2-135M on two cores).
 
@@ -17,8 +17,9 @@ through oneDNN's bf16 matmul, per row:
 - 2-core AMX Xeon: 16.2, 15.0, 11.6 us at 512, 1,024, 2,048 rows: AMX tiles
   want long matmuls, and a 512 budget cost 1,024-token prompts 0.80x
   throughput there, so bf16 on AMX keeps 2,048.
-float32 GEMMs use no AMX tiles, so they count as the first kind. Accelerators
-prefill 2,048 tokens in milliseconds: 2,048, vLLM's default.
+float32 matmuls run on FMAs, not AMX tiles, so they are taken as the first
+kind (not measured served). Accelerators prefill 2,048 tokens in
+milliseconds: 2,048, vLLM's default.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 // vectorized by gcc with glibc's vector exp under -ffast-math, with its
 // bfloat16 conversions in scalar code. On the 2-core Zen 4 EPYC, 2 alternating
 // runs: bfloat16 [16, 2 x 1,536] 15-18 us vs 21-24, [2,048, 2 x 1,536] 1.29 vs
-// 1.32-1.48 ms (from there on the bytes bound it: ~16 GB/s). torch's silu uses
+// 1.32-1.48 ms (there the bytes bound it: ~14-16 GB/s). torch's silu uses
 // its own vectorized exp, so the two agree to a few ulps, not bit for bit.
 
 #include <ATen/Parallel.h>
