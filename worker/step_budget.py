@@ -10,13 +10,14 @@ in steps the first of which ends sooner, and decodes are not held behind a
 
 Measured (README, "Step token budget"), every decoder projection of SmolLM2-135M
 through oneDNN's bf16 matmul, per row:
-- 2-core Zen 4 EPYC (AVX512-BF16, no AMX): 18.4, 18.5, 18.0, 17.7 us at 512,
-  1,024, 1,536, 2,048 rows: flat. Served (128/128 and 1,024/64 at concurrency
-  16, alternating rounds), a 1,024 budget against 2,048: mean TTFT 0.64-0.81x
-  at 0.97-1.10x output tok/s; 512 lost throughput (per-step costs).
-- 2-core AMX Xeon: 16.2, 15.0, 11.6 us at 512, 1,024, 2,048 rows: AMX tiles
-  want long matmuls, and a 512 budget cost 1,024-token prompts 0.80x
-  throughput there, so bf16 on AMX keeps 2,048.
+- 2-core "AMD EPYC" family 25 model 17 (Zen 4: AVX-512, AVX512-BF16, no AMX):
+  18.4, 18.5, 18.0, 17.7 us at 512, 1,024, 1,536, 2,048 rows: flat. Served
+  (128/128 and 1,024/64 at concurrency 16, alternating rounds, kvmesh against
+  itself), a 1,024 budget against 2,048: mean TTFT 0.64-0.81x at 0.97-1.10x
+  output tok/s; 512 lost throughput (per-step costs).
+- 2-core Xeon with AMX-BF16/INT8 and AVX512-BF16: 16.2, 15.0, 11.6 us at 512,
+  1,024, 2,048 rows: AMX tiles want long matmuls, and a 512 budget cost
+  1,024-token prompts 0.80x throughput there, so bf16 on AMX keeps 2,048.
 float32 matmuls run on FMAs, not AMX tiles, so they are taken as the first
 kind (not measured served). Accelerators prefill 2,048 tokens in
 milliseconds: 2,048, vLLM's default.

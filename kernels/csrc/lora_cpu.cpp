@@ -44,6 +44,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "vec16.h"
 #endif
 
 #include "float_or_bf16.h"
@@ -71,7 +73,7 @@ __attribute__((always_inline)) inline __m512 load16(const float* p, int64_t n = 
 __attribute__((always_inline)) inline __m512 load16(const c10::BFloat16* p, int64_t n = 16) {
   const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return kvmesh::bf16_bits_to_float(bits);
 }
 
 __attribute__((always_inline)) inline void store16(float* p, __m512 v, int64_t n) {
@@ -84,11 +86,7 @@ __attribute__((always_inline)) inline void store16(float* p, __m512 v, int64_t n
 
 // from_float<c10::BFloat16> on 16 lanes: the same integer rounding.
 __attribute__((always_inline)) inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  const __m256i halves = _mm512_cvtepi32_epi16(rounded);
+  const __m256i halves = kvmesh::float_to_bf16_bits(v);
   if (n >= 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
   } else {

@@ -26,6 +26,8 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "vec16.h"
 #endif
 
 #include "float_or_bf16.h"
@@ -154,8 +156,7 @@ inline void prefetch_next_block(const c10::BFloat16* base, const int64_t* table,
 }
 
 inline __m512 widen_bf16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return kvmesh::bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <int HEAD_DIM, int GROUP>

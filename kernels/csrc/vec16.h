@@ -1,8 +1,8 @@
 // Sixteen float32 lanes: one AVX-512 register, or two AVX2 registers.
 //
 // What the prefill attention kernel's float32 parts (online softmax, output
-// updates, the float32 products) and silu_and_mul need, written once for both instruction
-// sets: on AVX-512 every operation is the one instruction it names, so code
+// updates, the float32 products) and silu_and_mul need, written once for both
+// instruction sets: on AVX-512 every operation is the one instruction it names, so code
 // written against Vec16 compiles to what it would with __m512 directly. The
 // two differ only in exp16's last step (times_pow2) and how low it clamps.
 #pragma once
@@ -14,6 +14,21 @@
 namespace kvmesh {
 
 #if defined(__AVX512F__)
+// bfloat16 <-> float32 on 16 lanes, bfloat16 as its raw 16-bit patterns:
+// widened exactly; rounded to the nearest, ties to even, as torch rounds
+// (float_or_bf16.h's from_float, with no NaN test either). Shared by Vec16,
+// decode attention and the LoRA kernels.
+inline __m512 bf16_bits_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m256i float_to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
 struct Vec16 {
   __m512 v;
 
@@ -38,16 +53,13 @@ struct Vec16 {
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
 
-  // bfloat16 in memory (the raw 16-bit patterns): loaded exactly; rounded to
-  // the nearest, ties to even, as torch rounds (float_or_bf16.h's from_float,
-  // with no NaN test either).
+  // bfloat16 in memory, converted as bf16_bits_to_float / float_to_bf16_bits.
   static Vec16 load_bf16(const uint16_t* p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
+    return {bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
-  Vec16 round_bf16() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(), 16))}; }
+  Vec16 round_bf16() const { return {bf16_bits_to_float(float_to_bf16_bits(v))}; }
   void store_bf16(uint16_t* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits()));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), float_to_bf16_bits(v));
   }
 
   // For exp16: lanes rounded to the nearest integer, and this x 2^n for
@@ -58,15 +70,6 @@ struct Vec16 {
     return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   }
   Vec16 times_pow2(Vec16 n) const { return {_mm512_scalef_ps(v, n.v)}; }
-
- private:
-  // Each lane's nearest bfloat16 bits, in its low 16 bits.
-  __m512i bf16_bits() const {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  }
 };
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -116,6 +119,7 @@ struct Vec16 {
   float reduce_max() const { return reduce(_mm256_max_ps(lo, hi), _mm_max_ps); }
   float reduce_add() const { return reduce(_mm256_add_ps(lo, hi), _mm_add_ps); }
 
+  // The AVX-512 form's conversions, on two 8-lane halves.
   static Vec16 load_bf16(const uint16_t* p) {
     auto widen = [](const uint16_t* q) {
       const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
