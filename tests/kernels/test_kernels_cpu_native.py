@@ -97,6 +97,45 @@ def test_native_decode_long_ragged_contexts(seed: int, dtype: torch.dtype) -> No
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("lengths", [[2000], [700, 1, 300], [257, 512, 513]])
+def test_native_decode_splits_long_contexts_into_runs(
+    lengths: list[int], num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    """A batch of few long contexts is cut into runs (split-K) whose partial
+    softmaxes are merged (bfloat16 at the AVX512-BF16 level; other levels
+    take the float path over the same batch): run edges inside and at block
+    ends, blocks shorter than a 16-token tile, one-token contexts."""
+    batch = make_paged_batch(
+        [(length - 1, 1) for length in lengths],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+    assert_matches_reference(batch)
+
+
+def test_native_bf16_decode_with_large_scores_across_runs() -> None:
+    """Scores of ~1e3 with the largest late in a long context: the runs'
+    maxima differ by far more than exp's range, and the merge stays finite."""
+    batch = make_paged_batch(
+        [(1500, 1), (40, 1)],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 64.0})
+    actual = run_backend(NativeCpuAttentionBackend(), big)
+    expected = run_backend(TorchReferenceBackend(), big.to_float32())
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=BF16_RTOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_run_in_cpp_not_the_torch_fallback(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
