@@ -619,7 +619,16 @@ class ModelRunner:
         inputs, prompt_spans = step.inputs, step.prompt_spans
         assert inputs is not None
         forward_started = time.perf_counter()
-        hidden = self._final_hidden(step)
+        # Only the sampled rows' hidden states, when nothing else reads the
+        # others: no prompt logprobs, no adapters (their per-token layout
+        # covers every row), one process for the whole model.
+        only_sampled = (
+            not prompt_spans
+            and step.lora is None
+            and not self.layout.is_parallel
+            and inputs.logits_indices.shape[0] < inputs.input_ids.shape[0]
+        )
+        hidden = self._final_hidden(step, inputs.logits_indices if only_sampled else None)
         if hidden is None:  # a later pipeline stage: the first stage computes logits
             self.timings.forward += time.perf_counter() - forward_started
             return None, []
@@ -628,10 +637,9 @@ class ModelRunner:
             if prompt_spans
             else []
         )
+        sampled_hidden = hidden if only_sampled else hidden[inputs.logits_indices]
         logits = (
-            self.model.compute_logits(hidden[inputs.logits_indices])
-            if inputs.logits_indices.shape[0]
-            else None
+            self.model.compute_logits(sampled_hidden) if inputs.logits_indices.shape[0] else None
         )
         self.timings.forward += time.perf_counter() - forward_started
         return logits, prompt_logprobs
@@ -664,9 +672,12 @@ class ModelRunner:
         self.timings.sample += time.perf_counter() - sample_started
         return result
 
-    def _final_hidden(self, step: StepInFlight) -> torch.Tensor | None:
+    def _final_hidden(
+        self, step: StepInFlight, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The final hidden states on the first pipeline stage, None on the others:
-        the whole model in one process, else what the last stage sent back."""
+        the whole model in one process, else what the last stage sent back.
+        ``output_rows`` (one process only): just those rows' states."""
         inputs = step.inputs
         assert inputs is not None
         if self.layout.pp_size == 1:
@@ -677,6 +688,7 @@ class ModelRunner:
                 inputs.metadata,
                 self.backend,
                 lora=step.lora,
+                output_rows=output_rows,
             )
         return step.final_hidden.wait() if step.final_hidden is not None else None
 

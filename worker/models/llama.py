@@ -250,7 +250,11 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRABatch | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``output_rows``: compute the layer's output for these rows only (its
+        K/V still for every row): the last layer of a step whose other rows
+        only fill the KV cache."""
         num_tokens = hidden.shape[0]
         residual = hidden
         if self._native_ops:
@@ -272,6 +276,11 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
+        if output_rows is not None:
+            if output_rows.shape[0] == 0:  # nothing samples: the K/V was all
+                return residual[:0]
+            attn, residual = attn[output_rows], residual[output_rows]
+            num_tokens = attn.shape[0]
         attn_out = self.all_reduce(
             self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size), lora)
         )
@@ -359,17 +368,33 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         hidden: torch.Tensor | None = None,
         lora: LoRABatch | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] before the final norm; a later
         pipeline stage passes the previous stage's ``hidden`` instead of embedding.
 
         ``lora``: the step's adapter layout (worker/lora); None runs the base model.
+        ``output_rows``: return the hidden states of these rows only
+        ([len(output_rows), hidden_size]). A prompt chunk's other rows need the
+        last layer's K/V but not its attention output, O projection or MLP,
+        which the last layer then skips (for a 1,024-token chunk of the
+        30-layer default model, ~2.8% of the step's projection FLOPs).
         """
         if hidden is None:
             hidden = self._embed(input_ids)
         rotary_tables = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, self.rotary, rotary_tables, kv_cache, metadata, backend, lora)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = layer(
+                hidden,
+                self.rotary,
+                rotary_tables,
+                kv_cache,
+                metadata,
+                backend,
+                lora,
+                output_rows if index == last else None,
+            )
         return hidden
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
