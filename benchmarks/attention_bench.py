@@ -19,6 +19,7 @@ visible query-key pair), the two paths interleaved ``--rounds`` times.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kernels.torch_reference_backend import TorchReferenceBackend
+from services.math_utils import cdiv
 from tests.kernels.paged_batch import make_paged_batch
 
 
@@ -66,6 +68,42 @@ def time_decode(
 
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+
+
+def time_decode_layers(
+    batch_size: int, context: int, layers: int, repeats: int, dtype: torch.dtype
+) -> tuple[float, float]:
+    """The C++ decode op over ``layers`` separate caches in turn, as a step's
+    layers call it: each cache was last read ``layers - 1`` calls ago, so it
+    comes from DRAM, not from a cache level a repeated call would hit. Returns
+    the median ms per call and the K/V bytes read per second (GB/s)."""
+    seqs = [(context - 1 - (i * 7) % 32, 1) for i in range(batch_size)]
+    batch = make_paged_batch(
+        seqs,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=16,
+        dtype=dtype,
+        spare_blocks=batch_size * cdiv(context, 16),
+    )
+    backend = NativeCpuAttentionBackend()
+    caches = []
+    for _ in range(layers):
+        k_cache, v_cache = batch.fresh_caches()
+        backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+        caches.append((k_cache, v_cache))
+    metadata = batch.metadata(backend)
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
+        per_call.append((time.perf_counter() - start) / layers)
+    ms = statistics.median(per_call) * 1e3
+    kv_bytes = sum(context for context, _ in seqs) * 2 * NUM_KV_HEADS * HEAD_DIM
+    kv_bytes *= torch.empty((), dtype=dtype).element_size()
+    return ms, kv_bytes / ms / 1e6
 
 
 def time_prefill(
@@ -131,6 +169,12 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="cached tokens before each chunk")
     parser.add_argument("--chunks", type=int, default=1, help="prefill chunks per step")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved prefill A/B rounds")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decode: time the C++ op over this many layers' caches in turn (from DRAM)",
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -141,6 +185,15 @@ def main() -> None:
     )
     if args.prefill:
         prefill_main(args, dtype)
+        return
+    if args.layers:
+        print(f"{'batch':>5} {'context':>7} {'layers':>6} {'native ms':>10} {'K/V GB/s':>9}")
+        for batch_size in args.batch_sizes:
+            ms, gb_per_s = time_decode_layers(
+                batch_size, args.context, args.layers, args.repeats, dtype
+            )
+            row = f"{batch_size:>5} {args.context:>7} {args.layers:>6}"
+            print(f"{row} {ms:>10.3f} {gb_per_s:>9.1f}")
         return
     print(
         f"{'batch':>5} {'context':>7} {'reference ms':>13} {'cpu ms':>8} {'native ms':>10} "
