@@ -97,15 +97,16 @@ def test_native_decode_long_ragged_contexts(seed: int, dtype: torch.dtype) -> No
     assert_matches_reference(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 1), (4, 4)])
 @pytest.mark.parametrize("lengths", [[2000], [700, 1, 300], [257, 512, 513]])
 def test_native_decode_splits_long_contexts_into_runs(
-    lengths: list[int], num_heads: int, num_kv_heads: int, block_size: int
+    lengths: list[int], num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype
 ) -> None:
     """A batch of few long contexts is cut into runs (split-K) whose partial
-    softmaxes are merged (bfloat16 at the AVX512-BF16 level; other levels
-    take the float path over the same batch): run edges inside and at block
+    softmaxes are merged (from the avx2 level up; the generic level takes the
+    per-head float path over the same batch): run edges inside and at block
     ends, blocks shorter than a 16-token tile, one-token contexts."""
     batch = make_paged_batch(
         [(length - 1, 1) for length in lengths],
@@ -113,7 +114,7 @@ def test_native_decode_splits_long_contexts_into_runs(
         num_kv_heads=num_kv_heads,
         head_dim=64,
         block_size=block_size,
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     assert_matches_reference(batch)
 
