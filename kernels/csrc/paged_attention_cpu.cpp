@@ -8,8 +8,8 @@
 // done together so every K/V row is read from memory once per group, not once
 // per query head.
 //
-// bfloat16 from the avx2 level up, float32 from avx512 up (group sizes <= 8,
-// head_dim 64 or 128), take attend_all_runs: items are runs of a sequence's
+// From the avx2 level up, both dtypes (group sizes <= 8, head_dim 64 or
+// 128) take attend_all_runs: items are runs of a sequence's
 // context over all heads (whole cache rows, read front to back), an online
 // softmax per block, long contexts split into runs and merged; bfloat16 dot
 // products by vdpbf16ps where the level has AVX512-BF16. Everything else
@@ -137,7 +137,7 @@ void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The run path (Vec16: one AVX-512 or two AVX2 registers; head_dim 64 or 128,
-// GQA groups of up to 8; float32 only at AVX-512, see paged_decode_attention).
+// GQA groups of up to 8).
 //
 // One work item is a run of one sequence's context, for every head: the
 // cache rows of a token (all KV heads side by side) are contiguous, so an
@@ -277,6 +277,16 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
                 const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                 int64_t num_kv_heads, float scale, float* scores, RunState state) {
   constexpr int kVecs = HEAD_DIM / 16;  // Vec16 per head row
+#if defined(__AVX512F__)
+  constexpr int kChunk = kVecs;  // GROUP x 4 of 32 zmm for head_dim 64
+#else
+  // AVX2 has 16 ymm: all of a row at once spilled the accumulators. Two
+  // Vec16 at a time, on the Zen 4 EPYC built at the avx2 level (30 layers'
+  // caches in turn, batch 16 x 1,024 / 4 x 1,024 / 16 x 256): float32 1.24x /
+  // 1.23x / 1.17x the per-head path (all at once: 1.09x / 1.13x / 1.01x),
+  // bfloat16 1.13-1.18x all at once.
+  constexpr int kChunk = 2;
+#endif
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const int64_t tile_stride = (block_size + 15) / 16 * 16;
   const int64_t num_heads = num_kv_heads * GROUP;
@@ -326,7 +336,7 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
       }
       // Online softmax over the block: p = exp(s - new max), the old sums
       // rescaled by exp(old max - new max).
-      Vec16 acc[GROUP][kVecs];
+      float rescale[GROUP];
       for (int g = 0; g < GROUP; ++g) {
         const int64_t h = kv * GROUP + g;
         float* s = scores + g * tile_stride;
@@ -335,7 +345,7 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
           vmax = Vec16::max(vmax, Vec16::first_lanes(n - t0, Vec16::load(s + t0), minus_inf));
         }
         const float new_max = std::max(state.max[h], vmax.reduce_max());
-        const float rescale = state.max[h] == -INFINITY ? 0.f : std::exp(state.max[h] - new_max);
+        rescale[g] = state.max[h] == -INFINITY ? 0.f : std::exp(state.max[h] - new_max);
         const Vec16 shift = Vec16::splat(new_max);
         Vec16 vsum = Vec16::zero();
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -344,26 +354,32 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
           kept.store(s + t0);
           vsum = vsum + kept;
         }
-        state.sum[h] = state.sum[h] * rescale + vsum.reduce_add();
+        state.sum[h] = state.sum[h] * rescale[g] + vsum.reduce_add();
         state.max[h] = new_max;
-        const Vec16 r = Vec16::splat(rescale);
-        for (int i = 0; i < kVecs; ++i) {
-          acc[g][i] = Vec16::load(state.acc + h * HEAD_DIM + 16 * i) * r;
-        }
       }
-      // Values: each row read (and widened) once for the group.
-      for (int64_t j = 0; j < n; ++j) {
-        const T* v = v_head + j * row_stride;
-        Vec16 vf[kVecs];
-        for (int i = 0; i < kVecs; ++i) vf[i] = load_row(v + 16 * i);
+      // Values: each row read (and widened) once for the group, kChunk
+      // vectors of it at a time so the accumulators stay in registers.
+      for (int i0 = 0; i0 < kVecs; i0 += kChunk) {
+        Vec16 acc[GROUP][kChunk];
         for (int g = 0; g < GROUP; ++g) {
-          const Vec16 p = Vec16::splat(scores[g * tile_stride + j]);
-          for (int i = 0; i < kVecs; ++i) acc[g][i] = Vec16::fma(p, vf[i], acc[g][i]);
+          const float* a = state.acc + (kv * GROUP + g) * HEAD_DIM + 16 * i0;
+          for (int i = 0; i < kChunk; ++i) {
+            acc[g][i] = Vec16::load(a + 16 * i) * Vec16::splat(rescale[g]);
+          }
         }
-      }
-      for (int g = 0; g < GROUP; ++g) {
-        float* a = state.acc + (kv * GROUP + g) * HEAD_DIM;
-        for (int i = 0; i < kVecs; ++i) acc[g][i].store(a + 16 * i);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* v = v_head + j * row_stride + 16 * i0;
+          Vec16 vf[kChunk];
+          for (int i = 0; i < kChunk; ++i) vf[i] = load_row(v + 16 * i);
+          for (int g = 0; g < GROUP; ++g) {
+            const Vec16 p = Vec16::splat(scores[g * tile_stride + j]);
+            for (int i = 0; i < kChunk; ++i) acc[g][i] = Vec16::fma(p, vf[i], acc[g][i]);
+          }
+        }
+        for (int g = 0; g < GROUP; ++g) {
+          float* a = state.acc + (kv * GROUP + g) * HEAD_DIM + 16 * i0;
+          for (int i = 0; i < kChunk; ++i) acc[g][i].store(a + 16 * i);
+        }
       }
     }
     start += n;
@@ -590,13 +606,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                 group, max_blocks, block_size, query.stride(0), query.stride(1), out.stride(0),
                 out.stride(1), scale_f);
     };
-#if !defined(__AVX512F__)
-    // float32 on AVX2 registers: the run path's accumulators spill (16 ymm),
-    // and 30 layers' caches in turn measured mixed on the Zen 4 EPYC built at
-    // this level (batch 16 x 1,024 tokens 1.12x, 4 x 1,024 1.06x, 16 x 256
-    // 0.94x); bfloat16 gained 1.36-1.70x there and takes it.
-    if constexpr (std::is_same_v<T, float>) return;
-#endif
     if (head_dim == 64) runs(&attend_all_runs<T, 64>);
     if (head_dim == 128) runs(&attend_all_runs<T, 128>);
   });
