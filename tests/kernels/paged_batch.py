@@ -43,6 +43,10 @@ class PagedBatch:
         """Copies of the caches, so that two backends can write into their own."""
         return self.k_cache.clone(), self.v_cache.clone()
 
+    def with_query_scaled(self, factor: float) -> PagedBatch:
+        """The same batch with every query times ``factor`` (scores times it too)."""
+        return replace(self, query=self.query * factor)
+
     def to_float32(self) -> PagedBatch:
         """The same values in float32: a reference for a lower-precision kernel."""
         return replace(

@@ -119,24 +119,6 @@ def test_native_decode_splits_long_contexts_into_runs(
     assert_matches_reference(batch)
 
 
-def test_native_bf16_decode_with_large_scores_across_runs() -> None:
-    """Scores of ~1e3 with the largest late in a long context: the runs'
-    maxima differ by far more than exp's range, and the merge stays finite."""
-    batch = make_paged_batch(
-        [(1500, 1), (40, 1)],
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        block_size=16,
-        dtype=torch.bfloat16,
-    )
-    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 64.0})
-    actual = run_backend(NativeCpuAttentionBackend(), big)
-    expected = run_backend(TorchReferenceBackend(), big.to_float32())
-    assert torch.isfinite(actual).all()
-    torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=BF16_RTOL)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_run_in_cpp_not_the_torch_fallback(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -152,16 +134,27 @@ def test_decodes_run_in_cpp_not_the_torch_fallback(
     assert_matches_reference(batch)
 
 
-def test_large_scores_do_not_overflow() -> None:
-    """The max is subtracted before exp: scores of ~1e4 stay finite."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_scores_do_not_overflow(dtype: torch.dtype) -> None:
+    """The max is subtracted before exp: scores of ~1e4 stay finite, also when
+    a long context is split into runs whose maxima differ by far more than
+    exp's range (the merge rescales them)."""
     batch = make_paged_batch(
-        [(40, 1), (7, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16
+        [(1500, 1), (40, 1), (7, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
     )
-    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 1000.0})
-    expected = run_backend(TorchReferenceBackend(), big)
+    big = batch.with_query_scaled(1000.0 if dtype == torch.float32 else 64.0)
+    expected = run_backend(TorchReferenceBackend(), big.to_float32())
     actual = run_backend(NativeCpuAttentionBackend(), big)
     assert torch.isfinite(actual).all()
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=BF16_RTOL)
 
 
 def _decode_args(num_blocks: int = 4) -> dict[str, torch.Tensor]:

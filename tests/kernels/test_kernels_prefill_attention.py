@@ -169,7 +169,7 @@ def test_large_scores_do_not_overflow(dtype: torch.dtype, no_torch_prefill: None
         block_size=16,
         dtype=dtype,
     )
-    big = PagedBatch(**{**batch.__dict__, "query": batch.query * 1000.0})
+    big = batch.with_query_scaled(1000.0)
     actual = run_backend(NativeCpuAttentionBackend(), big)
     expected = run_backend(TorchReferenceBackend(), big.to_float32())
     assert torch.isfinite(actual).all()
