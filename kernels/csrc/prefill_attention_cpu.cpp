@@ -221,6 +221,27 @@ inline void store_output(uint16_t* out, Vec16 y) {
 }
 #endif
 
+// 2^x for the probabilities of the bfloat16 path, x a scaled score minus its
+// row's max in base-2 units (the scale folded into the multiply-add that
+// subtracts the max), so at most a rounding above 0, and finite. A degree-4
+// polynomial in r = x - round(x), |r| <= 1/2 (Taylor in r ln 2): relative
+// error ~4e-5, far below the bfloat16 rounding of P that follows, as
+// exp16<false>; four fewer instructions a vector (no range reduction by
+// ln 2, no clamps: vscalefps underflows to 0 for very negative n). A
+// 1,024-token chunk (9 heads, head_dim 64) on the Zen 4 EPYC: 4.07 vs 4.22 ms.
+inline Vec16 exp2_probabilities(Vec16 x) {
+#if !defined(__AVX512F__)
+  x = Vec16::max(x, Vec16::splat(-126.f));  // the AVX2 times_pow2 needs a normal 2^n
+#endif
+  const Vec16 n = x.round_nearest();
+  const Vec16 r = x - n;
+  Vec16 p = Vec16::fma(Vec16::splat(9.6181291e-3f), r, Vec16::splat(5.5504109e-2f));
+  p = Vec16::fma(p, r, Vec16::splat(2.4022651e-1f));
+  p = Vec16::fma(p, r, Vec16::splat(6.9314718e-1f));
+  p = Vec16::fma(p, r, Vec16::splat(1.f));
+  return p.times_pow2(n);
+}
+
 // The online softmax of one step of `width` keys (a multiple of 16, at most
 // kStepKeys) for 16 rows, one row at a time: new running max of the scaled
 // scores, alpha = exp(old max - new max) per row, p = exp(scaled scores - new
@@ -234,6 +255,8 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
                   float scale) {
   constexpr bool kPrecise = std::is_same_v<Word, float>;
   const Vec16 scale_v = Vec16::splat(scale), no_score = Vec16::splat(kNoScore);
+  constexpr float kLog2e = 1.44269504088896341f;
+  const Vec16 scale_log2e = Vec16::splat(scale * kLog2e);
   alignas(64) float old_max[kTileRows], step_sum[kTileRows];
   for (int64_t r = 0; r < kTileRows; ++r) {
     const float* s_row = s + r * kStepKeys;
@@ -249,10 +272,15 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
     const float new_max = std::max(row_max[r], step_max.reduce_max() * scale);
     old_max[r] = row_max[r];
     row_max[r] = new_max;
-    const Vec16 minus_max = Vec16::splat(-new_max);
     Vec16 sum = Vec16::zero();
     for (int64_t k = 0; k < width; k += kKeyTile) {
-      Vec16 e = exp16<kPrecise>(Vec16::fma(Vec16::load(s_row + k), scale_v, minus_max));
+      const Vec16 scores = Vec16::load(s_row + k);
+      Vec16 e;
+      if constexpr (kPrecise) {
+        e = exp16<true>(Vec16::fma(scores, scale_v, Vec16::splat(-new_max)));
+      } else {
+        e = exp2_probabilities(Vec16::fma(scores, scale_log2e, Vec16::splat(-new_max * kLog2e)));
+      }
       if constexpr (!WHOLE) e = Vec16::first_lanes(visible - k, e, Vec16::zero());
       // Sum what P V will multiply: the stored (for bfloat16, rounded) probabilities.
       sum = sum + store_probabilities(p_row + k, e);
