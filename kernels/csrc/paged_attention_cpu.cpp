@@ -280,20 +280,12 @@ struct QueryDots<Bf16, HEAD_DIM> {
 // bfloat16 SDPA round it), two value rows at a time interleaved word by word
 // into (row j, row j + 1) pairs, so one instruction adds p_j v_j + p_j+1 v_j+1
 // for 16 dims. The interleave (vpunpck{l,h}wd) works within 128-bit lanes, so
-// the accumulators hold each 32 dims in the order `pair_lane_dims` gives;
-// unpermute_pairs restores it once per run. Against float P times widened
+// the accumulators hold each 32 dims in a lane order that unpermute_pairs
+// undoes once per run. Against float P times widened
 // rows (FMAs), on the Zen 4 EPYC (2 cores, 30 layers' caches in turn,
 // interleaved runs): batch 16 x 1,024 1.07-1.10x with blocks scattered,
 // 1.08-1.09x in order (as the scheduler allocates them); 16 x 1,024 from
 // cache 1.12x; 4 x 1,024 1.01-1.03x.
-
-// Rounds 16 probabilities to bfloat16, stores them, returns the rounded values
-// (what P V multiplies, so what the row sums add).
-inline Vec16 store_pairs(uint16_t* p, Vec16 e) {
-  const __m256bh bits = _mm512_cvtneps_pbh(e.v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)bits);
-  return {_mm512_cvtpbh_ps(bits)};
-}
 
 // acc[g] (GROUP x HEAD_DIM floats, pair lane order) = acc[g] * rescale[g] +
 // sum over the block's n rows of p[g][j] v_j.
@@ -439,7 +431,8 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
           const Vec16 kept = Vec16::first_lanes(n - t0, p, Vec16::zero());
 #if defined(KVMESH_PV_PAIRS)
           if constexpr (kPairs) {
-            vsum = vsum + store_pairs(probs + g * tile_stride + t0, kept);
+            // The row sums add what P V multiplies: the rounded probabilities.
+            vsum = vsum + kept.store_bf16_rounded(probs + g * tile_stride + t0);
             continue;
           }
 #endif

@@ -210,15 +210,9 @@ inline Vec16 store_probabilities(float* p, Vec16 e) {
 inline void store_output(float* out, Vec16 y) { y.store(out); }
 
 #if defined(__AVX512BF16__)
-inline Vec16 store_probabilities(uint16_t* p, Vec16 e) {
-  const __m256bh e_bf16 = _mm512_cvtneps_pbh(e.v);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(p), (__m256i)e_bf16);
-  return {_mm512_cvtpbh_ps(e_bf16)};
-}
+inline Vec16 store_probabilities(uint16_t* p, Vec16 e) { return e.store_bf16_rounded(p); }
 
-inline void store_output(uint16_t* out, Vec16 y) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(y.v));
-}
+inline void store_output(uint16_t* out, Vec16 y) { y.store_bf16(out); }
 #endif
 
 // 2^x for the probabilities of the bfloat16 path, x a scaled score minus its

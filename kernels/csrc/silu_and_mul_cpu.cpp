@@ -63,18 +63,8 @@ int64_t silu_and_mul_vec16(const T* gate, const T* up, T* out, int64_t inter) {
     if constexpr (std::is_same_v<T, float>) {
       (silu * load16(up + i)).store(out + i);
     } else {
-#if defined(__AVX512BF16__)
-      // The same rounding (to nearest, ties to even) in one instruction each
-      // way instead of Vec16's integer sequence: the same outputs except
-      // float32 subnormals (which the instruction flushes to zero); 1.2x at
-      // [1,024, 2 x 1,536] on the Zen 4 EPYC (0.60 vs 0.72 ms, 2 threads).
-      const __m256bh silu_bf16 = _mm512_cvtneps_pbh(silu.v);
-      const __m512 y = _mm512_mul_ps(_mm512_cvtpbh_ps(silu_bf16), load16(up + i).v);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(y));
-#else
       silu = silu.round_bf16();
       (silu * load16(up + i)).store_bf16(reinterpret_cast<uint16_t*>(out + i));
-#endif
     }
   }
   return whole;

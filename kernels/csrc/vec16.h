@@ -54,12 +54,27 @@ struct Vec16 {
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
 
   // bfloat16 in memory, converted as bf16_bits_to_float / float_to_bf16_bits.
+  // With AVX512-BF16 the rounding is one vcvtneps2bf16 instead of that integer
+  // sequence: the same bits except float32 subnormals, which it flushes to
+  // zero (silu_and_mul at [1,024, 2 x 1,536] bf16 on the Zen 4 EPYC: 0.60 vs
+  // 0.72 ms, 2 threads).
   static Vec16 load_bf16(const uint16_t* p) {
     return {bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
-  Vec16 round_bf16() const { return {bf16_bits_to_float(float_to_bf16_bits(v))}; }
+#if defined(__AVX512BF16__)
+  __m256i bf16_bits() const { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+  __m256i bf16_bits() const { return float_to_bf16_bits(v); }
+#endif
+  Vec16 round_bf16() const { return {bf16_bits_to_float(bf16_bits())}; }
   void store_bf16(uint16_t* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), float_to_bf16_bits(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits());
+  }
+  // store_bf16, returning what was stored (as round_bf16 would, one rounding).
+  Vec16 store_bf16_rounded(uint16_t* p) const {
+    const __m256i bits = bf16_bits();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+    return {bf16_bits_to_float(bits)};
   }
 
   // For exp16: lanes rounded to the nearest integer, and this x 2^n for
@@ -135,6 +150,10 @@ struct Vec16 {
     // packus interleaves the two halves' 128-bit lanes; the permute puts them back.
     const __m256i packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  Vec16 store_bf16_rounded(uint16_t* p) const {
+    store_bf16(p);
+    return round_bf16();
   }
 
   // 2^n is built in the exponent bits, so n must stay a normal float's
