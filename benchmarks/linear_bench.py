@@ -1,4 +1,5 @@
-"""Small-batch projections: oneDNN (float32 or bf16) vs the C++ kernel over exact block codes.
+"""Small-batch projections: oneDNN (float32 or bf16) vs the C++ kernels over exact
+block codes and (bfloat16 at the avx512_bf16 level) over feature-pair-packed weights.
 
 Runs every projection of the default model (30 layers x qkv/o/gate_up/down,
 plus the LM head) once per "step", in model order, as a decode step does, so
@@ -9,8 +10,11 @@ this run. Usage: ``python benchmarks/linear_bench.py [--rows 1 16 32 64]
 kernel fed bf16 rows, as the bf16 model runs them).
 
 The crossover it shows is what ``MAX_BLOCK_CODE_ROWS`` (and ``_BF16``,
-``_BF16_DOT``, ``_BF16_AMX``) in worker/models/linear.py are set from; the codes kernel runs
-at the loaded instruction-set level (``KVMESH_CPU_ISA``, printed).
+``_BF16_DOT``, ``_BF16_AMX``), ``MIN_PAIR_ROWS_OVER_CODES`` and ``MAX_PAIR_ROWS`` in
+worker/models/linear.py are set from; the kernels run at the loaded
+instruction-set level (``KVMESH_CPU_ISA``, printed). The paths alternate within
+each of ``--rounds`` rounds (the best round counts), so a drift of the host's
+speed hits them alike.
 """
 
 from __future__ import annotations
@@ -24,36 +28,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import worker.models.linear as linear_module
 from kernels import native
 from services.model_prep import default_model_path
 from worker.config import ModelConfig
 from worker.model_loader import load_model
 from worker.models.linear import PackedLinear
 
+CODE_ROW_LIMITS = (
+    "MAX_BLOCK_CODE_ROWS",
+    "MAX_BLOCK_CODE_ROWS_BF16",
+    "MAX_BLOCK_CODE_ROWS_BF16_DOT",
+    "MAX_BLOCK_CODE_ROWS_BF16_AMX",
+)
 
-def step_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], force: str) -> float:
-    """Best of 5 passes over every projection; ``force`` picks the path."""
-    import worker.models.linear as linear_module
 
-    names = (
-        "MAX_BLOCK_CODE_ROWS",
-        "MAX_BLOCK_CODE_ROWS_BF16",
-        "MAX_BLOCK_CODE_ROWS_BF16_DOT",
-        "MAX_BLOCK_CODE_ROWS_BF16_AMX",
-    )
-    saved = [getattr(linear_module, name) for name in names]
-    for name in names:
-        setattr(linear_module, name, 1 << 30 if force == "codes" else 0)
+def pass_ms(projections: list[PackedLinear], inputs: dict[int, torch.Tensor], force: str) -> float:
+    """One pass over every projection; ``force`` picks the path ("onednn",
+    "codes" or "pairs")."""
+    limits = {name: 1 << 30 if force == "codes" else 0 for name in CODE_ROW_LIMITS}
+    limits["MIN_PAIR_ROWS_OVER_CODES"] = 1
+    limits["MAX_PAIR_ROWS"] = 1 << 30 if force == "pairs" else 0
+    saved = {name: getattr(linear_module, name) for name in limits}
+    for name, value in limits.items():
+        setattr(linear_module, name, value)
     try:
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for projection in projections:
-                projection(inputs[projection.in_features])
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
+        start = time.perf_counter()
+        for projection in projections:
+            projection(inputs[projection.in_features])
+        return (time.perf_counter() - start) * 1e3
     finally:
-        for name, value in zip(names, saved, strict=True):
+        for name, value in saved.items():
             setattr(linear_module, name, value)
 
 
@@ -62,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -76,16 +82,23 @@ def main() -> None:
         f"{with_codes}/{total} projections have exact block codes; {threads} threads; "
         f"oneDNN in {args.dtype}; C++ kernels at the {level.name if level else None} level"
     )
-    print(f"{'rows':>5} {'oneDNN ms':>10} {'codes ms':>9} {'speed-up':>9}")
+    paths = ["onednn", "codes"]
+    if any(p._pairs is not None for p in projections):
+        paths.append("pairs")
+    print(f"{'rows':>5} " + " ".join(f"{path + ' ms':>10}" for path in paths) + "  (best round)")
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {
                 n: torch.randn(rows, n, dtype=config.dtype)
                 for n in {p.in_features for p in projections}
             }
-            dense = step_ms(projections, inputs, "onednn")
-            codes = step_ms(projections, inputs, "codes")
-            print(f"{rows:>5} {dense:>10.2f} {codes:>9.2f} {dense / codes:>8.2f}x")
+            best = dict.fromkeys(paths, float("inf"))
+            for _ in range(args.rounds):
+                for path in paths:
+                    best[path] = min(best[path], pass_ms(projections, inputs, path))
+            ratios = ", ".join(f"{path} {best['onednn'] / best[path]:.2f}x" for path in paths[1:])
+            times = " ".join(f"{best[path]:>10.2f}" for path in paths)
+            print(f"{rows:>5} {times}  oneDNN / {ratios}")
 
 
 if __name__ == "__main__":

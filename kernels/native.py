@@ -72,6 +72,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_cpu.cpp": (),
     "amx_linear.cpp": (),
+    "bf16_pair_linear.cpp": (),
     "rms_norm_cpu.cpp": (),
     # Its exp is Vec16's from the avx2 level up; -ffast-math would let gcc turn
     # gate / (1 + exp(-gate)) into a reciprocal estimate that makes NaN of inf.
@@ -83,11 +84,12 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "greedy_argmax_cpu.cpp": FAST_MATH,
     "kv_cache_write_cpu.cpp": (),
 }
-# Sources whose every line is under an AMX (or AVX2) guard, empty at other
+# Sources whose every line is under an AMX (AVX2, AVX512-BF16) guard, empty at other
 # levels: those levels skip them instead of spending seconds per file
 # compiling nothing.
 AMX_ONLY_SOURCES = frozenset({"amx_linear.cpp"})
 AVX2_ONLY_SOURCES = frozenset({"prefill_attention_cpu.cpp"})
+BF16_DOT_ONLY_SOURCES = frozenset({"bf16_pair_linear.cpp"})
 # Compiled once per level and put in front of every source whose extra flags
 # are in PCH_NEUTRAL_FLAGS. GCC refuses a precompiled header built under other
 # predefined macros (-ffast-math defines __FAST_MATH__), so those sources parse
@@ -190,6 +192,8 @@ def build(level: IsaLevel, force: bool = False) -> Path:
                 if name in AMX_ONLY_SOURCES and not level.amx_tiles:
                     continue
                 if name in AVX2_ONLY_SOURCES and not level.avx2:
+                    continue
+                if name in BF16_DOT_ONLY_SOURCES and not level.bf16_dot_products:
                     continue
                 obj = Path(scratch) / f"{Path(name).stem}.o"
                 source = ["-c", str(CSRC / name), "-o", str(obj)]

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.bf16_pairs import pack_pairs, packable
 from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 from services.config.process import AMX_LINEAR
 
@@ -125,6 +126,20 @@ MAX_W8A8_KERNEL_ROWS = 1 << 30
 # vs 591-2502, 2048: 1317-1449 (rebuild + oneDNN bf16 1937-2247) vs 2537-2574.
 # Unmeasured where bf16 rows have no AMX (the avx512_bf16 level).
 MAX_W8A8_KERNEL_ROWS_BF16 = 2
+# bfloat16 rows where the kernels' level has vdpbf16ps but no AMX tiles
+# (avx512_bf16): a copy of the weight packed in feature pairs
+# (kernels/csrc/bf16_pair_linear.cpp) runs the rows from MIN_PAIR_ROWS_OVER_CODES
+# (a weight with block codes: fewer rows read the codes' 1 byte per weight
+# faster) or 1 (a dense weight) up to MAX_PAIR_ROWS; oneDNN takes larger
+# batches. `linear_bench.py --dtype bfloat16 --rounds 9` on the 2-core
+# AVX512-BF16 EPYC (Zen 4, no AMX), every projection of SmolLM2-135M, ms per
+# pass, two runs, oneDNN / codes / pairs: 1 row 15.2 / 6.6 / 9.6, 8 rows
+# 15.1-15.3 / 9.5-9.7 / 9.6-10.1, 12: 16.3-16.9 / 12.6-12.7 / 12.0-12.2,
+# 16: 18.5-20.2 / 15.7-16.4 / 14.3-15.4, 24: 24.3-25.2 / 23.4-24.8 /
+# 18.9-20.7, 32: 29.1-29.7 / 30.3-30.4 / 25.9-26.6, 48: 42.3 / 46.4 / 39.4,
+# 64: 49.3-49.6 / 57.9-58.0 / 49.3-50.4.
+MIN_PAIR_ROWS_OVER_CODES = 12
+MAX_PAIR_ROWS = 48
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -182,6 +197,14 @@ def amx_linear_takes(weight: torch.Tensor) -> bool:
     )
 
 
+def pair_kernel_loaded() -> bool:
+    """Whether bfloat16 decode rows run ``bf16_pair_linear``: the loaded
+    kernels' level multiplies bfloat16 pairs with vdpbf16ps and has no AMX
+    tiles (where it has, the codes and amx_linear run those rows on tiles)."""
+    level = native.loaded_level()
+    return level is not None and level.bf16_dot_products and not level.amx_tiles
+
+
 def _kernel_takes_bf16() -> bool:
     """Whether the loaded kernels' level multiplies bfloat16 rows natively."""
     level = native.loaded_level()
@@ -203,6 +226,7 @@ class PackedLinear:
         "_kernel",
         "_onednn",
         "_packed",
+        "_pairs",
         "in_features",
         "out_features",
         "weight",
@@ -229,6 +253,10 @@ class PackedLinear:
         self._codes_take_bf16 = self._codes is not None and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         self._int8_activations = False
+        # Packed from the float32 weight: the same bfloat16 words as the codes'
+        # rebuild (their values are this weight's exactly).
+        runs_pairs = self._kernel and dtype == torch.bfloat16 and pair_kernel_loaded()
+        self._pairs = pack_pairs(weight) if runs_pairs and packable(weight) else None
         weight = weight.to(dtype)
         # A plain bfloat16 weight for amx_linear (MAX_AMX_LINEAR_ROWS) and oneDNN
         # above, instead of oneDNN's packed copy; with block codes too, for the
@@ -276,6 +304,7 @@ class PackedLinear:
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         self._amx_plain = False
+        self._pairs = None  # only the codes are kept: that is the point of them
         self._int8_activations = int8_activations and self._kernel
         if int8_activations and not self._kernel:
             reason = native.unavailable_reason() or "use_kernel=False"
@@ -301,7 +330,7 @@ class PackedLinear:
     def resident_bytes(self) -> int:
         """Bytes this projection keeps for its weight (codes, packed or dense copy)."""
         total = 0 if self._codes is None else self._codes.nbytes
-        for tensor in (self._packed, self.weight):
+        for tensor in (self._packed, self._pairs, self.weight):
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
         return total
@@ -310,6 +339,12 @@ class PackedLinear:
         if self._int8_activations and _w8a8_fits(x):
             return self._w8a8(x)
         codes = self._codes
+        if self._pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            min_rows = 1 if codes is None else MIN_PAIR_ROWS_OVER_CODES
+            if min_rows <= x.shape[0] <= MAX_PAIR_ROWS:
+                return torch.ops.kvmesh.bf16_pair_linear(
+                    x.contiguous(), self._pairs, self._bias, self.out_features
+                )
         on_amx = self._codes_on_amx and x.dtype == torch.bfloat16
         if self.codes_only:
             max_rows = MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX if on_amx else MAX_CODES_ONLY_KERNEL_ROWS
