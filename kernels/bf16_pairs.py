@@ -1,17 +1,17 @@
 """A bfloat16 weight packed once in vdpbf16ps's pair layout for
 ``torch.ops.kvmesh.bf16_pair_linear`` (kernels/csrc/bf16_pair_linear.cpp).
 
-Panels of 16 output features; within a panel, for each pair of input
-features (2p, 2p + 1), 32 words: W[16 panel + l, 2p + j] at word 2l + j, the
-order one vdpbf16ps multiplies against a broadcast pair of activations.
-Output features past the weight's are zero rows.
+Items of 32 output features; within an item, for each pair of input features
+(2p, 2p + 1), 64 words: W[32 item + l, 2p + j] at word 2l + j, so that each
+half (16 outputs, 32 words) is what one vdpbf16ps multiplies against a
+broadcast pair of activations. Output features past the weight's are zero rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-LANES = 16
+ITEM_OUTPUTS = 32
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -21,17 +21,17 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """[out_features, in_features] -> bfloat16 [panels, in_features / 2, 32],
+    """[out_features, in_features] -> bfloat16 [items, in_features / 2, 64],
     rounding to bfloat16 as ``Tensor.to`` does (nearest even)."""
     if not packable(weight):
         raise ValueError(f"cannot pack a {tuple(weight.shape)} weight in feature pairs")
     out_features, in_features = weight.shape
-    panels = -(-out_features // LANES)
-    padded = torch.zeros(panels * LANES, in_features, dtype=torch.bfloat16)
+    items = -(-out_features // ITEM_OUTPUTS)
+    padded = torch.zeros(items * ITEM_OUTPUTS, in_features, dtype=torch.bfloat16)
     padded[:out_features] = weight.to(torch.bfloat16)
     return (
-        padded.view(panels, LANES, in_features // 2, 2)
+        padded.view(items, ITEM_OUTPUTS, in_features // 2, 2)
         .permute(0, 2, 1, 3)
-        .reshape(panels, in_features // 2, 2 * LANES)
+        .reshape(items, in_features // 2, 2 * ITEM_OUTPUTS)
         .contiguous()
     )

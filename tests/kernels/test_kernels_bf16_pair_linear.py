@@ -25,17 +25,17 @@ def _bf16_dot_level_or_skip() -> None:
 
 
 def test_pack_pairs_puts_each_weight_where_the_kernel_reads_it() -> None:
-    """Word 2l + j of pair p in panel q is W[16 q + l, 2 p + j]; rows past the
+    """Word 2l + j of pair p in item q is W[32 q + l, 2 p + j]; rows past the
     weight are zeros. (Pure layout: no kernel needed.)"""
-    out_features, in_features = 21, 6
+    out_features, in_features = 41, 6
     weight = torch.arange(out_features * in_features, dtype=torch.float32).reshape(
         out_features, in_features
     )
     pairs = pack_pairs(weight)
-    assert pairs.shape == (2, 3, 32) and pairs.dtype == torch.bfloat16
-    for n in range(32):
+    assert pairs.shape == (2, 3, 64) and pairs.dtype == torch.bfloat16
+    for n in range(64):
         for k in range(in_features):
-            value = pairs[n // 16, k // 2, 2 * (n % 16) + k % 2].item()
+            value = pairs[n // 32, k // 2, 2 * (n % 32) + k % 2].item()
             assert value == (weight[n, k].bfloat16().item() if n < out_features else 0.0)
     assert not packable(torch.zeros(4, 7))
     with pytest.raises(ValueError, match="feature pairs"):
@@ -45,10 +45,11 @@ def test_pack_pairs_puts_each_weight_where_the_kernel_reads_it() -> None:
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features", "with_bias"),
     [
-        (1, 64, 16, False),
-        (5, 96, 40, True),  # ragged last panel
-        (16, 576, 49, False),  # one full row tile
-        (17, 128, 200, True),  # a second tile of one row
+        (1, 64, 16, False),  # the item's upper half is all padding
+        (5, 96, 40, True),  # ragged: the last item's upper half is 8 outputs
+        (12, 576, 64, False),  # one full row tile
+        (16, 576, 49, False),  # 12 rows + 4 from L1/L2; 17 outputs in the last item
+        (25, 128, 200, True),  # two full tiles and one row
         (33, 1536, 24, False),
         (40, 64, 100, True),
     ],
@@ -78,14 +79,17 @@ def test_pair_linear_matches_float64(
 
 @pytest.mark.parametrize("make", [q8_0_weight, q4_1_weight])
 @pytest.mark.parametrize("rows", [1, 12, 16, 29])
-def test_pair_linear_equals_the_block_code_kernel_bit_for_bit(make, rows: int) -> None:
+@pytest.mark.parametrize("out_features", [72, 96])
+def test_pair_linear_equals_the_block_code_kernel_bit_for_bit(
+    make, rows: int, out_features: int
+) -> None:
     """Same bfloat16 weights, same products, same summation order."""
     _bf16_dot_level_or_skip()
-    weight = make(72, 256, seed=rows)
+    weight = make(out_features, 256, seed=rows)
     codes = find_block_codes(weight)
     assert codes is not None
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    y = torch.ops.kvmesh.bf16_pair_linear(x, pack_pairs(weight), None, 72)
+    y = torch.ops.kvmesh.bf16_pair_linear(x, pack_pairs(weight), None, out_features)
     expected = torch.ops.kvmesh.block_code_linear(
         x, codes.codes, codes.scales, codes.offsets, codes.out_features
     )
@@ -113,9 +117,9 @@ def test_pair_linear_does_not_depend_on_thread_count(threads: int) -> None:
     [
         ({"x": torch.zeros(3, 64)}, "bfloat16"),
         ({"x": torch.zeros(3, 62, dtype=torch.bfloat16)}, "features"),
-        ({"out_features": 33}, "panels"),
+        ({"out_features": 33}, "items"),
         ({"bias": torch.zeros(5, dtype=torch.bfloat16)}, "bias"),
-        ({"pairs": torch.zeros(2, 32, 16, dtype=torch.bfloat16)}, "pairs"),
+        ({"pairs": torch.zeros(1, 32, 32, dtype=torch.bfloat16)}, "pairs"),
     ],
 )
 def test_pair_linear_rejects_bad_inputs(change: dict, message: str) -> None:

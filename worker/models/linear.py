@@ -133,13 +133,14 @@ MAX_W8A8_KERNEL_ROWS_BF16 = 2
 # faster) or 1 (a dense weight) up to MAX_PAIR_ROWS; oneDNN takes larger
 # batches. `linear_bench.py --dtype bfloat16 --rounds 9` on the 2-core
 # AVX512-BF16 EPYC (Zen 4, no AMX), every projection of SmolLM2-135M, ms per
-# pass, two runs, oneDNN / codes / pairs: 1 row 15.2 / 6.6 / 9.6, 8 rows
-# 15.1-15.3 / 9.5-9.7 / 9.6-10.1, 12: 16.3-16.9 / 12.6-12.7 / 12.0-12.2,
-# 16: 18.5-20.2 / 15.7-16.4 / 14.3-15.4, 24: 24.3-25.2 / 23.4-24.8 /
-# 18.9-20.7, 32: 29.1-29.7 / 30.3-30.4 / 25.9-26.6, 48: 42.3 / 46.4 / 39.4,
-# 64: 49.3-49.6 / 57.9-58.0 / 49.3-50.4.
-MIN_PAIR_ROWS_OVER_CODES = 12
-MAX_PAIR_ROWS = 48
+# pass, two runs, oneDNN / codes / pairs: 1 row 14.9-15.4 / 6.3 / 9.5-9.7,
+# 4 rows 13.6-14.2 / 7.2-8.5 / 8.2-9.4, 8: 14.9-17.1 / 10.0-10.2 / 9.0-10.1,
+# 12: 17.0 / 12.8-13.2 / 10.7-10.9, 16: 20.0-20.7 / 16.2-16.4 / 13.1-13.2,
+# 32: 29.3-30.0 / 30.1-31.5 / 23.8-25.3, 64: 54.4-57.4 / 58.4-63.2 /
+# 45.3-46.0; one run (7 rounds): 96: 70.4 / 87.6 / 66.9, 128: 87.9 / 114.1 /
+# 86.4, 256: 164.8 / 227.5 / 170.5.
+MIN_PAIR_ROWS_OVER_CODES = 8
+MAX_PAIR_ROWS = 96
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
