@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from services.math_utils import cdiv
+
 ITEM_OUTPUTS = 32
 
 
@@ -26,7 +28,7 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     if not packable(weight):
         raise ValueError(f"cannot pack a {tuple(weight.shape)} weight in feature pairs")
     out_features, in_features = weight.shape
-    items = -(-out_features // ITEM_OUTPUTS)
+    items = cdiv(out_features, ITEM_OUTPUTS)
     padded = torch.zeros(items * ITEM_OUTPUTS, in_features, dtype=torch.bfloat16)
     padded[:out_features] = weight.to(torch.bfloat16)
     return (
