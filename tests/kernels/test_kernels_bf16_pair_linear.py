@@ -83,7 +83,9 @@ def test_pair_linear_matches_float64(
 def test_pair_linear_equals_the_block_code_kernel_bit_for_bit(
     make, rows: int, out_features: int
 ) -> None:
-    """Same bfloat16 weights, same products, same summation order."""
+    """Same bfloat16 weights (the packed words are the codes' rebuild), so the
+    same outputs. A different summation order would rarely show here: the
+    float32 sums are rounded to bfloat16 (reversing the kernel's order passed)."""
     _bf16_dot_level_or_skip()
     weight = make(out_features, 256, seed=rows)
     codes = find_block_codes(weight)

@@ -202,8 +202,7 @@ def pair_kernel_loaded() -> bool:
     """Whether bfloat16 decode rows run ``bf16_pair_linear``: the loaded
     kernels' level multiplies bfloat16 pairs with vdpbf16ps and has no AMX
     tiles (where it has, the codes and amx_linear run those rows on tiles)."""
-    level = native.loaded_level()
-    return level is not None and level.bf16_dot_products and not level.amx_tiles
+    return _kernel_takes_bf16() and not native.amx_tiles_loaded()
 
 
 def _kernel_takes_bf16() -> bool:
