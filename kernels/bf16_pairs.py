@@ -37,3 +37,17 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
         .reshape(items, in_features // 2, 2 * ITEM_OUTPUTS)
         .contiguous()
     )
+
+
+def unpack_pairs(pairs: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of ``pack_pairs``: the bfloat16 weight [out_features,
+    in_features] the pairs hold, word for word."""
+    items, half_features, words = pairs.shape
+    if words != 2 * ITEM_OUTPUTS or not 0 < out_features <= items * ITEM_OUTPUTS:
+        raise ValueError(f"{tuple(pairs.shape)} pairs cannot hold {out_features} output features")
+    return (
+        pairs.view(items, half_features, ITEM_OUTPUTS, 2)
+        .permute(0, 2, 1, 3)
+        .reshape(items * ITEM_OUTPUTS, 2 * half_features)[:out_features]
+        .contiguous()
+    )

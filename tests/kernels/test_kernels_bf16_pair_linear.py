@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.bf16_pairs import pack_pairs, packable
+from kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
 from kernels.block_codes import find_block_codes
 from tests.kernels.test_kernels_block_codes import q4_1_weight, q8_0_weight
 from worker.models.linear import (
@@ -40,6 +40,16 @@ def test_pack_pairs_puts_each_weight_where_the_kernel_reads_it() -> None:
     assert not packable(torch.zeros(4, 7))
     with pytest.raises(ValueError, match="feature pairs"):
         pack_pairs(torch.zeros(4, 7))
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(41, 6), (32, 576), (1, 2), (65, 64)])
+def test_unpack_pairs_gives_back_the_bfloat16_weight(out_features: int, in_features: int) -> None:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(3))
+    unpacked = unpack_pairs(pack_pairs(weight), out_features)
+    assert unpacked.is_contiguous()
+    assert torch.equal(unpacked, weight.bfloat16())
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_pairs(pack_pairs(weight), 32 * pack_pairs(weight).shape[0] + 1)
 
 
 @pytest.mark.parametrize(

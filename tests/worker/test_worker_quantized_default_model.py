@@ -77,10 +77,14 @@ def test_gguf_direct_is_bit_for_bit_the_converted_checkpoint(
     reference: list[list[int]],
 ) -> None:
     runner = make_runner(gguf_file)
-    sizes, dense = runner.model.weight_bytes(), float_runner.model.weight_bytes()
+    sizes = runner.model.weight_bytes()
     assert sizes["codes_only_projections"] == 4 * runner.model_config.num_layers + 1
     resident = sizes["projections"] + sizes["embedding_codes"] + sizes["parameters"]
-    assert resident < 0.2 * (dense["projections"] + dense["parameters"])
+    # No dense copy anywhere: ~1.25 bytes per weight (a byte, plus a float32
+    # scale and offset per 32; the tied head and the embedding each keep codes)
+    # against the float32 model's 4.
+    dense_float32 = 4 * sum(p.numel() for p in float_runner.model.parameters())
+    assert resident < 0.4 * dense_float32
     # Bit for bit where both take the same path: the kernel (a short prompt) and
     # prefill beyond MAX_CODES_ONLY_KERNEL_ROWS (the rebuilt weight vs the packed one).
     long_prompt = [token for prompt in prompt_ids for token in prompt] * 2

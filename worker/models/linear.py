@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.bf16_pairs import pack_pairs, packable
+from kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
 from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 from services.config.process import AMX_LINEAR
 
@@ -157,6 +157,11 @@ def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> 
         and hasattr(mkldnn_ops, "_reorder_linear_weight")
         and hasattr(mkldnn_ops, "_linear_pointwise")
     )
+
+
+# Rows of the identity per oneDNN call when dense_weight rebuilds a weight
+# from its packed copy.
+_IDENTITY_ROWS = 1024
 
 
 class _Scratch(threading.local):
@@ -334,6 +339,32 @@ class PackedLinear:
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
         return total
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense [out_features, in_features] tensor, rebuilt
+        exactly from what this projection keeps (its parameter need not stay
+        beside it, and packing again starts from this): the plain weight; else
+        the block codes, in float32 (the very values they were found in); else
+        the bfloat16 pairs, word for word; else oneDNN's packed copy, multiplied
+        by the identity (each output is one weight times 1.0 plus zeros: exact
+        in its own dtype)."""
+        if self.weight is not None:
+            return self.weight
+        if self._codes is not None:
+            return _dequantize(self._codes).clone()
+        if self._pairs is not None:
+            return unpack_pairs(self._pairs, self.out_features)
+        assert self._packed is not None
+        transposed = torch.empty(self.in_features, self.out_features, dtype=self._dtype)
+        # The identity a slice of rows at a time: rows x in_features, not in_features^2.
+        for first in range(0, self.in_features, _IDENTITY_ROWS):
+            rows = min(_IDENTITY_ROWS, self.in_features - first)
+            identity = torch.zeros(rows, self.in_features, dtype=self._dtype)
+            identity[:, first : first + rows].fill_diagonal_(1.0)
+            transposed[first : first + rows] = torch.ops.mkldnn._linear_pointwise(
+                identity, self._packed, None, "none", [], ""
+            )
+        return transposed.t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._int8_activations and _w8a8_fits(x):

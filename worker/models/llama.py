@@ -90,11 +90,14 @@ def _pack(
             f"{native.unavailable_reason() or 'turned off for this model (dense linear)'}"
         )
     if piece is None and is_placeholder(weight):
-        if previous is None or previous.codes is None:
-            raise ValueError("a quantized projection packed without its codes")
-        return PackedLinear.from_codes(
-            previous.codes, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
-        )
+        if previous is None:
+            raise ValueError("a projection packed without its weights")
+        if previous.codes_only:
+            return PackedLinear.from_codes(
+                previous.codes, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
+            )
+        # Packed before and its parameter released: start from what it kept.
+        weight.data = previous.dense_weight()
     if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
         weight.data = piece.to(weight.dtype)
     if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
@@ -107,13 +110,22 @@ def _pack(
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
-def share_plain_weight(param: nn.Parameter, packed: PackedLinear) -> None:
+def share_plain_weight(param: nn.Parameter, packed: PackedLinear, keep: bool = False) -> None:
     """Point ``param`` at ``packed``'s plain weight where it keeps one
     (amx_linear's bfloat16 weight, or the torch linear's): that tensor is the
     parameter in the compute dtype, what the parameter becomes after packing
-    anyway, so one copy serves both instead of two."""
+    anyway, so one copy serves both instead of two. Where it keeps none (its
+    weight lives only in packed layouts: oneDNN's, the bf16 pairs, block
+    codes), the parameter is released to its shape unless ``keep`` (a tied
+    embedding table, which lookups read): the forward never reads it, and
+    packing again starts from ``packed.dense_weight()``. A dense parameter
+    beside oneDNN's copy doubled a float32 model's weight memory."""
     plain = packed.weight
-    if plain is not None and not is_placeholder(param) and plain.shape == param.shape:
+    if is_placeholder(param) or (plain is None and keep):
+        return
+    if plain is None:
+        release(param)
+    elif plain.shape == param.shape:
         param.data = plain
 
 
@@ -218,7 +230,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def share_plain_weights(self) -> None:
         """Each projection parameter becomes its packed projection's plain
-        weight where there is one (``share_plain_weight``)."""
+        weight where there is one, else is released (``share_plain_weight``)."""
         assert self._packed is not None
         for name, param in (
             ("qkv", self.qkv_proj),
@@ -467,13 +479,15 @@ class LlamaForCausalLM(nn.Module):
                 if name.startswith(prefix)
             }
             layer.pack_weights(use_onednn, self._native_ops, use_codes, layer_pieces)
+            # Layer by layer, so that at most one layer's weights are held twice.
+            layer.share_plain_weights()
         self.rotary.use_native = self._native_ops
         if self.has_head:
             self._pack_head(pieces, use_onednn, use_codes)
-        for layer in self.layers:
-            layer.share_plain_weights()
         if self.has_head and self._packed_lm_head is not None:
-            share_plain_weight(self.lm_head, self._packed_lm_head)  # the embedding if tied
+            # Tied, the LM head is the embedding table, which lookups read.
+            tied = self.lm_head is self.embed_tokens
+            share_plain_weight(self.lm_head, self._packed_lm_head, keep=tied)
         # Packed from the exact weights; every parameter now rounds to the
         # compute dtype once (the embedding, the unpacked fallbacks).
         for param in self.parameters():
