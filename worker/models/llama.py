@@ -479,7 +479,7 @@ class LlamaForCausalLM(nn.Module):
                 if name.startswith(prefix)
             }
             layer.pack_weights(use_onednn, self._native_ops, use_codes, layer_pieces)
-            # Layer by layer, so that at most one layer's weights are held twice.
+            # Layer by layer: a packed layer's parameters are gone before the next packs.
             layer.share_plain_weights()
         self.rotary.use_native = self._native_ops
         if self.has_head:
