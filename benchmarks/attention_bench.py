@@ -13,7 +13,9 @@ SDPA per chunk, ``cpu_native`` all chunks in one C++ call
 (kernels/csrc/prefill_attention_cpu.cpp; bfloat16: AMX tiles at the amx level,
 vdpbf16ps at avx512_bf16; float32: FMAs on AVX-512 or AVX2 from avx2 up). Prints ms per
 layer call and GFLOP/s counting the causal FLOPs (4 x heads x head_dim per
-visible query-key pair), the two paths interleaved ``--rounds`` times.
+visible query-key pair), the two paths interleaved ``--rounds`` times;
+``--native-only`` times the C++ op alone (A/B of two builds of it: run each,
+alternately, with its own ``KVMESH_KERNEL_CACHE``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,21 @@ def prefill_main(args: argparse.Namespace, dtype: torch.dtype) -> None:
         f"{args.chunks} chunk(s) of {args.prefill} tokens on a {args.prefix}-token prefix, "
         f"{flops / 1e9:.2f} GFLOP per layer call"
     )
+    if args.native_only:
+        # The C++ op alone, no SDPA between its calls: for comparing two builds
+        # of it (KVMESH_KERNEL_CACHE), run alternately in separate processes.
+        print(f"{'round':>5} {'native ms':>10} {'GFLOP/s':>8}")
+        for round_index in range(args.rounds):
+            ms = time_prefill(
+                NativeCpuAttentionBackend(),
+                args.prefill,
+                args.prefix,
+                args.chunks,
+                args.repeats,
+                dtype,
+            )
+            print(f"{round_index:>5} {ms:>10.2f} {flops / ms / 1e6:>8.0f}")
+        return
     print(
         f"{'round':>5} {'cpu ms':>8} {'GFLOP/s':>8} {'native ms':>10} {'GFLOP/s':>8} "
         f"{'cpu/native':>11}"
@@ -169,6 +186,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="cached tokens before each chunk")
     parser.add_argument("--chunks", type=int, default=1, help="prefill chunks per step")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved prefill A/B rounds")
+    parser.add_argument("--native-only", action="store_true", help="prefill: time the C++ op alone")
     parser.add_argument(
         "--layers",
         type=int,
