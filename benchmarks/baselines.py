@@ -170,18 +170,28 @@ def measure_stack(
 
 
 def measure_inprocess(
-    model: Path, prompts: list[list[int]], output_len: int, concurrency: int, threads: int
+    model: Path,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    threads: int,
+    dtype: str,
 ) -> Measurement:
+    """The engine as the stack's worker and scheduler would run it: the same
+    ``--dtype`` resolution (``auto``: by the CPU) and the step token budget the
+    worker asks the scheduler for on this hardware."""
     from worker.config import CacheConfig, ModelConfig
     from worker.model_runner import ModelRunner
+    from worker.step_budget import preferred_step_tokens
 
-    model_config = ModelConfig.from_pretrained(model, dtype="float32", max_model_len=2048)
+    model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=2048)
     runner = ModelRunner(
         model_config, CacheConfig(block_size=16, num_kv_blocks=2048), num_threads=threads
     )
+    budget = preferred_step_tokens("cpu", model_config.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    InProcessEngine(runner).generate(prompts[:2], params, 2)  # warm-up
-    engine = InProcessEngine(runner)
+    InProcessEngine(runner, max_num_batched_tokens=budget).generate(prompts[:2], params, 2)
+    engine = InProcessEngine(runner, max_num_batched_tokens=budget)
     before = load_average()
     started = time.perf_counter()
     results = engine.generate(prompts, params, concurrency)
@@ -194,6 +204,7 @@ def measure_inprocess(
         seconds,
         before,
         load_average(),
+        f"{str(model_config.dtype).removeprefix('torch.')}, {budget}-token steps",
     )
 
 
@@ -226,7 +237,7 @@ def measure_hf(
     tokens = sum(generate(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size))
     seconds = time.perf_counter() - started
     return Measurement(
-        f"(c) transformers, static batches of {batch_size}",
+        f"(c) transformers float32, static batches of {batch_size}",
         tokens,
         seconds,
         before,
@@ -245,6 +256,11 @@ def main() -> int:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype of (a) and (b), as `kvmesh up --dtype` (auto: by the CPU)",
+    )
     parser.add_argument(
         "--stack-arg",
         action="append",
@@ -269,12 +285,13 @@ def main() -> int:
         concurrencies = [args.concurrency]
         if args.concurrency_large:
             concurrencies.append(args.concurrency_large)
-        for m in measure_stack(model, prompts, args.output_len, concurrencies, args.stack_arg):
+        stack_args = [f"--dtype={args.dtype}", *args.stack_arg]
+        for m in measure_stack(model, prompts, args.output_len, concurrencies, stack_args):
             results.setdefault("a", m)
             results[f"a{m.label.rsplit(' ', 1)[-1]}"] = m
     if "b" not in args.skip:
         results["b"] = measure_inprocess(
-            model, prompts, args.output_len, args.concurrency, args.threads
+            model, prompts, args.output_len, args.concurrency, args.threads, args.dtype
         )
         print(results["b"].line(), flush=True)
     if "c" not in args.skip:
