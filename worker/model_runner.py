@@ -131,12 +131,16 @@ class ModelRunner:
             if collectives is not None and self.layout.tp_size > 1
             else load_model(model_config, self.device, self.plan)
         )
-        if max_loras and self.layout.is_parallel:
-            # Adapter weights would need sharding like the projections they adapt.
-            raise ValueError("LoRA does not combine with tensor/pipeline parallelism yet")
-        # --enable-lora: adapter slots in every layer (0 slots: LoRA off).
+        # --enable-lora: adapter slots in every layer (0 slots: LoRA off); on a
+        # parallel rank each adapter cut like the projections it adapts.
         self.lora_slots: LoRASlots | None = (
-            attach_lora_slots(self.model, max_loras, max_lora_rank, self.device)
+            attach_lora_slots(
+                self.model,
+                max_loras,
+                max_lora_rank,
+                self.device,
+                self._agree_on_lora_failures if self.layout.is_parallel else None,
+            )
             if max_loras
             else None
         )
@@ -169,6 +173,16 @@ class ModelRunner:
         self.kv_connector: KVConnectorWorker | ReplicaKVConnector | None = None
         # Request -> the begun, not yet completed step that uses its row.
         self._busy: dict[str, StepInFlight] = {}
+
+    def _agree_on_lora_failures(self, errors: dict[str, str]) -> dict[str, str]:
+        """Every rank's adapter load errors, merged (the first rank's message per
+        adapter): called by every rank at the same point of the same step."""
+        assert self.collectives is not None
+        merged: dict[str, str] = {}
+        for rank_errors in self.collectives.all_gather_host(errors):
+            for lora_id, message in rank_errors.items():
+                merged.setdefault(lora_id, message)
+        return merged
 
     @property
     def samples(self) -> bool:
@@ -717,6 +731,7 @@ class ModelRunner:
             inputs.metadata,
             self.backend,
             hidden=hidden,
+            lora=step.lora,
         )
         step.sends.append(collectives.isend_hidden(hidden))
         if first:

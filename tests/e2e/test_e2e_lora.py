@@ -189,3 +189,50 @@ def test_load_and_unload_while_serving(lora_stack, lora_setup) -> None:
             assert [_token_ids(b) for b in await background] == expected[None]
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_lora_stack(lora_setup) -> LocalStack:
+    """Two worker ranks (TP=2: 2 + 1 of the 3 KV heads), each applying its cut of
+    every adapter (worker/lora/adapter.py, ``shard_adapter``)."""
+    folders, _, _ = lora_setup
+    stack = start_stack(
+        [
+            "--tensor-parallel-size",
+            "2",
+            "--enable-lora",
+            "--lora-modules",
+            f"all16={folders['all16']}",
+            f"mlp4={folders['mlp4']}",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "16",
+            "--num-kv-blocks",
+            "256",
+            "--max-model-len",
+            "1024",
+        ]
+    )
+    yield stack
+    assert stop_stack(stack) == 0, "".join(stack.log[-50:])
+
+
+def test_tensor_parallel_adapters_equal_peft(tensor_parallel_lora_stack, lora_setup) -> None:
+    _, prompts, expected = lora_setup
+    prompts = prompts[:-1]
+    stack = tensor_parallel_lora_stack
+    base_name = _model_name(stack)
+    names = [None, "all16", "mlp4"]
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=stack.http_url, timeout=300) as client:
+            bodies = await asyncio.gather(
+                *(_complete(client, name or base_name, p) for name in names for p in prompts)
+            )
+        return [_token_ids(body) for body in bodies]
+
+    got = iter(asyncio.run(run()))
+    for name in names:
+        for index in range(len(prompts)):
+            assert next(got) == expected[name][index], (name, index)

@@ -11,14 +11,17 @@ began and finished.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from benchmarks.inprocess_engine import InProcessEngine
 from services.config import SpeculativeConfig
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from services.step import ModelRunnerOutput, SchedulerOutput
+from tests.lora_adapters import lora_request
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
@@ -30,8 +33,18 @@ from worker.step_in_flight import StepInFlight
 
 MAX_NEW_TOKENS = 6
 TOP_LOGPROBS = 5
-# Each request's greedy tokens, then per sampled token its (token, logprob) top list.
-Result = dict[str, tuple[list[int], list[list[tuple[int, float]]]]]
+
+
+class RequestResult(NamedTuple):
+    """One request's greedy tokens, per sampled token its (token, logprob) top
+    list, and the error it failed with (then no tokens)."""
+
+    tokens: list[int]
+    logprobs: list[list[tuple[int, float]]]
+    error: str | None = None
+
+
+Result = dict[str, RequestResult]
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,13 @@ class RunSpec:
     # driver verifies them (synchronous steps).
     speculative: dict[str, Any] | None = None
     max_new_tokens: int = MAX_NEW_TOKENS
+    # Per prompt, the folder of the PEFT adapter it runs with (None: the base
+    # model); ``max_loras`` adapter slots on every rank.
+    loras: tuple[str | None, ...] = ()
+    max_loras: int = 0
+    # (rank, adapter folder): that rank cannot read that adapter, as if its
+    # machine lacked the path (the others can).
+    lora_unreadable: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass
@@ -95,25 +115,53 @@ def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
         CacheConfig(block_size=16, num_kv_blocks=64),
         num_threads=1,
         collectives=collectives,
+        max_loras=spec.max_loras,
+        max_lora_rank=8,
     )
     if spec.dense:
         runner.model.pack_weights(use_onednn=False, use_native=False)
     return runner
 
 
+def _adapter_request(folder: str) -> LoRARequest:
+    path = Path(folder)
+    if not path.exists():  # an adapter no rank can read: any id will do
+        return LoRARequest(path.name, "0" * 64, folder)
+    return lora_request(path.name, path)
+
+
+def _make_unreadable(runner: ModelRunner, folders: list[str]) -> None:
+    """This rank fails to load the adapters in ``folders`` (the others load them)."""
+    slots = runner.lora_slots
+    assert slots is not None
+    load = slots._load
+
+    def failing_load(lora: LoRARequest):  # type: ignore[no-untyped-def]
+        if lora.lora_path in folders:
+            raise OSError(f"{lora.lora_path} is not on this machine")
+        return load(lora)
+
+    slots._load = failing_load
+
+
 def drive(runner, spec: RunSpec) -> Result:
     driver = LocalDriver(runner, chunk_size=spec.chunk_size)
     params = SamplingParams(temperature=0.0, logprobs=TOP_LOGPROBS)
     for index, prompt in enumerate(spec.prompts):
-        driver.add_request(f"r{index}", prompt, params, max_new_tokens=MAX_NEW_TOKENS)
+        folder = spec.loras[index] if index < len(spec.loras) else None
+        lora = None if folder is None else _adapter_request(folder)
+        driver.add_request(
+            f"r{index}", prompt, params, max_new_tokens=MAX_NEW_TOKENS, lora_request=lora
+        )
     finished = driver.run()
     return {
-        req_id: (
+        req_id: RequestResult(
             request.output_token_ids,
             [
                 [(lp.token_id, lp.logprob), *zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
                 for lp in request.logprobs
             ],
+            request.error,
         )
         for req_id, request in finished.items()
     }
@@ -123,9 +171,11 @@ def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None
     collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
     try:
         lead = drive_scheduler if spec.micro_batches or spec.speculative else drive
-        result = lead_or_follow(
-            build_runner(spec, collectives), collectives, lambda runner: lead(runner, spec)
-        )
+        runner = build_runner(spec, collectives)
+        unreadable = [folder for rank, folder in spec.lora_unreadable if rank == layout.rank]
+        if unreadable:
+            _make_unreadable(runner, unreadable)
+        result = lead_or_follow(runner, collectives, lambda runner: lead(runner, spec))
         if layout.is_driver:
             results.put(result)
     finally:

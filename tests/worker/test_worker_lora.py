@@ -159,3 +159,38 @@ def test_worker_without_lora_refuses_adapter_requests(tiny) -> None:
     finished = _run(runner, [("a", PROMPTS[1], requests["qv"]), ("b", PROMPTS[1], None)])
     assert "not enabled" in (finished["a"].error or "")
     assert finished["b"].output_token_ids == expected[None][1]
+
+
+def test_failure_on_another_rank_frees_the_slot_here() -> None:
+    # LoRASlots alone: "b" loads here but another rank reports it failed.
+    from services.lora_files import AdapterConfig
+    from worker.lora.adapter import LoRAAdapter
+    from worker.lora.slots import LoRASlots, ProjectionShape
+
+    loaded: list[str] = []
+
+    def load(lora: LoRARequest) -> LoRAAdapter:
+        loaded.append(lora.lora_id)
+        return LoRAAdapter(AdapterConfig(rank=2, alpha=2.0, target_modules=("o_proj",)), {})
+
+    calls: list[dict[str, str]] = []
+    elsewhere = {"b": "LoRA adapter 'b' failed to load: not on rank 1"}
+
+    def agree(errors: dict[str, str]) -> dict[str, str]:
+        calls.append(dict(errors))
+        return {**elsewhere, **errors}
+
+    shapes = [{"o": ProjectionShape(4, (("o_proj", 0, 4),))}]
+    slots = LoRASlots(shapes, 2, 2, load, torch.float32, torch.device("cpu"), agree)
+    a, b = (LoRARequest(name, name, f"/adapters/{name}") for name in "ab")
+    slot_of, errors = slots.activate({"a": a, "b": b})
+    assert list(slot_of) == ["a"] and errors == elsewhere
+    assert slots.loaded_ids == ["a"]
+    # Nothing to load: no agreement round (the ranks agree on when to hold one).
+    assert slots.activate({"a": a}) == ({"a": slot_of["a"]}, {})
+    assert len(calls) == 1
+    # "b" took a slot and gave it back: loading it again finds one free.
+    elsewhere.clear()
+    slot_of, errors = slots.activate({"b": b})
+    assert errors == {} and loaded == ["a", "b", "b"] and len(calls) == 2
+    assert sorted(slots.loaded_ids) == ["a", "b"]

@@ -2,7 +2,7 @@
 
 Greedy tokens must be identical and every logprob (sampled and top 5) within
 1e-4: only the order of float32 sums differs (o_proj's and down's partial sums
-are added across ranks).
+are added across ranks, LoRA deltas of o_proj and down with them).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.lora_adapters import make_lora_adapter
 from worker.parallel.collectives import STEP_CHUNK_BYTES, Collectives
 from worker.parallel.layout import RankLayout
 from worker.parallel.local_replica import run_local_replica
@@ -26,8 +27,9 @@ PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7] * 20 + [1, 2, 3], [100, 30]]
 
 def assert_same_outputs(expected: Result, actual: Result) -> None:
     assert expected.keys() == actual.keys()
-    for req_id, (tokens, logprobs) in expected.items():
-        actual_tokens, actual_logprobs = actual[req_id]
+    for req_id, (tokens, logprobs, error) in expected.items():
+        actual_tokens, actual_logprobs, actual_error = actual[req_id]
+        assert actual_error == error, req_id
         assert actual_tokens == tokens, req_id
         for step, (want, got) in enumerate(zip(logprobs, actual_logprobs, strict=True)):
             assert [t for t, _ in got] == [t for t, _ in want], (req_id, step)
@@ -52,6 +54,28 @@ def uneven_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=131,  # odd: the last vocab shard is short
     )
     return folder
+
+
+@pytest.fixture(scope="module")
+def uneven_adapters(uneven_heads: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Two PEFT adapters of ``uneven_heads``: every projection (rank 8), and q, v
+    and down only (rank 4: o_proj's rows stay the base model's)."""
+    root = tmp_path_factory.mktemp("uneven-lora")
+    targets = {
+        "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "qv-down": ("q_proj", "v_proj", "down_proj"),
+    }
+    for seed, (name, modules) in enumerate(targets.items()):
+        make_lora_adapter(
+            uneven_heads,
+            root / name,
+            rank=8 if name == "all" else 4,
+            alpha=16.0,
+            target_modules=modules,
+            seed=seed,
+            scale=0.3,
+        )
+    return [str(root / name) for name in targets]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +116,7 @@ def test_pipeline_overlap_keeps_two_steps_begun_and_matches_one_process(
     tokens, events = run_replica(
         tp_size, pp_size, RunSpec(str(uneven_heads), prompts, micro_batches=pp_size)
     )
-    assert tokens == {req_id: want for req_id, (want, _) in expected.items()}
+    assert tokens == {req_id: want.tokens for req_id, want in expected.items()}
     # Stage 0 began a step while the one before it was still in later stages,
     # and steps were answered in order.
     overlapped = [
@@ -107,6 +131,49 @@ def test_pipeline_overlap_keeps_two_steps_begun_and_matches_one_process(
         sum(1 if kind == "begun" else -1 for kind, _ in events[: i + 1]) for i in range(len(events))
     )
     assert begun_at_once == pp_size
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2), (2, 2)])
+def test_lora_in_a_replica_matches_one_process(
+    uneven_heads: Path, uneven_adapters: list[str], tp_size: int, pp_size: int, tmp_path: Path
+) -> None:
+    """Each rank applies its cut of every adapter (B's rows for q/k/v and gate/up,
+    A's columns for o and down, its stage's layers); a step mixes two adapters,
+    the base model and an adapter nobody can read (failed alone)."""
+    all_modules, qv_down = uneven_adapters
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]
+    missing = str(tmp_path / "no-such-adapter")
+    loras = (all_modules, qv_down, None, None, missing)
+    spec = RunSpec(str(uneven_heads), prompts, chunk_size=8, loras=loras, max_loras=3)
+    expected = run_single(spec)
+    # The adapters change the output (same prompt: r0 with "all", r3 base), or
+    # this test could not tell an adapter dropped on some rank.
+    assert expected["r0"].tokens != expected["r3"].tokens
+    assert "failed to load" in (expected["r4"].error or "")
+    assert_same_outputs(expected, run_replica(tp_size, pp_size, spec))
+
+
+def test_adapter_failing_on_one_rank_fails_on_every_rank(
+    uneven_heads: Path, uneven_adapters: list[str]
+) -> None:
+    """Rank 1 cannot read "qv-down": its requests fail on every rank, so the
+    ranks keep the same slots and run the same tokens; the rest is unaffected."""
+    all_modules, qv_down = uneven_adapters
+    spec = RunSpec(
+        str(uneven_heads),
+        PROMPTS,
+        loras=(all_modules, qv_down, None),
+        max_loras=2,
+        lora_unreadable=((1, qv_down),),
+    )
+    expected, actual = run_single(spec), run_replica(2, 1, spec)
+    assert expected["r1"].error is None and expected["r1"].tokens
+    assert actual["r1"].tokens == []
+    assert "is not on this machine" in (actual["r1"].error or "")
+    assert_same_outputs(
+        {k: v for k, v in expected.items() if k != "r1"},
+        {k: v for k, v in actual.items() if k != "r1"},
+    )
 
 
 def test_gguf_codes_shard_like_dense_weights(tmp_path: Path) -> None:

@@ -3,6 +3,15 @@
 PEFT saves ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight``
 ([r, in]) and ``...lora_B.weight`` ([out, r]); the forward it trained with is
 ``y = W x + scaling * B (A x)``.
+
+A rank of a tensor/pipeline-parallel replica keeps its part (``shard_adapter``):
+its stage's layers, and per module the half that meets its weight shard. A
+column-parallel projection (q/k/v, gate/up) computes some output rows: B is
+cut to those rows, A stays whole (the rank has the whole input). A
+row-parallel one (o, down) multiplies a slice of the input: A is cut to those
+columns and B stays whole, so each rank adds ``B (A_r x_r)`` to its partial
+output and the all-reduce that sums the partial outputs sums the deltas too:
+``sum_r B (A_r x_r) = B (A x)``. No collective of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from services.lora_files import ADAPTER_WEIGHTS, AdapterConfig, read_adapter_config
+from worker.parallel.sharding import ShardPlan
 
 _KEY = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -24,6 +34,10 @@ _KEY = re.compile(
 
 # (layer, module) -> (in_features, out_features) of the base projection.
 ModuleShape = Callable[[int, str], tuple[int, int]]
+
+_ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+# Projections whose input, not output, is split over the TP ranks.
+_ROW_PARALLEL_MODULES = frozenset({"o_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -73,3 +87,21 @@ def load_adapter(
     if len(modules) * 2 != len(halves):
         raise ValueError("adapter has lora_B tensors without their lora_A")
     return LoRAAdapter(config, modules)
+
+
+def shard_adapter(adapter: LoRAAdapter, plan: ShardPlan) -> LoRAAdapter:
+    """The part of a whole-model adapter one rank applies (see the module docstring):
+    the layers of its pipeline stage, numbered from 0 as the stage's model numbers
+    them, each module's A or B cut like the weight it adapts."""
+    layers = plan.layers
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (lora_a, lora_b) in adapter.modules.items():
+        if layer not in layers:
+            continue
+        name = f"{'self_attn' if module in _ATTENTION_MODULES else 'mlp'}.{module}.weight"
+        if module in _ROW_PARALLEL_MODULES:
+            lora_a = plan.shard(name, lora_a).contiguous()
+        else:
+            lora_b = plan.shard(name, lora_b).contiguous()
+        modules[(layer - layers.start, module)] = (lora_a, lora_b)
+    return LoRAAdapter(adapter.config, modules)

@@ -8,8 +8,9 @@ import torch
 
 from kernels import native
 from services.lora_request import LoRARequest
-from worker.lora.adapter import LoRAAdapter, load_adapter
-from worker.lora.slots import LoRASlots
+from worker.config import ModelConfig
+from worker.lora.adapter import LoRAAdapter, load_adapter, shard_adapter
+from worker.lora.slots import AgreeOnFailures, LoRASlots
 from worker.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -25,34 +26,52 @@ def native_lora_unavailable_reason(device: torch.device, dtype: torch.dtype) -> 
     return native.unavailable_reason()
 
 
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each PEFT module of the whole (unsharded)
+    model: what an adapter's tensors are checked against."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
 def attach_lora_slots(
-    model: LlamaForCausalLM, max_loras: int, max_rank: int, device: torch.device
+    model: LlamaForCausalLM,
+    max_loras: int,
+    max_rank: int,
+    device: torch.device,
+    agree_on_failures: AgreeOnFailures | None = None,
 ) -> LoRASlots:
     """Slots for ``max_loras`` adapters of rank <= ``max_rank``, wired into every layer.
 
+    On a rank of a tensor/pipeline-parallel replica (``model.plan``) each
+    adapter is read whole, checked against the whole model, and cut to the
+    rank's part (``shard_adapter``); ``agree_on_failures`` makes every rank
+    fail an adapter that failed to load on any of them (LoRASlots).
     On CPU the deltas run in the C++ kernel where it loads and fits the dtype,
     decided here once (the reason logged when not); else torch matmuls, on a
     GPU the Triton kernels.
     """
-    layer_shapes = model.lora_shapes()
-    module_shapes = {
-        (layer, module): (shape.in_features, size)
-        for layer, projections in enumerate(layer_shapes)
-        for shape in projections.values()
-        for module, _, size in shape.slices
-    }
-    dtype = model.config.dtype
+    config, plan = model.config, model.plan
+    shapes = module_shapes(config)
+    dtype = config.dtype
 
     def load(lora: LoRARequest) -> LoRAAdapter:
-        return load_adapter(
-            lora.lora_path,
-            len(layer_shapes),
-            lambda layer, module: module_shapes[(layer, module)],
-            max_rank,
-            dtype,
+        adapter = load_adapter(
+            lora.lora_path, config.num_layers, lambda _, module: shapes[module], max_rank, dtype
         )
+        return shard_adapter(adapter, plan)
 
-    slots = LoRASlots(layer_shapes, max_loras, max_rank, load, dtype, device)
+    slots = LoRASlots(
+        model.lora_shapes(), max_loras, max_rank, load, dtype, device, agree_on_failures
+    )
     reason = native_lora_unavailable_reason(device, dtype)
     if reason is None:
         slots.set_native(True)

@@ -18,6 +18,12 @@ blocks. The torch matmuls take either layout, so the kernel is a switch.
 
 The scheduler never puts more distinct adapters into a step than ``max_loras``,
 so ``activate`` can always make room by evicting adapters the step does not use.
+
+Every rank of a tensor/pipeline-parallel replica runs the same ``activate``
+calls in the same order, so their slots stay the same as long as every load
+ends the same everywhere: an adapter that fails on one rank (a path another
+machine lacks) is failed on all of them (``agree_on_failures``), else the
+ranks would run different tokens through their collectives.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from worker.lora.adapter import LoRAAdapter
 from worker.lora.step_batch import LoRABatch
 
 logger = logging.getLogger(__name__)
+
+# Every rank's load errors (lora_id -> message) merged: what all ranks then fail.
+AgreeOnFailures = Callable[[dict[str, str]], dict[str, str]]
 
 # The C++ kernel's calls below this many multiply-adds (~35 µs on one core)
 # stay on the calling thread: a decode step's delta is smaller than the wait
@@ -152,12 +161,14 @@ class LoRASlots:
         load: Callable[[LoRARequest], LoRAAdapter],
         dtype: torch.dtype,
         device: torch.device,
+        agree_on_failures: AgreeOnFailures | None = None,
     ) -> None:
         if max_loras <= 0 or max_rank <= 0:
             raise ValueError("max_loras and max_lora_rank must be positive")
         self.max_loras = max_loras
         self.max_rank = max_rank
         self._load = load
+        self._agree_on_failures = agree_on_failures
         self.layers: list[dict[str, ProjectionSlots]] = [
             {
                 name: ProjectionSlots(shape, max_loras, max_rank, dtype, device)
@@ -196,8 +207,9 @@ class LoRASlots:
         """Slots for one step's adapters, loading missing ones.
 
         Returns (slot by lora_id, error by lora_id): an adapter that fails to
-        load, or one past ``max_loras`` distinct adapters, gets an error and
-        no slot; the others are unaffected.
+        load (here or, with ``agree_on_failures``, on another rank), or one
+        past ``max_loras`` distinct adapters, gets an error and no slot; the
+        others are unaffected.
         """
         slots: dict[str, int] = {}
         errors: dict[str, str] = {}
@@ -205,9 +217,11 @@ class LoRASlots:
             if lora_id in self._slot_of:
                 self._slot_of.move_to_end(lora_id)
                 slots[lora_id] = self._slot_of[lora_id]
+        attempted = False
         for lora_id, lora in wanted.items():
             if lora_id in slots:
                 continue
+            attempted = True
             slot = self._take_slot(keep=slots)
             if slot is None:
                 errors[lora_id] = f"more than max_loras={self.max_loras} adapters in one step"
@@ -222,6 +236,17 @@ class LoRASlots:
             self._slot_of[lora_id] = slot
             slots[lora_id] = slot
             logger.info("adapter %s loaded into slot %d", lora.lora_name, slot)
+        # Whether this call loads anything is the same on every rank (same calls,
+        # same slots so far), so either all of them agree here or none does.
+        if attempted and self._agree_on_failures is not None:
+            for lora_id, message in self._agree_on_failures(errors).items():
+                if lora_id in errors:
+                    continue
+                # Loaded here, failed on another rank: fail it here too.
+                slot = slots.pop(lora_id)
+                del self._slot_of[lora_id]
+                self._free.append(slot)
+                errors[lora_id] = message
         return slots, errors
 
     def _take_slot(self, keep: dict[str, int]) -> int | None:

@@ -428,7 +428,8 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_shapes(self) -> list[dict[str, ProjectionShape]]:
         """Per layer, the projections adapters apply to (worker/lora/slots.py)."""
-        return [layer.lora_shapes(self.config.intermediate_size) for layer in self.layers]
+        intermediate = len(self.plan.intermediate)  # this rank's slice of the MLP
+        return [layer.lora_shapes(intermediate) for layer in self.layers]
 
     def attach_lora(self, layer_slots: list[dict[str, ProjectionSlots]]) -> None:
         for layer, slots in zip(self.layers, layer_slots, strict=True):
