@@ -111,6 +111,15 @@ class Router:
     ) -> scheduler_pb2.StreamKVEventsRequest:
         return self._replicas[name].feed.resume_request(subscriber)
 
+    def forget_cache(self, name: str) -> None:
+        """Drop what ``name``'s events said (its index slot, its stream position, its
+        load): the gateway stopped following them, and a later stream starts afresh
+        with a resync."""
+        replica = self._replicas[name]
+        self.index.clear(replica.slot)
+        replica.feed = ReplicaEventFeed(self.index, replica.slot)
+        replica.num_requests = replica.num_active_blocks = 0
+
     def apply_kv_events(self, name: str, batch: scheduler_pb2.KVEventBatch) -> None:
         """Apply the next batch of ``name``'s stream; KVEventGap: reopen it."""
         replica = self._replicas[name]

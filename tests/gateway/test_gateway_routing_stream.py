@@ -89,3 +89,57 @@ async def test_router_follows_a_scheduler_across_a_broken_stream(caplog) -> None
         follower.cancel()
         await channel.close()
         await service.stop(grace=0)
+
+
+async def test_gateway_follows_kv_events_only_while_it_has_a_choice() -> None:
+    """One replica: no KV event stream (every request goes to it). A second one
+    joins: both are followed, the first from a resync of what it cached
+    meanwhile. Back to one: the stream closes and its index slot is dropped."""
+    from gateway.routed_engine_client import RoutedEngineClient
+    from services.replica_set import ReplicaAddress
+    from tests.gateway.test_gateway_routed_engine_client import (
+        INFO,
+        FakeReplica,
+        PushedDiscovery,
+    )
+
+    schedulers, publishers, services, addresses = [], [], [], {}
+    for name in ("a", "b"):
+        scheduler = make_scheduler(num_kv_blocks=24, block_size=BLOCK_SIZE, max_model_len=32)
+        publisher = attach_publisher(scheduler)
+        service = await start_server(KVEventsServicer(publisher))
+        schedulers.append(scheduler)
+        publishers.append(publisher)
+        services.append(service)
+        addresses[name] = ReplicaAddress(name, f"127.0.0.1:{service.port}", "127.0.0.1:1")
+    discovery = PushedDiscovery()
+    discovery.sets.put_nowait(frozenset([addresses["a"]]))
+    replicas = {n: FakeReplica(decode=lambda ids: "x", info=INFO) for n in "ab"}
+    engine = RoutedEngineClient(discovery, lambda a: replicas[a.name], "kv", 0.01)
+    num_subscribers = [lambda p=p: len(p._subscribers) for p in publishers]
+    try:
+        await engine.start(timeout=5)
+        serve_requests(schedulers[0], 0, 3)  # cached blocks nobody is told about
+        await asyncio.sleep(0.2)
+        assert num_subscribers[0]() == 0
+        assert engine.router.index.keys_of(engine.router.replica("a").slot) == set()
+
+        discovery.sets.put_nowait(frozenset(addresses.values()))
+        await wait_for(lambda: engine.router.has_replica("b"))
+        await wait_for(lambda: num_subscribers[0]() == 1 and num_subscribers[1]() == 1)
+        cached = schedulers[0].kv_cache_manager.block_pool.cached_block_hash_to_block
+        await wait_for(
+            lambda: (
+                engine.router.index.keys_of(engine.router.replica("a").slot)
+                == {block_key(h) for h in cached}
+            )
+        )
+
+        discovery.sets.put_nowait(frozenset([addresses["a"]]))
+        await wait_for(lambda: not engine.router.has_replica("b"))
+        await wait_for(lambda: num_subscribers[0]() == 0 and num_subscribers[1]() == 0)
+        assert engine.router.index.keys_of(engine.router.replica("a").slot) == set()
+    finally:
+        await engine.close()
+        for service in services:
+            await service.stop(grace=0)
