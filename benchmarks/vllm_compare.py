@@ -22,6 +22,16 @@ and their median.
 
 vLLM's CPU build lives in its own venv (benchmarks/README.md says how to make
 it); it serves the same prepared checkpoint folder.
+
+``--emulate-avx2`` measures the AVX2-only class on a CPU with AVX-512: every
+library of both servers is capped at AVX2 (oneDNN, MKL, ATen's kernels,
+kvmesh's kernel level), and vLLM's own choice of kernels and attention ISA,
+which it reads from ``torch.cpu._is_avx512_supported()`` and its kin (the
+hardware, not the caps), is answered "no" in each of its processes (a
+``sitecustomize`` on its ``PYTHONPATH``), so it loads its AVX2 build
+(``_C_AVX2``) as it would on such a CPU. vLLM then runs float32, its best
+there; kvmesh's ``--dtype auto`` finds no bf16 kernels and picks float32 too.
+Not a real AVX2 machine: caches, memory and clocks stay this CPU's.
 """
 
 from __future__ import annotations
@@ -75,6 +85,33 @@ def vllm_best_dtype(cpu: CpuFeatures) -> str:
     return "bfloat16" if cpu.amx_bf16 or cpu.avx512_bf16 else "float32"
 
 
+# Every library's cap at AVX2, for both servers (--emulate-avx2).
+AVX2_CAPS = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "KVMESH_CPU_ISA": "avx2",
+}
+# What vLLM asks torch about the CPU, answered as an AVX2-only CPU would.
+_AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+
+
+@contextlib.contextmanager
+def avx2_only_python_path() -> Iterator[str]:
+    """A folder whose ``sitecustomize`` makes every Python process started with it
+    on ``PYTHONPATH`` see no AVX-512, AVX512-BF16, VNNI or AMX through torch.cpu."""
+    with tempfile.TemporaryDirectory(prefix="vllm-avx2-") as folder:
+        Path(folder, "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
+        yield folder
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -98,8 +135,11 @@ def _wait_for_models(url: str, process: subprocess.Popen, timeout_s: float, log:
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, model: Path, dtype: str) -> Iterator[tuple[str, list[int]]]:
-    """vLLM's OpenAI server on a free port: (its URL, its process ids)."""
+def vllm_server(
+    python: str, model: Path, dtype: str, python_path: str = ""
+) -> Iterator[tuple[str, list[int]]]:
+    """vLLM's OpenAI server on a free port: (its URL, its process ids).
+    ``python_path``: a folder put first on its ``PYTHONPATH``."""
     port = _free_port()
     threads = os.cpu_count() or 1
     env = {
@@ -107,6 +147,8 @@ def vllm_server(python: str, model: Path, dtype: str) -> Iterator[tuple[str, lis
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
     }
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [python_path, env.get("PYTHONPATH")]))
     command = [python, str(VLLM_LAUNCHER), "serve", str(model), "--dtype", dtype]
     command += ["--port", str(port), "--max-model-len", "2048"]
     # A file, not a pipe: nobody reads vLLM's output while it serves, and a
@@ -199,22 +241,32 @@ def main() -> None:
     parser.add_argument("--vllm-dtype", default=None, help="override vLLM's best dtype")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per workload")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="both servers as on an AVX2-only CPU (see the module docstring)",
+    )
     args = parser.parse_args()
     cpu = CpuFeatures.detect()
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
     workloads = [Workload.parse(text) for text in args.workloads]
-    vllm_dtype = args.vllm_dtype or vllm_best_dtype(cpu)
+    if args.emulate_avx2:
+        os.environ.update(AVX2_CAPS)  # both servers' processes inherit them
+    vllm_dtype = args.vllm_dtype or ("float32" if args.emulate_avx2 else vllm_best_dtype(cpu))
     kvmesh_args = shlex.split(args.kvmesh_args)
     print(
-        f"{cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} CPUs; model {args.model.name}; "
-        f"concurrency {args.concurrency}; {args.rounds} rounds; load {load_average()}",
+        f"{cpu.model_name} ({cpu.isa_summary()}"
+        f"{'; emulating AVX2 only' if args.emulate_avx2 else ''}), {os.cpu_count()} CPUs; "
+        f"model {args.model.name}; concurrency {args.concurrency}; {args.rounds} rounds; "
+        f"load {load_average()}",
         flush=True,
     )
     labels = (f"vLLM {vllm_dtype}", "kvmesh " + (args.kvmesh_args or "defaults"))
     runs: dict[tuple[str, Workload], list[HttpRun]] = {}
     with contextlib.ExitStack() as servers:
+        python_path = servers.enter_context(avx2_only_python_path()) if args.emulate_avx2 else ""
         vllm_url, vllm_pids = servers.enter_context(
-            vllm_server(args.vllm_python, args.model, vllm_dtype)
+            vllm_server(args.vllm_python, args.model, vllm_dtype, python_path)
         )
         kvmesh_url, kvmesh_pids = servers.enter_context(kvmesh_server(args.model, kvmesh_args))
         print(
