@@ -146,14 +146,17 @@ class InProcessEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         max_concurrency: int,
+        lora_requests: Sequence[LoRARequest | None] = (),
     ) -> list[GenerationResult]:
-        """Run every prompt with at most ``max_concurrency`` in the engine at once."""
+        """Run every prompt with at most ``max_concurrency`` in the engine at once;
+        ``lora_requests``: per prompt, its adapter (None or missing: the base model)."""
         pending = list(enumerate(prompts))[::-1]
         num_live = 0
         while pending or self.has_unfinished_requests():
             while pending and num_live < max_concurrency:
                 index, prompt = pending.pop()
-                self.add_request(f"req-{index}", prompt, params)
+                lora = lora_requests[index] if index < len(lora_requests) else None
+                self.add_request(f"req-{index}", prompt, params, lora_request=lora)
                 num_live += 1
             num_live -= len(self.step())
         return [self.results[f"req-{index}"] for index in range(len(prompts))]

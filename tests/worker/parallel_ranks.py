@@ -101,7 +101,8 @@ def drive_scheduler(runner, spec: RunSpec) -> tuple[dict[str, list[int]], list[t
         speculative=None if spec.speculative is None else SpeculativeConfig(**spec.speculative),
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_new_tokens, ignore_eos=True)
-    results = engine.generate(spec.prompts, params, max_concurrency=len(spec.prompts))
+    loras = [None if folder is None else _adapter_request(folder) for folder in spec.loras]
+    results = engine.generate(spec.prompts, params, len(spec.prompts), lora_requests=loras)
     tokens = {f"r{i}": result.output_token_ids for i, result in enumerate(results)}
     if spec.speculative is not None:
         stats = engine.scheduler.make_stats().spec_decoding

@@ -153,6 +153,26 @@ def test_lora_in_a_replica_matches_one_process(
     assert_same_outputs(expected, run_replica(tp_size, pp_size, spec))
 
 
+def test_lora_with_pipeline_overlap_matches_one_process(
+    uneven_heads: Path, uneven_adapters: list[str]
+) -> None:
+    """Two micro-batches in flight over two stages, adapters in both: every rank
+    begins steps in the driver's order, so the slots (and the load-error
+    gather) stay in step."""
+    all_modules, qv_down = uneven_adapters
+    prompts = [*PROMPTS, [9, 8, 7, 6, 5], [11] * 12]
+    loras = (all_modules, qv_down, None, qv_down, all_modules)
+    plain = RunSpec(str(uneven_heads), prompts, loras=loras, max_loras=2)
+    expected = {req_id: want.tokens for req_id, want in run_single(plain).items()}
+    overlapped = RunSpec(str(uneven_heads), prompts, micro_batches=2, loras=loras, max_loras=2)
+    tokens, events = run_replica(1, 2, overlapped)
+    assert tokens == expected
+    in_flight = [
+        sum(1 if kind == "begun" else -1 for kind, _ in events[: i + 1]) for i in range(len(events))
+    ]
+    assert max(in_flight) == 2  # the stages did overlap
+
+
 def test_adapter_failing_on_one_rank_fails_on_every_rank(
     uneven_heads: Path, uneven_adapters: list[str]
 ) -> None:
