@@ -87,6 +87,10 @@ PREFILL_REPLICA = {"prefill_worker": "worker", "prefill_scheduler": "scheduler"}
 # (the driver the scheduler dials) and ranks 1..T*P-1 are its siblings, each
 # ``serve worker --rank R``. They live and die together.
 WORKER_RANK_PREFIX = "worker_rank"
+# The prefill replica's ranks (``--disaggregated`` with T x P > 1), beside its
+# driver ``prefill_worker``, meeting at their own rendezvous port.
+PREFILL_RANK_PREFIX = "prefill_worker_rank"
+RANK_PREFIXES = (WORKER_RANK_PREFIX, PREFILL_RANK_PREFIX)
 # Each replica of ``--data-parallel-size`` beyond the first is these three,
 # named ``<service>-<i>`` and moved by ``i * --replica-port-offset``.
 REPLICA_SERVICES = ("worker", "scheduler", "detokenizer")
@@ -148,8 +152,6 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
         local["kv_offload"] = True  # KV travels between the replicas through the store
     worker = configs["worker"]
     world_size = worker.tensor_parallel_size * worker.pipeline_parallel_size
-    if world_size > 1 and launcher.disaggregated:
-        raise ValueError("--disaggregated does not combine with tensor/pipeline parallelism")
     num_workers = (launcher.data_parallel_size + launcher.disaggregated) * world_size
     if num_workers > 1 and worker.num_threads == 0:
         # Several workers on one machine: each owns its share of the cores (two
@@ -172,6 +174,18 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
             worker_port=launcher.prefill_worker_port,
             worker_metrics_port=launcher.prefill_worker_metrics_port,
         )
+        if world_size > 1:
+            # Its ranks meet at the rendezvous port a second data-parallel
+            # replica would use: --disaggregated runs no second one.
+            host, _, port = configs["worker"].dist_init_addr.rpartition(":")
+            configs["prefill_worker"] = dataclasses.replace(
+                configs["prefill_worker"],
+                dist_init_addr=f"{host}:{int(port) + launcher.replica_port_offset}",
+            )
+        for rank in range(1, world_size):
+            configs[f"{PREFILL_RANK_PREFIX}{rank}"] = dataclasses.replace(
+                configs["prefill_worker"], rank=rank
+            )
         configs["prefill_scheduler"] = dataclasses.replace(
             configs["scheduler"],
             scheduler_port=launcher.prefill_scheduler_port,
@@ -230,7 +244,7 @@ def replica_configs(configs: dict[str, Any], i: int, offset: int) -> dict[str, A
 def service_of(name: str) -> str:
     """The service a child process runs: ``scheduler-1`` and ``prefill_scheduler`` run
     ``scheduler``, ``worker_rank1`` runs ``worker``."""
-    if name.startswith(WORKER_RANK_PREFIX):
+    if name.startswith(RANK_PREFIXES):
         return "worker"
     return PREFILL_REPLICA.get(name, name.split("-")[0])
 
@@ -238,6 +252,8 @@ def service_of(name: str) -> str:
 def replica_of(name: str) -> str:
     """Children restarted together: a tensor/pipeline-parallel worker's ranks, as
     one (``worker_rank2-1`` with ``worker-1``); every other child alone."""
+    if name.startswith(PREFILL_RANK_PREFIX):
+        return "prefill_worker"
     if not name.startswith(WORKER_RANK_PREFIX):
         return name
     _, dash, suffix = name.partition("-")
@@ -282,7 +298,11 @@ def child_order(configs: dict[str, Any]) -> list[str]:
                     )
                 )
             order.append(replica)
-        order.extend(p for p, twin in PREFILL_REPLICA.items() if twin == name and p in configs)
+        for prefill, twin in PREFILL_REPLICA.items():
+            if twin == name and prefill in configs:
+                # The prefill replica's ranks before its driver, as above.
+                order.extend(sorted(n for n in configs if n.startswith(f"{prefill}_rank")))
+                order.append(prefill)
     return order
 
 
@@ -411,7 +431,7 @@ class Stack:
         return f"{LOCAL_HOST}:{getattr(self.configs[name], f'{service}_port')}"
 
     def _ready(self, name: str) -> bool:
-        if name.startswith(WORKER_RANK_PREFIX):
+        if name.startswith(RANK_PREFIXES):
             return True  # serves nothing: the driver is ready only once every rank joined
         if name == "gateway":
             return _http_ready(f"{self.gateway_url}/ready")
@@ -419,7 +439,7 @@ class Stack:
 
     def _live(self, name: str) -> bool:
         """Liveness, not readiness: a service waiting for another is alive."""
-        if name.startswith(WORKER_RANK_PREFIX):
+        if name.startswith(RANK_PREFIXES):
             return True  # alive while it runs: a rank that fails a collective exits
         if name == "gateway":
             return _http_ready(f"{self.gateway_url}/health", _LIVENESS_TIMEOUT_S)

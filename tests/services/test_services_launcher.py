@@ -109,8 +109,28 @@ def test_parallel_sizes_are_checked_against_rank_and_world_size() -> None:
         stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--world-size", "3"]))
     with pytest.raises(ValueError, match="rank 2 outside"):
         stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--rank", "2"]))
-    with pytest.raises(ValueError, match="disaggregated"):
-        stack_configs(_args(["--model", "/m", "--tensor-parallel-size", "2", "--disaggregated"]))
+
+
+def test_disaggregated_replicas_of_parallel_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--disaggregated with TP=2: the prefill replica's ranks follow its driver (its
+    ports, a rendezvous port of their own, its restart group), started before it."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    argv = ["--model", "/m", "--tensor-parallel-size", "2", "--disaggregated"]
+    configs = stack_configs(_args([*argv, "--replica-port-offset", "50"]))
+    workers = ["worker_rank1", "worker", "prefill_worker_rank1", "prefill_worker"]
+    assert child_order(configs)[1:5] == workers
+    assert [configs[n].rank for n in workers] == [1, 0, 1, 0]
+    assert configs["prefill_worker_rank1"].worker_port == configs["prefill_worker"].worker_port
+    host, port = configs["worker"].dist_init_addr.rsplit(":", 1)
+    prefill_addresses = {configs[n].dist_init_addr for n in workers[2:]}
+    assert prefill_addresses == {f"{host}:{int(port) + 50}"}
+    assert [replica_of(n) for n in workers] == ["worker", "worker", *["prefill_worker"] * 2]
+    assert {service_of(n) for n in workers} == {"worker"}
+    assert {configs[n].num_threads for n in workers} == {2}  # 8 cores / 4 ranks
+    assert flags_differing(configs["prefill_worker"], configs["prefill_worker_rank1"]) == [
+        "--rank",
+        "1",
+    ]
 
 
 def test_data_parallel_replicas_get_their_own_ports_and_dial_each_other() -> None:
