@@ -136,14 +136,20 @@ def _wait_for_models(url: str, process: subprocess.Popen, timeout_s: float, log:
 
 @contextlib.contextmanager
 def vllm_server(
-    python: str, model: Path, dtype: str, python_path: str = ""
+    python: str,
+    model: Path,
+    dtype: str,
+    python_path: str = "",
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, list[int]]]:
     """vLLM's OpenAI server on a free port: (its URL, its process ids).
-    ``python_path``: a folder put first on its ``PYTHONPATH``."""
+    ``python_path``: a folder put first on its ``PYTHONPATH``; ``extra_env``:
+    more variables for its processes."""
     port = _free_port()
     threads = os.cpu_count() or 1
     env = {
         **environment_without_options(),
+        **(extra_env or {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
     }
@@ -168,9 +174,11 @@ def vllm_server(
 
 
 @contextlib.contextmanager
-def kvmesh_server(model: Path, extra_args: list[str]) -> Iterator[tuple[str, list[int]]]:
+def kvmesh_server(
+    model: Path, extra_args: list[str], extra_env: dict[str, str] | None = None
+) -> Iterator[tuple[str, list[int]]]:
     """``kvmesh up`` on free ports: (its URL, its process ids)."""
-    stack = LocalStack(extra_args, model=model)
+    stack = LocalStack(extra_args, model=model, extra_env=extra_env)
     try:
         stack.wait_ready(timeout=900.0)
         yield stack.http_url, [stack.process.pid, *_descendants(stack.process.pid)]
@@ -250,8 +258,7 @@ def main() -> None:
     cpu = CpuFeatures.detect()
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
     workloads = [Workload.parse(text) for text in args.workloads]
-    if args.emulate_avx2:
-        os.environ.update(AVX2_CAPS)  # both servers' processes inherit them
+    caps = AVX2_CAPS if args.emulate_avx2 else {}  # for both servers' processes
     vllm_dtype = args.vllm_dtype or ("float32" if args.emulate_avx2 else vllm_best_dtype(cpu))
     kvmesh_args = shlex.split(args.kvmesh_args)
     print(
@@ -266,9 +273,11 @@ def main() -> None:
     with contextlib.ExitStack() as servers:
         python_path = servers.enter_context(avx2_only_python_path()) if args.emulate_avx2 else ""
         vllm_url, vllm_pids = servers.enter_context(
-            vllm_server(args.vllm_python, args.model, vllm_dtype, python_path)
+            vllm_server(args.vllm_python, args.model, vllm_dtype, python_path, caps)
         )
-        kvmesh_url, kvmesh_pids = servers.enter_context(kvmesh_server(args.model, kvmesh_args))
+        kvmesh_url, kvmesh_pids = servers.enter_context(
+            kvmesh_server(args.model, kvmesh_args, caps)
+        )
         print(
             f"idle CPU (cores): vLLM {idle_cpu_share(vllm_pids):.3f}, "
             f"kvmesh {idle_cpu_share(kvmesh_pids):.3f}",

@@ -60,7 +60,14 @@ def free_ports(n: int) -> list[int]:
 class LocalStack:
     """``kvmesh up`` with every port chosen free; ``log`` collects its output."""
 
-    def __init__(self, extra_args: list[str], model: Path | None = None) -> None:
+    def __init__(
+        self,
+        extra_args: list[str],
+        model: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra_env``: process settings for every child on top of this
+        process's (e.g. the library ISA caps of an emulated CPU)."""
         self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         args = [sys.executable, "-m", "services.cli", "up"]
         if model is not None:
@@ -71,7 +78,7 @@ class LocalStack:
         args += ["--dist-init-addr", f"127.0.0.1:{free_ports(1)[0]}"]
         # The stack reads only its flags, plus the process settings (where the
         # caches live, the kernels' A/B switches for benchmarks).
-        env = environment_without_options()
+        env = {**environment_without_options(), **(extra_env or {})}
         env["PYTHONUNBUFFERED"] = "1"
         self.log: list[str] = []
         self.process = subprocess.Popen(
