@@ -112,14 +112,18 @@ class LocalStack:
         """Process ids serving ``service`` now (launcher children; none while it restarts).
 
         ``prefill_worker`` and ``prefill_scheduler`` name the prefill replica of
-        ``--disaggregated``, launched as its twin with its port as a flag.
+        ``--disaggregated``, launched as its twin with its port as a flag. A
+        tensor/pipeline-parallel worker is its driver here, not its other ranks
+        (``serve worker --rank R``).
         """
         twin = service.removeprefix("prefill_")
         prefill_flag = f"--{twin}-port {self.ports.get(f'prefill_{twin}_port')} "
         return [
             pid
             for pid, cmdline in _children_of(self.process.pid).items()
-            if f"serve {twin}" in cmdline and (prefill_flag in cmdline) == (service != twin)
+            if f"serve {twin}" in cmdline
+            and (prefill_flag in cmdline) == (service != twin)
+            and "--rank " not in cmdline
         ]
 
     def service_pid(self, service: str) -> int:
