@@ -17,7 +17,7 @@ output and the all-reduce that sums the partial outputs sums the deltas too:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +32,9 @@ _KEY = re.compile(
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight"
 )
 
-# (layer, module) -> (in_features, out_features) of the base projection.
-ModuleShape = Callable[[int, str], tuple[int, int]]
+# PEFT module name -> (in_features, out_features) of the whole model's projection
+# (every decoder layer alike).
+ModuleShapes = Mapping[str, tuple[int, int]]
 
 _ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 # Projections whose input, not output, is split over the TP ranks.
@@ -51,7 +52,7 @@ class LoRAAdapter:
 def load_adapter(
     folder: str | Path,
     num_layers: int,
-    module_shape: ModuleShape,
+    module_shapes: ModuleShapes,
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAAdapter:
@@ -76,7 +77,7 @@ def load_adapter(
         lora_b = halves.get((layer, module, "B"))
         if lora_b is None:
             raise ValueError(f"layer {layer} {module}: lora_A without lora_B")
-        in_features, out_features = module_shape(layer, module)
+        in_features, out_features = module_shapes[module]
         expected_a, expected_b = (config.rank, in_features), (out_features, config.rank)
         if tuple(tensor.shape) != expected_a or tuple(lora_b.shape) != expected_b:
             raise ValueError(

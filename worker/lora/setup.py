@@ -64,9 +64,7 @@ def attach_lora_slots(
     dtype = config.dtype
 
     def load(lora: LoRARequest) -> LoRAAdapter:
-        adapter = load_adapter(
-            lora.lora_path, config.num_layers, lambda _, module: shapes[module], max_rank, dtype
-        )
+        adapter = load_adapter(lora.lora_path, config.num_layers, shapes, max_rank, dtype)
         return shard_adapter(adapter, plan)
 
     slots = LoRASlots(
