@@ -15,8 +15,9 @@ requests stay exactly what they are with one replica. On top:
 - the prefix index and loads from each replica's KV event stream, followed
   while there are two or more replicas to choose between: with one, every
   request goes to it whatever the index says, and not following spares its
-  scheduler a stream message per engine step (served 128/128 on the 2-core
-  Zen 4 dev box: 0.83-0.91 scheduler CPU-seconds per run against 0.92-1.01);
+  scheduler a stream message per engine step (served 128/128, against the
+  commit before, on the 2-core "AMD EPYC" family 25 model 17, Zen 4 with
+  AVX512-BF16, no AMX: 0.83-0.91 scheduler CPU-seconds per run against 0.92-1.01);
 - ``generate`` picks a replica by the routing policy and remembers it, so an
   abort reaches the replica that has the request; a replica that refuses
   with UNAVAILABLE before admitting the request leaves the picks and the
