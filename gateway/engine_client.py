@@ -28,8 +28,6 @@ from typing import Protocol, runtime_checkable
 from services.lora_request import LoRARequest
 from services.sampling_params import DetokenizeParams, SamplingParams
 
-FinishReason = str  # "stop" | "length" | "abort" | "error"
-
 
 @dataclass
 class GenerationRequest:
@@ -78,7 +76,9 @@ class GenerationDelta:
     request_id: str
     text: str  # new text this step, already stop-truncated
     token_ids: list[int]  # new token ids this step
-    finish_reason: FinishReason | None
+    # The OpenAI string of services.finish_reason.FinishReason (its ``.value``);
+    # None while the request goes on.
+    finish_reason: str | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache

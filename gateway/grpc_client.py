@@ -49,6 +49,7 @@ from protos import (
     scheduler_pb2_grpc,
 )
 from services.errors import InvalidRequestError, UnavailableError, error_from_rpc
+from services.finish_reason import finish_reason_from_proto
 from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
 from services.grpc_server import internal_channel
 from services.step_codec import (
@@ -69,14 +70,6 @@ _RETRIABLE = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 )
 _RETRY_INTERVAL_S = 0.5
-
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 @dataclass(frozen=True)
@@ -202,7 +195,8 @@ class GrpcEngineClient:
         logprobs = None
         if len(out.logprobs):
             logprobs = [self._token_logprob(lp) for lp in out.logprobs]
-        finish_reason = _FINISH_REASONS[out.finish_reason]
+        reason = finish_reason_from_proto(out.finish_reason)
+        finish_reason = None if reason is None else reason.value
         new = live.cursor.advance(out.text, list(out.token_ids), logprobs, out.replay)
         if out.replay and not (new.text or new.token_ids or finish_reason):
             return None  # a replay up to what the reader has

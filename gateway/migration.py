@@ -28,6 +28,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 
 from protos import scheduler_pb2
+from services.finish_reason import FinishReason
 
 MIGRATIONS = Counter(
     "kvmesh:request_migrations",
@@ -69,11 +70,11 @@ def finish_reason_of_delivered(
     lost): "length" or "stop", else None (there is more to generate)."""
     params = first.sampling_params
     if len(delivered) >= params.max_tokens:
-        return "length"
+        return FinishReason.LENGTH.value
     if len(first.prompt_token_ids) + len(delivered) >= max_model_len:
-        return "length"
+        return FinishReason.LENGTH.value
     if delivered and len(delivered) >= params.min_tokens:
         last = delivered[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
-            return "stop"
+            return FinishReason.STOP.value
     return None

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.finish_reason import FinishReason
 from services.step import Logprobs
 
 if TYPE_CHECKING:  # kv_connector imports request, which imports this module
     from scheduler.kv_connector import KVConnectorStats
     from scheduler.spec_decode.speculator import SpecDecodingStats
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended; ``.value`` is the OpenAI ``finish_reason`` string."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 @dataclass

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 
 from protos import scheduler_pb2
 from scheduler.kv_leases import StoreLeases
-from scheduler.output import FinishReason, RequestOutput
+from scheduler.output import RequestOutput
 from scheduler.request import Request
 from services.errors import InvalidRequestError, UnavailableError
+from services.finish_reason import FinishReason
 from services.sampling_params import SamplingParams
 from services.step_codec import sampling_params_to_proto
 

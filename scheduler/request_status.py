@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from scheduler.output import FinishReason
+from services.finish_reason import FinishReason
 
 
 class RequestStatus(enum.IntEnum):

@@ -25,7 +25,7 @@ from scheduler.kv_leases import HeldLeases, StoreLeases
 from scheduler.kv_lookup import StorePrefixLookup
 from scheduler.lora_admission import request_lora
 from scheduler.metrics import SchedulerMetrics
-from scheduler.output import FinishReason, RequestOutput
+from scheduler.output import RequestOutput
 from scheduler.prefill import PrefillRunner
 from scheduler.request import Request
 from scheduler.request_status import RequestStatus
@@ -33,19 +33,12 @@ from scheduler.request_tracing import SchedulerRequestTraces
 from scheduler.scheduler import Scheduler
 from scheduler.worker_client import WorkerClient
 from services.errors import InvalidRequestError, OverloadedError, UnavailableError
+from services.finish_reason import FinishReason, finish_reason_to_proto
 from services.step import ModelRunnerOutput, SchedulerOutput
 from services.step_codec import logprobs_to_proto, sampling_params_from_proto
 from services.step_deadline import StepDeadline
 
 logger = logging.getLogger(__name__)
-
-_FINISH_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
 
 # A prompt position the worker never scored (cannot happen while the scheduler
 # skips prefix hits for such requests; kept so the list stays positional).
@@ -318,7 +311,7 @@ class SchedulerEngine:
         msg = scheduler_pb2.RequestOutput(
             request_id=out.request_id,
             new_token_ids=out.new_token_ids,
-            finish_reason=_FINISH_TO_PROTO[out.finish_reason],
+            finish_reason=finish_reason_to_proto(out.finish_reason),
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             error=out.error or "",

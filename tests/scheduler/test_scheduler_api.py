@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.config import SchedulerConfig
-from scheduler.output import FinishReason
 from scheduler.request_status import RequestStatus
+from services.finish_reason import FinishReason
 from tests.scheduler.factories import make_output, make_request, make_scheduler, run_step
 
 

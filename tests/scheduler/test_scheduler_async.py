@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler.output import FinishReason, RequestOutput
+from scheduler.output import RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from services.finish_reason import FinishReason
 from services.step import ModelRunnerOutput, SchedulerOutput
 from tests.scheduler.factories import make_request, make_scheduler, random_workload
 

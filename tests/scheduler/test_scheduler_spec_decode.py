@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.output import FinishReason
 from services.config import SpeculativeConfig
+from services.finish_reason import FinishReason
 from services.math_utils import cdiv
 from tests.scheduler.factories import make_request, make_scheduler, make_spec_output
 
