@@ -454,7 +454,7 @@ class KVEventsStub:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 
@@ -477,7 +477,7 @@ class KVEventsServicer:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 
@@ -518,7 +518,7 @@ class KVEvents:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (scheduler/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from scheduler.block_hash import BlockHash
 from scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink, chain_runs
+from services.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

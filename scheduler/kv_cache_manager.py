@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-from scheduler.block_hash import extend_block_hashes, get_block_hasher
 from scheduler.block_pool import BlockPool, KVCacheBlock, KVCacheIntegrityError
 from scheduler.request import Request
+from services.block_hash import extend_block_hashes, get_block_hasher
 from services.math_utils import cdiv
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from scheduler.block_hash import BlockHash
+from services.block_hash import BlockHash
 
 # How many block hashes one resync batch carries: a snapshot of 100k blocks
 # goes out as a few messages of ~130 KiB rather than one of several MiB.

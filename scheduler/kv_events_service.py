@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.block_hash import BlockHash
 from scheduler.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,6 +26,7 @@ from scheduler.kv_events import (
     KVEventLog,
 )
 from scheduler.scheduler import Scheduler
+from services.block_hash import BlockHash
 from services.errors import OverloadedError
 
 logger = logging.getLogger(__name__)

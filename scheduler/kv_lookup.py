@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvstore.client import KVStoreClient, KVStoreError
 from kvstore.layout import KVLayout
-from scheduler.block_hash import BlockHasher, extend_block_hashes
+from services.block_hash import BlockHasher, extend_block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ import logging
 from kvstore.client import KVStoreClient
 from kvstore.layout import KVLayout
 from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from scheduler.block_hash import get_block_hasher
 from scheduler.config import SchedulerConfig, step_token_budget
 from scheduler.kv_events_service import KVEventsServicer, attach_publisher
 from scheduler.kv_leases import StoreLeases
@@ -18,6 +17,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.request_tracing import SchedulerRequestTraces
 from scheduler.service import SchedulerEngine, SchedulerServicer
 from scheduler.worker_client import WorkerClient
+from services.block_hash import get_block_hasher
 from services.config import SchedulerServiceConfig
 from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService

@@ -23,7 +23,7 @@ from gateway.routing.prefix_index import PrefixIndex, block_key
 from gateway.routing.replica_feed import ReplicaEventFeed
 from gateway.routing.replica_state import ReplicaState
 from protos import scheduler_pb2
-from scheduler.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
+from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from services.errors import UnavailableError
 from services.math_utils import cdiv
 

@@ -10,10 +10,10 @@ from gateway.routing.prefix_index import block_key
 from gateway.routing.replica_feed import KVEventGap
 from gateway.routing.router import Router
 from protos import scheduler_pb2
-from scheduler.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from scheduler.block_pool import BlockPool
 from scheduler.kv_events import KVEventLog
 from scheduler.kv_events_service import ReplicaLoad, batch_to_proto, load_report
+from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 
 BLOCK_SIZE = 4
 

@@ -12,7 +12,7 @@ from gateway.routing.config import RouterConfig
 from gateway.routing.policies import POLICY_CLASSES, RoutingReason
 from gateway.routing.router import Router
 from protos import scheduler_pb2
-from scheduler.block_hash import BlockHash
+from services.block_hash import BlockHash
 from services.config import ROUTING_POLICIES, GatewayConfig, RoutingPolicyName
 from services.errors import UnavailableError
 from tests.scheduler.factories import make_request, make_scheduler

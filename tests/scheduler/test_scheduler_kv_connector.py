@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_hash import extend_block_hashes, sha256_block_hash
 from scheduler.block_pool import KVCacheBlock
 from scheduler.kv_connector import KVConnectorScheduler
 from scheduler.request import Request
+from services.block_hash import extend_block_hashes, sha256_block_hash
 from services.sampling_params import SamplingParams
 from services.step import KVConnectorOutput
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from scheduler.block_pool import BlockPool
 from scheduler.kv_events import (
     RESYNC_BLOCKS_PER_BATCH,
@@ -16,6 +15,7 @@ from scheduler.kv_events import (
     KVEventLog,
     make_resync_batches,
 )
+from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 BLOCK_SIZE = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from protos import common_pb2, scheduler_pb2
-from scheduler.block_hash import extend_block_hashes, first_block_extra_keys, sha256_block_hash
 from scheduler.lora_admission import request_lora
+from services.block_hash import extend_block_hashes, first_block_extra_keys, sha256_block_hash
 from services.errors import InvalidRequestError
 from services.lora_request import LoRARequest
 from tests.scheduler.factories import make_request, make_scheduler, run_step

@@ -22,11 +22,11 @@ from kvstore.layout import KVLayout
 from kvstore.testing import FakeClock, serve_store
 from kvstore.tiered import TieredStore
 from protos import common_pb2, scheduler_pb2
-from scheduler.block_hash import extend_block_hashes, sha256_block_hash
 from scheduler.config import SchedulerConfig
 from scheduler.kv_leases import HeldLeases, StoreLeases
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import SchedulerEngine, SchedulerServicer
+from services.block_hash import extend_block_hashes, sha256_block_hash
 from services.errors import OverloadedError, UnavailableError
 from services.step import KVConnectorOutput, ModelRunnerOutput
 from tests.scheduler.factories import make_request, make_scheduler

@@ -8,9 +8,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_hash import extend_block_hashes, sha256_block_hash
 from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
+from services.block_hash import extend_block_hashes, sha256_block_hash
 from services.config import SCHEDULING_POLICIES
 from tests.scheduler.factories import make_output, make_request, make_scheduler
 

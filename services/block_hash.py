@@ -8,6 +8,10 @@ partial block's content is still changing.
 
 The default ``sha256`` runs over a fixed little-endian serialization, so the
 same prefix has the same hash in every process (the kvstore keys blocks by it).
+
+A shared contract, not the scheduler's own: the scheduler hashes for its
+prefix cache and the kvstore keys, and the gateway's router hashes prompts
+the same way to find the replica that holds them.
 """
 
 from __future__ import annotations
