@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from protos import scheduler_pb2
+from scheduler.kv_connector import KVConnectorScheduler
 from scheduler.kv_leases import StoreLeases
 from scheduler.output import RequestOutput
 from scheduler.request import Request
@@ -38,9 +39,6 @@ from services.errors import InvalidRequestError, UnavailableError
 from services.finish_reason import FinishReason
 from services.sampling_params import SamplingParams
 from services.step_codec import sampling_params_to_proto
-
-if TYPE_CHECKING:
-    from scheduler.service import SchedulerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +59,36 @@ class _Prefill:
     saving: bool = False
 
 
-class PrefillRunner:
-    """Serves ``Scheduler.Prefill`` on one engine (needs ``--kv-offload``)."""
+class PrefillEngine(Protocol):
+    """What a prefill needs of the engine it runs on (``SchedulerEngine`` in
+    scheduler/service.py, which owns the runner: a protocol, so the two do
+    not import each other)."""
 
-    def __init__(self, engine: SchedulerEngine, leases: StoreLeases | None) -> None:
+    async def lookup_stored_prefix(self, msg: scheduler_pb2.AddRequestRequest) -> None: ...
+
+    def add_request(self, msg: scheduler_pb2.AddRequestRequest, publish: bool = True) -> Request:
+        """Queue a request; ``publish=False`` keeps its outputs from the subscribers."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> list[str]: ...
+
+
+class PrefillRunner:
+    """Serves ``Scheduler.Prefill`` on one engine (needs ``--kv-offload``).
+
+    ``connector`` is the engine core's (None: the KV connector is off).
+    """
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        connector: KVConnectorScheduler | None,
+        block_size: int,
+        leases: StoreLeases | None,
+    ) -> None:
         self.engine = engine
+        self.connector = connector
+        self.block_size = block_size
         self.leases = leases
         self._prefills: dict[str, _Prefill] = {}
 
@@ -74,10 +97,10 @@ class PrefillRunner:
         return len(self._prefills)
 
     async def prefill(self, msg: scheduler_pb2.PrefillRequest) -> scheduler_pb2.PrefillResponse:
-        connector = self.engine.core.connector
+        connector = self.connector
         if connector is None or self.leases is None:
             raise UnavailableError("this scheduler cannot prefill for others: --kv-offload is off")
-        block_size = self.engine.config.block_size
+        block_size = self.block_size
         num_loadable = (len(msg.prompt_token_ids) - 1) // block_size
         if msg.prompt_token_ids and num_loadable == 0:
             # No block the decode replica could load: nothing worth computing here.
@@ -124,7 +147,7 @@ class PrefillRunner:
         """The caller went away: abort the request, or stop waiting for its saves."""
         request_id = prefill.request.request_id
         if prefill.saving:
-            connector = self.engine.core.connector
+            connector = self.connector
             assert connector is not None
             connector.cancel_save_wait(request_id)
         else:
@@ -134,7 +157,7 @@ class PrefillRunner:
     def take_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Keep the outputs of prefills (called after every step, before publishing);
         returns the others. Also completes prefills whose saves settled."""
-        connector = self.engine.core.connector
+        connector = self.connector
         if connector is None:
             return outputs
         kept = [out for out in outputs if not self._take(out)] if self._prefills else outputs
@@ -156,7 +179,7 @@ class PrefillRunner:
             )
             return True
         request = prefill.request
-        connector = self.engine.core.connector
+        connector = self.connector
         assert connector is not None
         prefill.saving = True
         if connector.wait_for_saves(

@@ -122,19 +122,26 @@ class Request:
     def append_output_token_ids(self, token_ids: Sequence[int], max_model_len: int) -> int:
         """Append sampled tokens in order until one finishes the request.
 
-        The per-token path of every step. ``check_stop`` runs after each token and
-        sets the finished status; tokens after the one that stopped the request
-        are dropped. Returns how many were appended: ``len(token_ids)`` unless
-        the request finished early.
+        The per-token path of every step. ``check_stop`` runs after each token;
+        its verdict sets the finished status (and stop reason), and tokens after
+        the one that stopped the request are dropped. Returns how many were
+        appended: ``len(token_ids)`` unless the request finished early.
         """
         output_token_ids = self.output_token_ids
         all_token_ids = self.all_token_ids
+        params, eos_token_ids = self.sampling_params, self.eos_token_ids
         num_appended = 0
         for token_id in token_ids:
             output_token_ids.append(token_id)
             all_token_ids.append(token_id)
             num_appended += 1
-            if check_stop(self, max_model_len):
+            stop = check_stop(
+                params, output_token_ids, len(all_token_ids), eos_token_ids, max_model_len
+            )
+            if stop is not None:
+                self.status, stop_token_id = stop
+                if stop_token_id is not None:
+                    self.stop_reason = stop_token_id
                 break
         return num_appended
 

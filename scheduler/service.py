@@ -102,7 +102,7 @@ class SchedulerEngine:
         self.healthy = True
         # Prefill/decode disaggregation: prefills run here for another replica,
         # and leases of transferred KV held until their request ran.
-        self.prefills = PrefillRunner(self, kv_leases)
+        self.prefills = PrefillRunner(self, self.core.connector, config.block_size, kv_leases)
         self.transfer_leases = HeldLeases(kv_leases)
         # Each traced request's spans (--otlp-traces-endpoint; None: off).
         self.traces = traces
