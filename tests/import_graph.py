@@ -19,8 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shipped top-level packages (pyproject's packages.find) and the
-# developer scripts beside them.
+# developer scripts beside them; a package not in this checkout is skipped.
 PACKAGES = (
+    "kvmesh",
     "services",
     "gateway",
     "scheduler",
@@ -64,6 +65,8 @@ def find_modules(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[
     """Dotted name -> file of every first-party module (generated protobuf code left out)."""
     modules: dict[str, Path] = {}
     for package in packages:
+        if not (root / package).is_dir():
+            continue
         for path in sorted((root / package).rglob("*.py")):
             if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue

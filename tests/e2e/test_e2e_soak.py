@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from benchmarks.soak import NUM_KV_BLOCKS, SoakPlan, run_soak, summary_table
 from tests.e2e.conftest import start_stack, stop_stack
+from tests.e2e.soak import NUM_KV_BLOCKS, SoakPlan, run_soak, summary_table
 
 pytestmark = pytest.mark.e2e
 

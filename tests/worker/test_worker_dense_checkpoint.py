@@ -1,6 +1,6 @@
-"""benchmarks/dense_checkpoint.py: the dense copy that issue 13's "general
-checkpoint" figures are measured on has no block codes left, and nothing but
-its projections changed."""
+"""tests/worker/dense_checkpoint.py (written by benchmarks/dense_checkpoint.py): the
+dense copy that issue 13's "general checkpoint" figures are measured on has no block
+codes left, and nothing but its projections changed."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.dense_checkpoint import is_projection, make_dense
 from kernels.block_codes import find_block_codes
 from tests.kernels.test_kernels_block_codes import q8_0_weight
 from tests.worker.conftest import make_tiny_checkpoint
+from tests.worker.dense_checkpoint import is_projection, make_dense
 
 
 def _quantized_tiny_checkpoint(folder: Path) -> dict[str, torch.Tensor]:

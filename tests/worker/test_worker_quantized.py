@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.quant_accuracy import agreement
 from kernels.block_codes import RowCodes, quantize_int8
+from tests.worker.quant_accuracy import agreement
 from worker.config import CacheConfig, ModelConfig
 from worker.model_runner import ModelRunner
 from worker.models import linear

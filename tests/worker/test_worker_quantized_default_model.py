@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.quant_accuracy import (
+from detokenizer.tokenizer_loader import load_tokenizer
+from gateway.tokenizer import Tokenizer
+from services.model_prep import _installed_gguf, resolve_model_path
+from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
+from tests.worker.quant_accuracy import (
     FIXED_TEXT,
     agreement,
     greedy_tokens,
     make_runner,
     perplexity,
 )
-from detokenizer.tokenizer_loader import load_tokenizer
-from gateway.tokenizer import Tokenizer
-from services.model_prep import _installed_gguf, resolve_model_path
-from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
 from worker.model_runner import ModelRunner
 from worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 

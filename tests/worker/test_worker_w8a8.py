@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.quant_accuracy import agreement
 from kernels.block_codes import quantize_int8
 from kernels.int8_reference import w8a8_reference
+from tests.worker.quant_accuracy import agreement
 from worker.gguf_weights import CODE_TYPES, block_codes
 from worker.models import linear
 from worker.models.linear import PackedLinear
