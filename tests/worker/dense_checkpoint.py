@@ -21,13 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.block_codes import find_block_codes
-
-# The linear layers' weights in a Llama-family checkpoint (embeddings and norms stay).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from services.llama_projections import PROJECTION_NAMES
 
 
 def is_projection(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{part}." in name for part in PROJECTIONS)
+    """A linear layer's weight of a Llama-family checkpoint (embeddings and norms stay)."""
+    return name.endswith(".weight") and any(f".{part}." in name for part in PROJECTION_NAMES)
 
 
 def perturb(
