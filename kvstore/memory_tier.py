@@ -10,6 +10,8 @@ the LRU queue while pinned, in-flight puts are never in it.
 
 All operations are O(1) per block (dicts and an OrderedDict; leases expire
 through a heap). Single-threaded: the service calls it from one asyncio loop.
+The top ``Tier`` of the store (kvstore/tier.py); the tiered store calls its
+synchronous methods directly, the lower tiers' through the protocol.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import PutOutcome, StoredBlock
 from kvstore.leases import LeaseTable
 from kvstore.pending_put import PendingPut
+from kvstore.tier import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +172,35 @@ class MemoryTier:
                 self._bytes_used -= self._blocks.pop(key).size
                 num_deleted += 1
         return num_deleted
+
+    # -- as a Tier (no I/O: each answers at once) --------------------------------
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self._blocks for key in keys]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
+        return [self.get(key) for key in keys]
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        return self.delete(keys)
+
+    def snapshot(self) -> TierStats:
+        # A memory block is checked when its put commits, so none is ever corrupt here.
+        stats = self.stats()
+        return TierStats(stats.num_blocks, stats.bytes_used, self._capacity, stats.evictions, 0)
+
+    async def refresh(self) -> None:
+        """Nothing to read: every number is kept as it changes."""
+
+    async def flush(self) -> None:
+        """Nothing queued: every write is done when its call returns."""
+
+    async def close(self) -> None:
+        """Nothing to release: the blocks are plain memory."""
 
     # -- leases ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ Each value is a record (header with size and CRC-32, then the bytes), set
 with one SET, which Redis applies atomically: a reader sees a whole record or
 none. Every read checks the record; a corrupt or truncated one is deleted and
 counted, never served. Redis errors never reach callers: a failed read is a
-miss, a failed write is logged and counted.
+miss, a failed write is logged and counted. A ``SharedTier`` (kvstore/tier.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvstore.block import CorruptBlockError, StoredBlock
+from kvstore.tier import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class RedisTier:
         )
         return cls(client)
 
+    @property
+    def name(self) -> str:
+        return "redis"
+
     async def put(self, key: bytes, block: StoredBlock) -> bool:
         try:
             await self._redis.set(KEY_PREFIX + key, block.record_header() + block.data)
@@ -83,7 +88,7 @@ class RedisTier:
         self._writes += 1
         return True
 
-    def put_in_background(self, key: bytes, block: StoredBlock) -> None:
+    def write_through(self, key: bytes, block: StoredBlock) -> None:
         """Start writing a block without waiting (skipped if too many bytes are in flight)."""
         if self._pending_bytes + block.size > self._max_pending_bytes:
             self._writes_skipped += 1
@@ -124,10 +129,10 @@ class RedisTier:
                 blocks.append(None)
         if corrupt:
             self._corrupt_blocks += len(corrupt)
-            await self.delete_many(corrupt)
+            await self._delete(corrupt)
         return blocks
 
-    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key, in one round trip (all False while Redis fails)."""
         if not keys:
             return []
@@ -137,6 +142,10 @@ class RedisTier:
         return [bool(count) for count in counts]
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
+        await self.flush()  # a write still in flight would resurrect the block
+        return await self._delete(keys)
+
+    async def _delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
         try:
@@ -147,7 +156,8 @@ class RedisTier:
         self._succeeded()
         return int(deleted)
 
-    async def refresh_stats(self) -> None:
+    async def refresh(self) -> None:
+        """Read the block count and memory use (DBSIZE, INFO memory)."""
         try:
             self._num_blocks = int(await self._redis.dbsize())
             self._bytes_used = int((await self._redis.info("memory"))["used_memory"])
@@ -155,6 +165,10 @@ class RedisTier:
             self._failed("DBSIZE/INFO", e)
             return
         self._succeeded()
+
+    def snapshot(self) -> TierStats:
+        # Redis bounds itself (maxmemory): no capacity or evictions seen from here.
+        return TierStats(self._num_blocks, self._bytes_used, 0, 0, self._corrupt_blocks)
 
     def stats(self) -> RedisTierStats:
         return RedisTierStats(

@@ -13,10 +13,11 @@ from prometheus_client import REGISTRY
 
 from kvstore import metrics
 from kvstore.block import CHUNK_BYTES, StoredBlock
+from kvstore.disk_spill import DiskSpillTier
 from kvstore.disk_tier import DiskTier
 from kvstore.layout import KVLayout
 from kvstore.put_stream import PutStream
-from kvstore.tiered import StoreStats, TieredStore
+from kvstore.tiered import LowerTier, StoreStats, TieredStore
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from services.config import KVStoreConfig
 from services.errors import InvalidRequestError
@@ -136,19 +137,18 @@ def stats_to_proto(stats: StoreStats) -> kvstore_pb2.KVStoreStats:
 
 
 def build_store(config: KVStoreConfig) -> TieredStore:
-    disk = None
+    """Memory, then disk (memory's evictions), then Redis (shared), each if configured."""
+    lower: list[LowerTier] = []
     if config.kvstore_disk_path:
-        disk = DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)
-    redis = None
+        lower.append(DiskSpillTier(DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)))
     if config.kvstore_redis_url:
         # Imported here: redis-py is needed only when a Redis tier is configured.
         from kvstore.redis_tier import RedisTier
 
-        redis = RedisTier.from_url(config.kvstore_redis_url)
+        lower.append(RedisTier.from_url(config.kvstore_redis_url))
     return TieredStore(
         config.kvstore_capacity_bytes,
-        disk=disk,
-        redis=redis,
+        lower,
         high_watermark=config.kvstore_high_watermark,
         low_watermark=config.kvstore_low_watermark,
     )

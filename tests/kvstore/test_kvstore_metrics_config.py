@@ -76,5 +76,5 @@ def test_config_rejects_inconsistent_settings(fields: dict) -> None:
 
 def test_defaults_build_a_memory_only_store() -> None:
     store = build_store(KVStoreConfig())
-    assert store.disk is None and store.redis is None
+    assert [tier.name for tier in store.tiers] == ["memory"]
     assert store.memory.capacity_bytes == 1 << 30

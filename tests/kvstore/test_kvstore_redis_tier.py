@@ -20,9 +20,7 @@ def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:
 
 
 def with_redis(url: str, memory_bytes: int = 1000) -> TieredStore:
-    return TieredStore(
-        memory_bytes, redis=RedisTier.from_url(url), high_watermark=1, low_watermark=1
-    )
+    return TieredStore(memory_bytes, [RedisTier.from_url(url)], high_watermark=1, low_watermark=1)
 
 
 async def raw_redis(url: str):
@@ -96,13 +94,14 @@ async def test_corrupt_redis_value_is_dropped_and_counted_never_served(
 
 async def test_redis_down_is_a_miss_not_an_error(redis_url: str) -> None:
     dead_url = "redis://127.0.0.1:1/0"  # nothing listens on port 1
-    store = TieredStore(200, redis=RedisTier.from_url(dead_url, timeout_s=0.5))
+    redis = RedisTier.from_url(dead_url, timeout_s=0.5)
+    store = TieredStore(200, [redis])
     assert put(store, 1) is PutOutcome.STORED  # memory still works
     assert await store.lookup_prefix([[key(1), key(2)]]) == 1
     blocks, _, _ = await store.get([key(2)])
     assert blocks == [None]
     await store.flush()
-    assert store.redis is not None and store.redis.stats().errors >= 2
+    assert redis.stats().errors >= 2
     await store.close()
 
 
@@ -121,7 +120,7 @@ async def test_delete_and_stats_reach_redis(redis_url: str) -> None:
 
 async def test_lease_promotes_from_redis_and_pins_until_expiry(redis_url: str, clock) -> None:
     store = TieredStore(
-        200, redis=RedisTier.from_url(redis_url), high_watermark=1, low_watermark=1, clock=clock
+        200, [RedisTier.from_url(redis_url)], high_watermark=1, low_watermark=1, clock=clock
     )
     for i in range(3):
         put(store, i)

@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from kvstore.block import CHUNK_BYTES, PutOutcome
 from kvstore.client import KVStoreClient, KVStoreError
+from kvstore.disk_spill import DiskSpillTier
 from kvstore.disk_tier import DiskTier
 from kvstore.layout import KVLayout
 from kvstore.testing import serve_store
@@ -37,14 +38,7 @@ class Served:
         """Tiers holding a copy of the block, after pending spills and writes."""
         await self.store.flush()
         key = LAYOUT.block_key(block_hash)
-        tiers = []
-        if self.store.memory.contains(key):
-            tiers.append("memory")
-        if self.store.disk is not None and self.store.disk.contains(key):
-            tiers.append("disk")
-        if self.store.redis is not None and (await self.store.redis.exists_many([key]))[0]:
-            tiers.append("redis")
-        return tiers
+        return [tier.name for tier in self.store.tiers if (await tier.contains_many([key]))[0]]
 
 
 def _make_store(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> TieredStore:
@@ -52,11 +46,11 @@ def _make_store(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ti
     if tier == "memory":
         return TieredStore(memory)
     if tier == "disk":
-        return TieredStore(memory, disk=DiskTier(tmp_path, 64 << 20))
+        return TieredStore(memory, [DiskSpillTier(DiskTier(tmp_path, 64 << 20))])
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
     from kvstore.redis_tier import RedisTier
 
-    return TieredStore(memory, redis=RedisTier.from_url(request.getfixturevalue("redis_url")))
+    return TieredStore(memory, [RedisTier.from_url(request.getfixturevalue("redis_url"))])
 
 
 @pytest_asyncio.fixture(loop_scope="function", params=["memory", "disk", "redis"])

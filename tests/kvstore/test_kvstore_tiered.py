@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.block import PutOutcome
+from kvstore.disk_spill import DiskSpillTier
 from kvstore.disk_tier import DiskTier
 from kvstore.testing import FakeClock, put_block
 from kvstore.testing import numbered_key as key
@@ -20,7 +21,7 @@ def tiered(tmp_path: Path, memory_bytes: int = 200, **kwargs) -> TieredStore:
     # Watermarks at 1: evict exactly what a put needs, so tests can count blocks.
     return TieredStore(
         memory_bytes,
-        disk=DiskTier(tmp_path, capacity_bytes=10_000),
+        [DiskSpillTier(DiskTier(tmp_path, capacity_bytes=10_000))],
         high_watermark=1,
         low_watermark=1,
         **kwargs,
@@ -29,8 +30,8 @@ def tiered(tmp_path: Path, memory_bytes: int = 200, **kwargs) -> TieredStore:
 
 def where(store: TieredStore, n: int) -> list[str]:
     """The tier holding each of blocks 0..n-1 ("-": none)."""
-    disk = store.disk
-    assert disk is not None
+    disk = store.tier("disk")
+    assert isinstance(disk, DiskSpillTier)
     tiers = []
     for i in range(n):
         if store.memory.contains(key(i)):
@@ -135,7 +136,7 @@ async def test_new_put_of_a_spilled_block_keeps_tiers_exclusive(tmp_path: Path) 
     assert put(store, 0) is PutOutcome.STORED  # memory had no copy; now it does, disk not
     await store.flush()
     assert where(store, 3) == ["memory", "disk", "memory"]
-    assert store.disk is not None and store.disk.stats().num_blocks == 1
+    assert store.tier("disk").snapshot().num_blocks == 1
     await store.close()
 
 
