@@ -17,9 +17,10 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 
-from kvstore.client import KVStoreClient, KVStoreError
+from kvstore.client import KVStoreError
 from kvstore.layout import KVLayout
 from protos import scheduler_pb2
+from scheduler.kv_store import SchedulerKVStore
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,14 @@ class StoreLeases:
 
     def __init__(
         self,
-        client: KVStoreClient,
+        store: SchedulerKVStore,
         layouts: Sequence[KVLayout],
         ttl_s: float,
         timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError("lease ttl must be positive")
-        self.client = client
+        self.store = store
         self.layouts = list(layouts)
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
@@ -66,7 +67,7 @@ class StoreLeases:
         num_blocks = len(block_hashes)
         try:
             for layout in self.layouts:
-                lease = await self.client.lease(
+                lease = await self.store.lease(
                     layout, block_hashes, self.ttl_s, timeout_s=self.timeout_s
                 )
                 lease_ids.append(lease.lease_id)
@@ -92,7 +93,7 @@ class StoreLeases:
     async def _release(self, lease_ids: list[int]) -> None:
         for lease_id in lease_ids:
             try:
-                await self.client.release(lease_id, timeout_s=self.timeout_s)
+                await self.store.release(lease_id, timeout_s=self.timeout_s)
             except KVStoreError as exc:
                 logger.info("kvstore lease %d not released (its TTL ends it): %s", lease_id, exc)
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvstore.client import KVStoreClient, KVStoreError
+from kvstore.client import KVStoreError
 from kvstore.layout import KVLayout
+from scheduler.kv_store import SchedulerKVStore
 from services.block_hash import BlockHasher, extend_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -28,13 +29,13 @@ DEFAULT_LOOKUP_TIMEOUT_S = 0.25
 class StorePrefixLookup:
     def __init__(
         self,
-        client: KVStoreClient,
+        store: SchedulerKVStore,
         layouts: Sequence[KVLayout],
         block_size: int,
         hasher: BlockHasher,
         timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
     ) -> None:
-        self.client = client
+        self.store = store
         self.layouts = list(layouts)
         self.block_size = block_size
         self.hasher = hasher
@@ -51,7 +52,7 @@ class StorePrefixLookup:
         if not hashes:
             return []
         try:
-            num_stored = await self.client.lookup_prefix(
+            num_stored = await self.store.lookup_prefix(
                 self.layouts, hashes, timeout_s=self.timeout_s
             )
         except KVStoreError as exc:

@@ -88,7 +88,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None
     kv_lookup = _store_lookup(kvstore, info, core_config) if kvstore is not None else None
     kv_leases = (
-        StoreLeases(kv_lookup.client, kv_lookup.layouts, config.kv_transfer_lease_ttl_s)
+        StoreLeases(kv_lookup.store, kv_lookup.layouts, config.kv_transfer_lease_ttl_s)
         if kv_lookup is not None
         else None
     )
