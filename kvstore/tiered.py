@@ -131,18 +131,24 @@ class TieredStore:
         if not key_lists:
             return 0
         n = min(len(keys) for keys in key_lists)
-        found = {keys[i] for i in range(n) for keys in key_lists if self.memory.contains(keys[i])}
+        found: set[bytes] = set()  # held below memory
+
+        def held(key: bytes) -> bool:
+            return self.memory.contains(key) or key in found
+
+        def first_gap(start: int) -> int:
+            return next((i for i in range(start, n) if not all(held(k[i]) for k in key_lists)), n)
+
+        gap = first_gap(0)
         for tier in self.lower:
-            first_gap = self._first_gap(key_lists, n, found)
-            if first_gap == n:
-                return n
+            if gap == n:
+                break
             # Each tier is asked only past what the tiers above it answered.
-            asked = [
-                keys[i] for i in range(first_gap, n) for keys in key_lists if keys[i] not in found
-            ]
+            asked = [keys[i] for i in range(gap, n) for keys in key_lists if not held(keys[i])]
             present = await tier.contains_many(asked)
-            found.update(key for key, held in zip(asked, present, strict=True) if held)
-        return self._first_gap(key_lists, n, found)
+            found.update(key for key, is_held in zip(asked, present, strict=True) if is_held)
+            gap = first_gap(gap)
+        return gap
 
     async def get(
         self, keys: Sequence[bytes], lease_ttl_s: float = 0.0
@@ -215,10 +221,6 @@ class TieredStore:
         )
 
     # -- internals -------------------------------------------------------------
-
-    @staticmethod
-    def _first_gap(key_lists: Sequence[Sequence[bytes]], n: int, found: set[bytes]) -> int:
-        return next((i for i in range(n) if not all(keys[i] in found for keys in key_lists)), n)
 
     async def _fetch(self, keys: Sequence[bytes], *, count: bool) -> list[StoredBlock | None]:
         """Find blocks in any tier and promote lower-tier hits into memory."""
