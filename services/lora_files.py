@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.llama_projections import PROJECTION_NAMES
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The modules adapters may target: every projection of the Llama family
-# (PEFT's module names); a fused projection of the worker gets one slice per name.
-TARGET_MODULES = PROJECTION_NAMES
+# The projections of the Llama family that adapters may target (PEFT's
+# module names); a fused projection of the worker gets one slice per name.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _CHUNK = 1 << 20
 
 

@@ -21,12 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.block_codes import find_block_codes
-from services.llama_projections import PROJECTION_NAMES
+
+# The linear layers' weights in a Llama-family checkpoint (embeddings and norms stay).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def is_projection(name: str) -> bool:
-    """A linear layer's weight of a Llama-family checkpoint (embeddings and norms stay)."""
-    return name.endswith(".weight") and any(f".{part}." in name for part in PROJECTION_NAMES)
+    return name.endswith(".weight") and any(f".{part}." in name for part in PROJECTIONS)
 
 
 def perturb(

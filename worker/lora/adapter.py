@@ -24,20 +24,21 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.llama_projections import LLAMA_PROJECTIONS, PROJECTION_NAMES, PROJECTIONS_BY_NAME
 from services.lora_files import ADAPTER_WEIGHTS, AdapterConfig, read_adapter_config
 from worker.parallel.sharding import ShardPlan
 
 _KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\."
-    f"(?:{'|'.join(sorted({p.block for p in LLAMA_PROJECTIONS}))})\\."
-    f"({'|'.join(PROJECTION_NAMES)})"
-    r"\.lora_([AB])\.weight"
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight"
 )
 
 # PEFT module name -> (in_features, out_features) of the whole model's projection
 # (every decoder layer alike).
 ModuleShapes = Mapping[str, tuple[int, int]]
+
+_ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+# Projections whose input, not output, is split over the TP ranks.
+_ROW_PARALLEL_MODULES = frozenset({"o_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,8 @@ def shard_adapter(adapter: LoRAAdapter, plan: ShardPlan) -> LoRAAdapter:
     for (layer, module), (lora_a, lora_b) in adapter.modules.items():
         if layer not in layers:
             continue
-        projection = PROJECTIONS_BY_NAME[module]
-        name = f"{projection.path}.weight"
-        if projection.row_parallel:
+        name = f"{'self_attn' if module in _ATTENTION_MODULES else 'mlp'}.{module}.weight"
+        if module in _ROW_PARALLEL_MODULES:
             lora_a = plan.shard(name, lora_a).contiguous()
         else:
             lora_b = plan.shard(name, lora_b).contiguous()

@@ -7,7 +7,6 @@ import logging
 import torch
 
 from kernels import native
-from services.llama_projections import LLAMA_PROJECTIONS, Width
 from services.lora_request import LoRARequest
 from worker.config import ModelConfig
 from worker.lora.adapter import LoRAAdapter, load_adapter, shard_adapter
@@ -30,13 +29,17 @@ def native_lora_unavailable_reason(device: torch.device, dtype: torch.dtype) -> 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each PEFT module of the whole (unsharded)
     model: what an adapter's tensors are checked against."""
-    widths: dict[Width, int] = {
-        "hidden": config.hidden_size,
-        "q": config.num_heads * config.head_dim,
-        "kv": config.num_kv_heads * config.head_dim,
-        "intermediate": config.intermediate_size,
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
     }
-    return {p.name: (widths[p.in_width], widths[p.out_width]) for p in LLAMA_PROJECTIONS}
 
 
 def attach_lora_slots(
