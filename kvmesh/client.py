@@ -352,9 +352,7 @@ def _chunk(response: generation_pb2.GenerateResponse) -> StreamChunk:
 
 
 def _model_info(info: generation_pb2.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        info.model_name, info.max_model_len, info.vocab_size, list(info.eos_token_ids)
-    )
+    return ModelInfo(info.model_name, info.max_model_len, info.vocab_size, list(info.eos_token_ids))
 
 
 def _credentials(root_certificates: bytes | str | Path | None) -> grpc.ChannelCredentials | None:

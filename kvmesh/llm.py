@@ -223,7 +223,9 @@ class _SampleStream:
         self.text: list[str] = []
         self.stop_string: str | None = None
 
-    def update(self, new_token_ids: list[int], *, finished: bool, stopped_by_token: bool) -> str | None:
+    def update(
+        self, new_token_ids: list[int], *, finished: bool, stopped_by_token: bool
+    ) -> str | None:
         """Add a step's tokens; returns the stop string that ended the text, if one did now."""
         if self.detokenizer.finished:
             return None
