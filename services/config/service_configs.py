@@ -282,7 +282,7 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
         "per 32 input features (GGUF Q8_0's layout; CPU only); w8a8: the same weights "
         "(or a GGUF file's Q4_0/Q4_1/Q8_0 codes) times activations quantized per token to "
         "int8, multiplied with VNNI/AMX-INT8 integer dot products (needs the C++ CPU kernels; "
-        "less accurate, README 'Quantized weights')",
+        "less accurate, docs/serving.md 'Quantized weights')",
         choices=QUANTIZATIONS,
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
