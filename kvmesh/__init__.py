@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.client import AsyncClient, Client, ClientError, ModelInfo, StreamChunk
+from kvmesh.client import AsyncClient, ChatOptions, Client, ClientError, ModelInfo, StreamChunk
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.sampling_params import SamplingParams
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "AsyncClient",
+    "ChatOptions",
     "Client",
     "ClientError",
     "CompletionOutput",

@@ -2,7 +2,8 @@
 without protobuf in the caller's code.
 
 They speak ``kvmesh.v1.Generation`` (protos/generation.proto) to a gateway's
-gRPC port (``kvmesh up``: 127.0.0.1:50051): a prompt (text or token ids) and a
+gRPC port (``kvmesh up``: 127.0.0.1:50051): a prompt (text, token ids, or chat
+messages the server renders with the model's template) and a
 ``kvmesh.SamplingParams`` go in; text and token ids come out, streamed as
 ``StreamChunk``s or gathered into one ``RequestOutput`` per call, the shape
 ``kvmesh.LLM`` returns. Errors come back as ``ClientError`` carrying the gRPC
@@ -16,7 +17,7 @@ RESOURCE_EXHAUSTED when the gateway is full, UNAVAILABLE when the engine is).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,10 @@ from kvmesh.sampling_params import SamplingParams
 from protos import generation_pb2, generation_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+# A prompt: text, token ids, or a conversation of {"role", "content"} messages
+# (rendered by the server with the model's chat template).
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
 class ClientError(RuntimeError):
@@ -56,6 +61,16 @@ class StreamChunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the server renders a conversation (OpenAI chat's and vLLM's options)."""
+
+    # End the prompt with the opening of the assistant's turn.
+    add_generation_prompt: bool = True
+    # Leave the last message open so the model continues it.
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,16 +112,19 @@ class Client:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str = "",
         priority: int = 0,
+        chat_options: ChatOptions | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield text and token ids as the engine produces them (one chunk per
-        sample per step). Closing the iterator early cancels the request."""
+        sample per step). Closing the iterator early cancels the request.
+        ``prompt``: text, token ids, or chat messages (``chat_options`` say how
+        the server renders them)."""
         call = self._stub.Generate(
-            _request(prompt, params, request_id, priority),
+            _request(prompt, params, request_id, priority, chat_options),
             timeout=self.timeout,
             metadata=self._metadata,
         )
@@ -120,7 +138,7 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str = "",
@@ -129,6 +147,26 @@ class Client:
         """The whole generation for one prompt: every sample's text and token ids."""
         gather = _Gather(prompt, params, request_id)
         for chunk in self.stream(prompt, params, request_id=request_id, priority=priority):
+            gather.add(chunk)
+        return gather.result()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> RequestOutput:
+        """The reply to a conversation, rendered by the server with the model's chat
+        template as /v1/chat/completions renders it."""
+        options = ChatOptions(add_generation_prompt, continue_final_message)
+        gather = _Gather(messages, params, request_id)
+        for chunk in self.stream(
+            messages, params, request_id=request_id, priority=priority, chat_options=options
+        ):
             gather.add(chunk)
         return gather.result()
 
@@ -186,15 +224,16 @@ class AsyncClient:
 
     async def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str = "",
         priority: int = 0,
+        chat_options: ChatOptions | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Yield chunks as the engine produces them; leaving early cancels the request."""
         call = self._stub.Generate(
-            _request(prompt, params, request_id, priority),
+            _request(prompt, params, request_id, priority, chat_options),
             timeout=self.timeout,
             metadata=self._metadata,
         )
@@ -208,7 +247,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str = "",
@@ -216,6 +255,24 @@ class AsyncClient:
     ) -> RequestOutput:
         gather = _Gather(prompt, params, request_id)
         async for chunk in self.stream(prompt, params, request_id=request_id, priority=priority):
+            gather.add(chunk)
+        return gather.result()
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> RequestOutput:
+        options = ChatOptions(add_generation_prompt, continue_final_message)
+        gather = _Gather(messages, params, request_id)
+        async for chunk in self.stream(
+            messages, params, request_id=request_id, priority=priority, chat_options=options
+        ):
             gather.add(chunk)
         return gather.result()
 
@@ -252,9 +309,7 @@ class AsyncClient:
 class _Gather:
     """Chunks of one call -> one RequestOutput."""
 
-    def __init__(
-        self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str
-    ) -> None:
+    def __init__(self, prompt: Prompt, params: SamplingParams | None, request_id: str) -> None:
         self._prompt = prompt
         self._request_id = request_id
         num_samples = (params or SamplingParams()).n
@@ -281,29 +336,44 @@ class _Gather:
                     end.stop_reason if end else None,
                 )
             )
-        is_text = isinstance(self._prompt, str)
+        prompt_ids = [] if isinstance(self._prompt, str) or _is_chat(self._prompt) else self._prompt
         return RequestOutput(
             self._request_id,
             self._prompt if isinstance(self._prompt, str) else None,
-            [] if is_text else [int(t) for t in self._prompt],
+            [int(t) for t in prompt_ids],  # type: ignore[union-attr]
             outputs,
         )
 
 
+def _is_chat(prompt: Prompt) -> bool:
+    return not isinstance(prompt, str) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+
+
 def _request(
-    prompt: str | Sequence[int], params: SamplingParams | None, request_id: str, priority: int
+    prompt: Prompt,
+    params: SamplingParams | None,
+    request_id: str,
+    priority: int,
+    chat_options: ChatOptions | None = None,
 ) -> generation_pb2.GenerateRequest:
-    sampling = _sampling_proto(params or SamplingParams())
-    if isinstance(prompt, str):
-        return generation_pb2.GenerateRequest(
-            request_id=request_id, text=prompt, sampling=sampling, priority=priority
-        )
-    return generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateRequest(
         request_id=request_id,
-        token_ids=generation_pb2.TokenIds(ids=[int(t) for t in prompt]),
-        sampling=sampling,
+        sampling=_sampling_proto(params or SamplingParams()),
         priority=priority,
     )
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif _is_chat(prompt):
+        options = chat_options or ChatOptions()
+        request.messages.messages.extend(
+            generation_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
+            for m in prompt  # type: ignore[union-attr]
+        )
+        request.add_generation_prompt = options.add_generation_prompt
+        request.continue_final_message = options.continue_final_message
+    else:
+        request.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
+    return request
 
 
 def _sampling_proto(p: SamplingParams) -> generation_pb2.SamplingParameters:

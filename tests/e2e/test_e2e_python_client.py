@@ -68,3 +68,17 @@ async def test_async_client_streams_the_same_tokens(stack) -> None:
         assert await client.tokenize(PROMPT) == ids
     assert out.outputs[0].token_ids == hf_oracle.greedy(ids, 10)
     assert [t for c in streamed for t in c.token_ids] == out.outputs[0].token_ids
+
+
+def test_chat_is_rendered_by_the_server_with_the_models_template(stack) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    tokenizer = hf_oracle.tokenizer()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    expected = hf_oracle.greedy(ids, 8, stop_at_eos=True)
+    params = kvmesh.SamplingParams(temperature=0.0, max_tokens=8)
+    with kvmesh.Client(stack.grpc_addr, timeout=120) as client:
+        reply = client.chat(messages, params)
+        streamed = [t for c in client.stream(messages, params) for t in c.token_ids]
+    assert reply.outputs[0].token_ids == expected
+    assert streamed == expected
