@@ -4,7 +4,10 @@ Every `kvmesh ...` line is checked against `kvmesh <subcommand> --help` and, whe
 it is a literal command (not synopsis notation), parsed as the CLI would parse
 it; every bare `--flag` must be some `kvmesh` command's (or, for the few named
 in OTHER_TOOLS_FLAGS, its owner's); every `make X` must be a Makefile target;
-every relative link must reach a file and, with `#anchor`, a heading in it.
+every relative link must reach a file and, with `#anchor`, a heading in it;
+every repository path named in code (`worker/models/__init__.py`, or a module's
+symbol, `services/model_prep.resolve_model_path`) must exist, which keeps the
+"Adding ..." checklists of docs/architecture.md true as files move.
 """
 
 from __future__ import annotations
@@ -78,3 +81,25 @@ def test_relative_links_reach_a_file_and_heading(doc: Path) -> None:
             if anchor not in slugs:
                 broken.append(f"{target}: no heading with anchor #{anchor}")
     assert broken == []
+
+
+_TOP_LEVEL = {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+_PATH = re.compile(r"`((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]*)`")
+
+
+def _exists(path: str) -> bool:
+    if (REPO / path).exists():
+        return True
+    # `package/module.symbol`: the module's file.
+    module = path.rsplit(".", 1)[0]
+    return "." in path and (REPO / f"{module}.py").is_file()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
+def test_repository_paths_exist(doc: Path) -> None:
+    missing = []
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        for path in _PATH.findall(line):
+            if path.split("/")[0] in _TOP_LEVEL and not _exists(path):
+                missing.append(f"{number}: {path}")
+    assert missing == []
