@@ -93,7 +93,10 @@ class InProcessEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        parallel_group: str | None = None,
     ) -> None:
+        """``parallel_group``: shared by the samples of one prompt (n > 1), so the
+        scheduler computes the prompt once and the others hit its cache."""
         now = time.monotonic()
         self.scheduler.add_request(
             Request(
@@ -103,6 +106,7 @@ class InProcessEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
                 lora_request=lora_request,
+                parallel_group=parallel_group,
             )
         )
         self.results[request_id] = GenerationResult(request_id, [], now)

@@ -170,7 +170,9 @@ class LLM:
                         self._detokenizer_tokenizer, token_ids, p.detokenize_params()
                     )
                 )
-                self.engine.add_request(request_id, token_ids, engine_params)
+                # Samples of one prompt share it: computed once, as the server does.
+                group = f"{batch}-{i}" if p.n > 1 else None
+                self.engine.add_request(request_id, token_ids, engine_params, parallel_group=group)
         try:
             self._step_until_done(streams)
         finally:

@@ -124,3 +124,17 @@ def test_bad_prompts_raise_before_anything_runs(llm: kvmesh.LLM) -> None:
     # The engine still serves after refusing.
     (out,) = llm.generate(PROMPTS[0], kvmesh.SamplingParams(temperature=0.0, max_tokens=2))
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_samples_of_one_prompt_compute_it_once(llm: kvmesh.LLM) -> None:
+    prompt = "A prompt of several blocks, seen by no other test: " + "lantern harbor " * 20
+    num_tokens = len(hf_oracle.tokenizer()(prompt)["input_ids"])
+    llm.engine.scheduler.make_stats()  # counters restart from here
+    (out,) = llm.generate(
+        prompt, kvmesh.SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=2, ignore_eos=True)
+    )
+    stats = llm.engine.scheduler.make_stats()
+    assert len(out.outputs) == 3
+    # The first sample computes the prompt; the other two hit its full blocks.
+    full_blocks = (num_tokens - 1) // 16 * 16
+    assert stats.prefix_cache_hits == 2 * full_blocks
