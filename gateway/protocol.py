@@ -397,6 +397,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # vLLM's field: the thinking, split off by --reasoning-parser (null without one).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -449,6 +451,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the thinking (--reasoning-parser)
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
