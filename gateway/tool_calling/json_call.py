@@ -146,7 +146,10 @@ class CallScanner:
         """The function's name once its string is complete."""
         if not self.is_closed("name"):
             return None
-        name = json.loads(self.value_text("name") or "null")
+        try:
+            name = json.loads(self.value_text("name") or "null")
+        except json.JSONDecodeError as exc:  # e.g. an unquoted name
+            raise MalformedCallError("a tool call's name must be a JSON string") from exc
         if not isinstance(name, str):
             raise MalformedCallError("a tool call's name must be a string")
         return name

@@ -42,11 +42,13 @@ class MistralToolStream(ScanningCallStream):
         super().__init__("content", make_id)
         self._array: CallArrayStream | None = None
         self._arguments: JsonValueExtent | None = None
+        self._unsent = ""  # the [TOOL_CALLS] consumed since the last call started
 
     def _malformed(self, events: list[StreamEvent]) -> None:
+        # The marker of a call whose name never went out is content too.
         self._state = "malformed"
-        events.append(self._pending)
-        self._pending = ""
+        events.append(self._unsent + self._pending)
+        self._pending = self._unsent = ""
 
     def _advance(self, events: list[StreamEvent]) -> bool:
         state = self._state
@@ -63,12 +65,14 @@ class MistralToolStream(ScanningCallStream):
                 self._pending = self._pending[len(content) :]
                 return False
             self._pending = rest
+            self._unsent = TOOL_CALLS
             self._state = "after_marker"
             return True
         if state == "after_marker":
             stripped = self._pending.lstrip()
             if not stripped:
                 return False
+            self._unsent += self._pending[: len(self._pending) - len(stripped)]
             if stripped[0] == "[":  # an array; a function name never starts with "["
                 if self._num_calls:
                     raise MalformedCallError("an array of calls after other calls")
@@ -80,7 +84,10 @@ class MistralToolStream(ScanningCallStream):
             return True
         if state == "array":
             assert self._array is not None
-            events += self._array.feed(self._pending)
+            array_events = self._array.feed(self._pending)
+            if array_events:
+                self._unsent = ""
+            events += array_events
             self._pending = ""
             if not self._array.ok:
                 raise MalformedCallError("not an array of calls")
@@ -97,6 +104,7 @@ class MistralToolStream(ScanningCallStream):
             if not _NAME.fullmatch(name.strip()):
                 raise MalformedCallError("expected a function name before [ARGS]")
             events.append(ToolCallStart(self._num_calls, self._make_id(), name.strip()))
+            self._unsent = ""
             self._num_calls += 1
             self._pending = rest.lstrip()
             self._arguments = JsonValueExtent()
@@ -125,6 +133,7 @@ class MistralToolStream(ScanningCallStream):
         stripped = self._pending.lstrip()
         if stripped.startswith(TOOL_CALLS):
             self._pending = stripped[len(TOOL_CALLS) :]
+            self._unsent = TOOL_CALLS
             self._state = "name"
             return True
         if stripped and not TOOL_CALLS.startswith(stripped):
@@ -143,5 +152,5 @@ class MistralToolStream(ScanningCallStream):
         if self._state == "between" and not self._pending.strip():
             return []
         self.ok = False
-        rest, self._pending = self._pending, ""
+        rest, self._pending, self._unsent = self._unsent + self._pending, "", ""
         return [rest] if rest else []

@@ -69,6 +69,7 @@ class PythonicToolStream:
         self._escape = False
         self._num_calls = 0
         self._element_done = False  # the element before the next "," or "]" was a call
+        self._taken = 0  # characters of pending the last scan consumed
         self.ok = True
 
     def feed(self, text: str) -> list[StreamEvent]:
@@ -118,7 +119,16 @@ class PythonicToolStream:
                 raise MalformedCallError("text after the list of calls")
 
     def _scan_list(self, events: list[StreamEvent]) -> None:
+        try:
+            self._scan_list_from(events)
+        finally:  # also when the list proves malformed: what was scanned is consumed
+            self._pending = self._pending[self._taken :]
+
+    def _scan_list_from(self, events: list[StreamEvent]) -> None:
+        """Scan pending text; ``_taken`` counts the characters consumed (also on errors)."""
+        self._taken = 0
         for index, char in enumerate(self._pending):
+            self._taken = index + 1
             self._consumed += char
             if self._depth == 0:  # the list's own "["
                 self._depth = 1
@@ -140,7 +150,6 @@ class PythonicToolStream:
                 if char == "]":
                     self._depth = 0
                     self._state = "after_list"
-                    self._pending = self._pending[index + 1 :]
                     return
                 continue
             self._element += char
@@ -152,7 +161,6 @@ class PythonicToolStream:
                 self._depth -= 1
                 if self._depth == 1:
                     self._emit_call(events)
-        self._pending = ""
 
     def _emit_call(self, events: list[StreamEvent]) -> None:
         name, arguments = _call_from_source(self._element)

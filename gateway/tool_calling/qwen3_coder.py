@@ -87,16 +87,20 @@ class Qwen3CoderToolStream(ScanningCallStream):
         self._function = ""
         self._parameter = ""
         self._num_parameters = 0
+        self._unsent = ""  # markers consumed since the last call started
 
     def _malformed(self, events: list[StreamEvent]) -> None:
+        # The markers of a call whose name never went out are content too.
         self._state = "malformed"
-        events.append(self._pending)
-        self._pending = ""
+        events.append(self._unsent + self._pending)
+        self._pending = self._unsent = ""
 
     def _expect(self, marker: str) -> bool | None:
         """Consume ``marker`` after whitespace: True; None while it may still come; else raise."""
         stripped = self._pending.lstrip()
         if stripped.startswith(marker):
+            end = len(self._pending) - len(stripped) + len(marker)
+            self._unsent += self._pending[:end]
             self._pending = stripped[len(marker) :]
             return True
         if marker.startswith(stripped):
@@ -120,6 +124,7 @@ class Qwen3CoderToolStream(ScanningCallStream):
                     self._pending = self._pending[len(content) :]
                     return False
                 self._pending = rest
+                self._unsent = TOOL_CALL_START
             else:
                 found = self._expect(TOOL_CALL_START)
                 if not found:
@@ -146,6 +151,7 @@ class Qwen3CoderToolStream(ScanningCallStream):
                 raise MalformedCallError("expected a function name")
             self._function = name
             self._num_parameters = 0
+            self._unsent = ""
             events.append(ToolCallStart(self._num_calls, self._make_id(), name))
             self._num_calls += 1
             self._pending = rest
@@ -220,5 +226,5 @@ class Qwen3CoderToolStream(ScanningCallStream):
             return []
         if self._state != "malformed":
             self.ok = False
-        rest, self._pending = self._pending, ""
+        rest, self._pending, self._unsent = self._unsent + self._pending, "", ""
         return [rest] if rest else []

@@ -80,7 +80,13 @@ class ScanningCallStream:
     def _feed_call(self, events: list[StreamEvent]) -> bool:
         """Feed pending text to the open call object; True once it is complete."""
         assert self._call is not None
-        taken, call_events = self._call.feed(self._pending)
+        scanned = len(self._call.scanner.text)
+        try:
+            taken, call_events = self._call.feed(self._pending)
+        except MalformedCallError:
+            # What the scanner took is the call's text now; the rest stays pending.
+            self._pending = self._pending[len(self._call.scanner.text) - scanned :]
+            raise
         events += call_events
         self._pending = self._pending[taken:]
         if not self._call.scanner.done:
