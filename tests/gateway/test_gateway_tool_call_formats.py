@@ -88,9 +88,7 @@ async def test_calls_come_back_whole_and_streamed_alike(
 ) -> None:
     _script(engine, tokenizer, sample.text)
     client = clients[sample.parser]
-    whole = await client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, tools=TOOLS
-    )
+    whole = await client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS)
     choice = whole.choices[0]
     assert _calls(choice.message) == sample.calls
     assert choice.message.content == sample.content
@@ -123,9 +121,7 @@ async def test_malformed_output_is_plain_content(
 ) -> None:
     _script(engine, tokenizer, text)
     client = clients[parser]
-    whole = await client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, tools=TOOLS
-    )
+    whole = await client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS)
     assert whole.choices[0].message.content == text
     assert not whole.choices[0].message.tool_calls
     assert whole.choices[0].finish_reason == "stop"
@@ -170,7 +166,7 @@ async def test_auto_without_the_flag_is_refused_as_vllm_does(
         body = {"messages": ASK, "tools": TOOLS, "max_tokens": 30, "tool_choice": choice}
         response = await client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
-    assert not engine.requests[0].detokenize_params.skip_special_tokens is False
+    assert all(r.detokenize_params.skip_special_tokens for r in engine.requests)
 
 
 async def test_formats_with_special_token_markers_keep_them_in_the_text(
