@@ -47,7 +47,7 @@ TOOL_PARSERS: dict[str, ToolParserSpec] = {
                 [function["name"] for function in functions], make_id
             ),
             True,
-            ("<|python_tag|>", '"parameters": dictionary of argument name'),
+            ("<|python_tag|>", "dictionary of argument name and its value"),
         ),
         ToolParserSpec(
             "mistral",
