@@ -228,3 +228,36 @@ async def test_without_a_reasoning_parser_thinking_stays_in_the_content(
     message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
     assert message["content"] == "<think>hmm</think>4"
     assert message["reasoning_content"] is None
+
+
+async def test_structured_output_and_forced_calls_wait_for_the_end_of_the_thinking(
+    clients: dict[str, openai.AsyncOpenAI], engine: FakeEngineClient, qwen3_tokenizer: Tokenizer
+) -> None:
+    end = tuple(qwen3_tokenizer.encode("</think>", add_special_tokens=False))
+    client = clients["qwen3"]
+    _script(engine, qwen3_tokenizer, '<think>Paris, surely.</think>{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, streamed = await _both(client, tools=TOOLS, tool_choice=named)
+    assert whole == streamed
+    assert whole["reasoning"] == "Paris, surely." and whole["content"] is None
+    assert whole["calls"] == [("get_weather", {"city": "Paris"})]
+    spec = engine.requests[-1].sampling_params.structured_output
+    assert spec is not None and spec.reasoning_end_token_ids == end
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    await client.chat.completions.create(model=MODEL_NAME, messages=ASK, response_format=schema)
+    spec = engine.requests[-1].sampling_params.structured_output
+    assert spec is not None and spec.kind == "json" and spec.reasoning_end_token_ids == end
+    # Thinking switched off in the template: the grammar applies from the first token.
+    await client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        response_format=schema,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    spec = engine.requests[-1].sampling_params.structured_output
+    assert spec is not None and spec.reasoning_end_token_ids == ()
+    # Magistral thinks only if it opens with [THINK]: no gate to wait for.
+    await clients["mistral"].chat.completions.create(
+        model=MODEL_NAME, messages=ASK, response_format=schema
+    )
+    assert engine.requests[-1].sampling_params.structured_output.reasoning_end_token_ids == ()
