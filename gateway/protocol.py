@@ -283,7 +283,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
-        description="auto, required or a named function need tools; the name must be one of them.",
+        description=(
+            "auto, required or a named function need tools; the name must be one of them. "
+            "auto (the default with tools) needs the server's --enable-auto-tool-choice."
+        ),
     )
     parallel_tool_calls: bool | None = None
     # vLLM extensions.
