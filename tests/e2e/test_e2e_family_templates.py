@@ -187,7 +187,7 @@ def test_a_hermes_call_in_the_answer_is_parsed_whole_and_streamed(
         "model": MODEL,
         "messages": ASK,
         "tools": [WEATHER],
-        "max_tokens": 48,
+        "max_tokens": 240,
         "temperature": 0,
         # Thinking off, so the grammar applies from the first token and writes the call.
         "extra_body": {
@@ -219,7 +219,7 @@ def test_a_llama3_json_pair_of_calls_is_parsed_whole_and_streamed(llama3_stack: 
         "model": MODEL,
         "messages": ASK,
         "tools": [WEATHER],
-        "max_tokens": 64,
+        "max_tokens": 400,
         "temperature": 0,
         "extra_body": {"guided_regex": _forced(calls_text)},
     }
