@@ -177,14 +177,20 @@ def resolve_output_parsing(config: GatewayConfig, tokenizer: Tokenizer) -> Outpu
     error at start-up: guessing would turn every call into plain content.
     """
     tool_parser_name = config.tool_call_parser
+    renders_tools = template_renders_tools(tokenizer) if tokenizer.has_chat_template else True
     if not tool_parser_name and tokenizer.has_chat_template:
-        tool_parser_name = (
-            detect_tool_parser(tokenizer.chat_template_source, template_renders_tools(tokenizer))
-            or ""
-        )
+        tool_parser_name = detect_tool_parser(tokenizer.chat_template_source, renders_tools) or ""
         logger.info(
             "tool-call parser from the chat template: %s",
             tool_parser_name or "none (it names no single format; set --tool-call-parser)",
+        )
+    if tool_parser_name not in ("", "hermes") and not renders_tools:
+        # The gateway writes tools into such prompts as Hermes text: the model is
+        # asked for <tool_call> blocks this parser will not read.
+        logger.warning(
+            "the chat template ignores tools, so they are prompted as Hermes <tool_call> text, "
+            "but --tool-call-parser is %s",
+            tool_parser_name,
         )
     if config.enable_auto_tool_choice and not tool_parser_name:
         raise ValueError(

@@ -74,3 +74,11 @@ def test_unknown_parser_names_are_refused() -> None:
         GatewayConfig(tool_call_parser="harmony")
     with pytest.raises(ValueError, match="reasoning_parser"):
         GatewayConfig(reasoning_parser="o1")
+
+
+def test_a_parser_other_than_hermes_for_a_template_that_ignores_tools_is_warned_about(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="gateway.output_parsing"):
+        resolve_output_parsing(GatewayConfig(tool_call_parser="pythonic"), tokenizer)
+    assert "prompted as Hermes <tool_call> text, but --tool-call-parser is pythonic" in caplog.text
