@@ -10,7 +10,7 @@ tokens each, through:
       ``kvmesh bench`` client at ``--concurrency`` (and again at
       ``--concurrency-large``);
   (b) kvmesh's engine in process: Scheduler + ModelRunner, no services
-      (benchmarks/inprocess_engine.py), same concurrency;
+      (kvmesh/engine.py), same concurrency;
   (c) transformers ``generate`` in static batches of ``--hf-batch-size``.
 
 It prints output tokens/s of each, the ratios a/c and a/b, and the load
@@ -38,7 +38,7 @@ from bench.client import ClientConfig, CompletionsClient  # noqa: E402
 from bench.dataset import SampleRequest  # noqa: E402
 from bench.metrics import compute_metrics  # noqa: E402
 from bench.runner import LoadConfig, run_load  # noqa: E402
-from benchmarks.inprocess_engine import InProcessEngine  # noqa: E402
+from kvmesh.engine import InProcessEngine  # noqa: E402
 from services.local_stack import LocalStack  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
 from services.sampling_params import SamplingParams  # noqa: E402

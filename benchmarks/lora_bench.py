@@ -3,7 +3,7 @@
 Usage: .venv/bin/python -m benchmarks.lora_bench [--model PATH] [--num-requests N]
        [--threads T] [--dtype auto|float32|bfloat16] [--lora-kernel auto|torch|both]
 
-The real Scheduler drives a ModelRunner in one process (benchmarks/inprocess_engine.py),
+The real Scheduler drives a ModelRunner in one process (kvmesh/engine.py),
 with ``--max-loras 8 --max-lora-rank 16``. Each run submits the same prompts at once
 (random tokens, greedy, ``ignore_eos``); requests take adapters round-robin, so
 every step mixes all of a run's adapters. Adapters are rank 16 on all seven
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.inprocess_engine import InProcessEngine
+from kvmesh.engine import InProcessEngine
 from services.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, adapter_id
 from services.lora_request import LoRARequest
 from services.model_prep import default_model_path

@@ -14,7 +14,7 @@ Two workloads, each at concurrency 1 and 16:
 
 Configurations: plain, ``--speculative-config`` n-gram, and suffix decoding.
 By default the engine runs in process (the real Scheduler driving a
-ModelRunner, ``inprocess_engine.py``) and the configurations alternate cell by
+ModelRunner, ``kvmesh/engine.py``) and the configurations alternate cell by
 cell, ``--rounds`` times, so that a shared machine's load drifts over all of
 them alike; ``--stack`` runs one full stack per configuration instead (HTTP,
 plain with its default async scheduling), which needs a quiet machine.
@@ -222,7 +222,7 @@ def measure_stack(
 def _inprocess_cell(
     runner: object, config: str, prompts: list[list[int]], concurrency: int, params: object
 ) -> dict[str, float]:
-    from benchmarks.inprocess_engine import InProcessEngine
+    from kvmesh.engine import InProcessEngine
     from services.config import SpeculativeConfig
 
     spec = SPECULATIVE[config]

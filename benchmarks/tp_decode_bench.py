@@ -8,7 +8,7 @@ broadcasts each step; worker/parallel/driver.py), and times the decode steps of
 so the ratio compares runs on the same machine minutes apart.
 
 ``--pp P`` (P > 1) instead runs the real scheduler in process
-(benchmarks/inprocess_engine.py) over a TP x PP replica twice: without overlap
+(kvmesh/engine.py) over a TP x PP replica twice: without overlap
 (one step at a time, the whole batch each) and with it (P micro-batches, one
 begun per stage), and prints the ratio.
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.inprocess_engine import InProcessEngine
+from kvmesh.engine import InProcessEngine
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
 from worker.config import CacheConfig, ModelConfig

@@ -9,7 +9,7 @@ alone, without HTTP, gRPC or the other services, to tell the two apart. Two
 long-lived child processes load the same checkpoint in ``--dtype`` (bfloat16 by
 default; float32 is both engines' best on a CPU without bf16 matmuls): kvmesh's
 ``InProcessEngine`` (the real scheduler driving a ``ModelRunner``,
-benchmarks/inprocess_engine.py; no prefix caching), and vLLM's offline ``LLM``
+kvmesh/engine.py; no prefix caching), and vLLM's offline ``LLM``
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so its engine runs in the child;
 ``max_num_batched_tokens=2048`` as ``vllm serve`` uses on CPU; no prefix
 caching). A job ``NxLxO`` is N random-token prompts of L tokens, greedy,
@@ -52,7 +52,7 @@ def _serve_jobs(run_job) -> None:  # type: ignore[no-untyped-def]
 
 def kvmesh_child(model: Path, dtype: str) -> None:
     sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks.inprocess_engine import InProcessEngine
+    from kvmesh.engine import InProcessEngine
     from services.sampling_params import SamplingParams
     from worker.config import CacheConfig, ModelConfig
     from worker.model_runner import ModelRunner

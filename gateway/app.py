@@ -29,6 +29,7 @@ from gateway.limits import GatewayLimits
 from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
+from gateway.output_parsing import OutputParsing
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -207,6 +208,7 @@ def build_app(
     serve_metrics: bool = True,
     tracing: Tracing | None = None,
     models: ServedModels | None = None,
+    output_parsing: OutputParsing | None = None,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
@@ -215,6 +217,8 @@ def build_app(
     ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
     With ``tracing``, each /v1 call is a server span (gateway/tracing.py). ``models``:
     the LoRA adapters served besides ``served_model_name`` (none by default).
+    ``output_parsing``: the reasoning and tool-call parsers of chat completions
+    (none by default, and tool_choice "auto" refused).
     """
     limits = limits or GatewayLimits()
     models = models or ServedModels(served_model_name)
@@ -248,7 +252,9 @@ def build_app(
     completions = CompletionServing(
         engine, tokenizer, served_model_name, metrics, limits, models, tracing
     )
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+    chat = ChatServing(
+        engine, tokenizer, served_model_name, metrics, limits, models, tracing, output_parsing
+    )
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 

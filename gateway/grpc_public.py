@@ -25,10 +25,10 @@ from gateway.errors import invalid_request_from_validation
 from gateway.generation_stream import MultiGeneration
 from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import CompletionRequest
+from gateway.protocol import ChatMessage, CompletionRequest
 from gateway.serving_common import build_engine_requests, start_generation
 from gateway.tokenizer import Tokenizer
-from gateway.validation import check_unsupported, completion_prompts
+from gateway.validation import check_unsupported, completion_prompts, render_chat
 from protos import generation_pb2, generation_pb2_grpc
 from services.errors import InvalidRequestError, UnauthenticatedError, UnavailableError
 from services.tracing import Tracing, span_or_nothing
@@ -52,10 +52,51 @@ _OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
-def completion_request_from_proto(msg: generation_pb2.GenerateRequest) -> CompletionRequest:
+_CHAT_MESSAGES = pydantic.TypeAdapter(list[ChatMessage])
+
+
+def chat_prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """A ``messages`` prompt rendered as /v1/chat/completions renders one, as token
+    ids (the template writes its own BOS). Raises InvalidRequestError."""
+    body = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+    if not body:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    try:
+        messages = _CHAT_MESSAGES.validate_python(body)
+    except pydantic.ValidationError as exc:
+        raise invalid_request_from_validation(exc.errors(), body) from None
+    add_generation_prompt = (
+        msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    )
+    text = render_chat(
+        messages,
+        tokenizer,
+        add_generation_prompt,
+        continue_final_message=msg.continue_final_message,
+    )
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not token_ids:
+        raise InvalidRequestError("messages rendered to an empty prompt", param="messages")
+    return token_ids
+
+
+def completion_request_from_proto(
+    msg: generation_pb2.GenerateRequest, chat_token_ids: list[int] | None = None
+) -> CompletionRequest:
+    """The HTTP API's request for ``msg``; ``chat_token_ids``: its rendered ``messages``."""
     sampling = msg.sampling
+    kind = msg.WhichOneof("prompt")
+    prompt: str | list[int]
+    if kind == "text":
+        prompt = msg.text
+    elif kind == "messages":
+        if chat_token_ids is None:
+            raise ValueError("a messages prompt must be rendered first (chat_prompt_ids)")
+        prompt = chat_token_ids
+    else:
+        prompt = list(msg.token_ids.ids)
     body: dict[str, Any] = {
-        "prompt": msg.text if msg.WhichOneof("prompt") == "text" else list(msg.token_ids.ids),
+        "prompt": prompt,
         "ignore_eos": sampling.ignore_eos,
         "stop_token_ids": list(sampling.stop_token_ids),
         "stop": list(sampling.stop),
@@ -141,7 +182,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         generation: MultiGeneration | None = None
         try:
-            completion = completion_request_from_proto(request)
+            chat_token_ids = None
+            if request.WhichOneof("prompt") == "messages":
+                with span_or_nothing(self.tracing, "render_chat"):
+                    chat_token_ids = await self.tokenizer.offload(
+                        chat_prompt_ids, request, self.tokenizer
+                    )
+            completion = completion_request_from_proto(request, chat_token_ids)
             check_unsupported(completion)
             with span_or_nothing(self.tracing, "tokenize"):
                 prompts = await self.tokenizer.offload(

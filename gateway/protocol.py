@@ -283,7 +283,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
-        description="auto, required or a named function need tools; the name must be one of them.",
+        description=(
+            "auto, required or a named function need tools; the name must be one of them. "
+            "auto (the default with tools) needs the server's --enable-auto-tool-choice."
+        ),
     )
     parallel_tool_calls: bool | None = None
     # vLLM extensions.
@@ -397,6 +400,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # vLLM's field: the thinking, split off by --reasoning-parser (null without one).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -449,6 +454,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the thinking (--reasoning-parser)
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -15,6 +15,7 @@ from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
+from gateway.output_parsing import resolve_output_parsing
 from gateway.routed_engine_client import RoutedEngineClient
 from gateway.routing.discovery import make_discovery
 from gateway.served_models import ServedModels, read_lora_request
@@ -51,6 +52,7 @@ def served_models(config: GatewayConfig, served_name: str) -> ServedModels:
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     model_path = resolve_model_path(config.model)
     tokenizer = Tokenizer.from_pretrained(model_path)
+    output_parsing = resolve_output_parsing(config, tokenizer)
     security = InternalSecurity.from_config(config)
     tracing = start_tracing("gateway", config.otlp_traces_endpoint)
     scheduler_interceptors = (
@@ -145,6 +147,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         **surface_options,
         serve_metrics=metrics_on_http,
         models=served_models(config, served_name),
+        output_parsing=output_parsing,
     )
     http = _EmbeddedUvicorn(
         uvicorn.Config(

@@ -1,13 +1,17 @@
 """POST /v1/chat/completions: messages rendered by the model's chat template, text out.
 
-With tools, gateway/tool_calling.py decides how they are rendered and whether
-the output is constrained (tool_choice "required" or a named function) or
-parsed (Hermes ``<tool_call>`` blocks for "auto"); calls come back as
-``tool_calls`` in the message, or in streamed deltas once each call is complete.
+With tools, gateway/tool_calling/plan.py decides how they are rendered and
+whether the output is constrained (tool_choice "required" or a named
+function) or parsed (the ``--tool-call-parser`` format for "auto"). With a
+``--reasoning-parser``, the thinking comes back as ``reasoning_content`` and
+only the answer after it is read for calls (gateway/output_parsing.py). Calls
+come back as ``tool_calls`` in the message, or in streamed deltas: each
+call's id and name first, then its argument fragments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,10 +19,13 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from gateway.engine_client import GenerationDelta
+from gateway.engine_client import EngineClient, GenerationDelta
 from gateway.errors import error_body
 from gateway.generation_stream import MultiGeneration
+from gateway.limits import GatewayLimits
 from gateway.logprobs_format import chat_logprobs, vllm_prompt_logprobs
+from gateway.metrics import GatewayMetrics
+from gateway.output_parsing import OutputEvent, OutputParser, OutputParsing
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -29,6 +36,8 @@ from gateway.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from gateway.reasoning import ReasoningText
+from gateway.served_models import ServedModels
 from gateway.serving_common import (
     SSE_DONE,
     Serving,
@@ -40,8 +49,9 @@ from gateway.serving_common import (
     usage_info,
 )
 from gateway.structured_outputs import structured_output_spec
-from gateway.tool_call_modes import StreamingToolParser, tool_call_delta
-from gateway.tool_calling import ToolPlan, plan_tools, tool_call_models
+from gateway.tokenizer import Tokenizer
+from gateway.tool_calling.deltas import tool_call_delta, tool_call_models
+from gateway.tool_calling.plan import ToolPlan, plan_tools
 from gateway.validation import (
     Prompt,
     chat_prompt,
@@ -49,15 +59,53 @@ from gateway.validation import (
     truncate_prompts,
 )
 from services.errors import InvalidRequestError, UnavailableError
+from services.sampling_params import StructuredOutputSpec
+from services.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
 
 class ChatServing(Serving):
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        served_model_name: str,
+        metrics: GatewayMetrics,
+        limits: GatewayLimits,
+        models: ServedModels,
+        tracing: Tracing | None = None,
+        output_parsing: OutputParsing | None = None,
+    ) -> None:
+        super().__init__(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+        self._parsing = output_parsing or OutputParsing()
+
+    def _parsers(
+        self, request: ChatCompletionRequest, plan: ToolPlan, prompt: Prompt
+    ) -> list[OutputParser]:
+        return [
+            self._parsing.parser(plan, prompt.text, request.chat_template_kwargs)
+            for _ in range(request.n)
+        ]
+
+    def _after_reasoning(
+        self, spec: StructuredOutputSpec | None, parsers: list[OutputParser]
+    ) -> StructuredOutputSpec | None:
+        """The constraint, applied only after the thinking when the generation starts in it
+        (vLLM's order: reason freely, then answer in the required shape)."""
+        reasoning = self._parsing.reasoning
+        if spec is None or reasoning is None or not parsers[0].starts_in_reasoning:
+            return spec
+        end = tuple(self._tokenizer.encode(reasoning.end_tag, add_special_tokens=False))
+        return dataclasses.replace(spec, reasoning_end_token_ids=end)
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         lora_request = self._models.resolve(request.model)
         check_unsupported(request)
-        plan = plan_tools(request)
+        plan = plan_tools(request, self._parsing.auto_tool_choice)
+        if self._parsing.keeps_special_tokens(plan) and request.skip_special_tokens:
+            # The format's markers are special tokens (vLLM's adjust_request does the same).
+            request = request.model_copy(update={"skip_special_tokens": False})
         prompt = await self._tokenize(
             chat_prompt, request, self._tokenizer, plan.tools if plan.renders_tools else None
         )
@@ -70,6 +118,8 @@ class ChatServing(Serving):
                 "a forced tool_choice cannot be combined with another structured output",
                 param="tool_choice",
             )
+        parsers = self._parsers(request, plan, prompt)
+        constraint = self._after_reasoning(constraint or structured_output_spec(request), parsers)
         engine_requests = build_engine_requests(
             request_id,
             [prompt],
@@ -91,11 +141,11 @@ class ChatServing(Serving):
         )
         if request.stream:
             return StreamingResponse(
-                self._stream(request_id, request, prompt, generation, plan),
+                self._stream(request_id, request, prompt, generation, plan, parsers),
                 media_type="text/event-stream",
             )
         try:
-            return await self._respond(request_id, request, prompt, generation, plan)
+            return await self._respond(request_id, request, prompt, generation, parsers)
         finally:
             await generation.close()
 
@@ -108,13 +158,13 @@ class ChatServing(Serving):
         request: ChatCompletionRequest,
         prompt: Prompt,
         generation: MultiGeneration,
-        plan: ToolPlan,
+        parsers: list[OutputParser],
     ) -> Response:
         results = await collect_choices(generation, request.n)
         num_top = self._num_top_logprobs(request)
         choices = []
         for index, result in enumerate(results):
-            parsed = plan.parse(result.text)
+            parsed = parsers[index].parse(result.text)
             finish_reason = result.finish_reason
             if parsed.tool_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
@@ -122,7 +172,9 @@ class ChatServing(Serving):
                 ChatChoice(
                     index=index,
                     message=ChatResponseMessage(
-                        content=parsed.content, tool_calls=tool_call_models(parsed.tool_calls)
+                        content=parsed.content,
+                        reasoning_content=parsed.reasoning,
+                        tool_calls=tool_call_models(parsed.tool_calls),
                     ),
                     logprobs=(
                         None
@@ -155,30 +207,42 @@ class ChatServing(Serving):
         return JSONResponse(response.model_dump())
 
     @staticmethod
-    def _tool_stream_chunks(
-        index: int,
-        delta: GenerationDelta,
-        logprobs: ChatLogprobs | None,
-        parser: StreamingToolParser,
-    ) -> list[ChatStreamChoice]:
-        """Content and tool call deltas in generation order; at the end, the finish reason.
-
-        Consecutive content goes out as one delta; each call's start (id,
-        name) and argument fragments as deltas of their own, as OpenAI
-        streams them. The engine delta's logprobs ride on the first chunk.
-        """
-        events = parser.feed(delta.text)
-        if delta.finished:
-            events += parser.finish()
+    def _delta_messages(events: list[OutputEvent]) -> list[DeltaMessage]:
+        """Deltas in generation order: consecutive thinking, or answer text, as one delta;
+        each call's start (id, name) and argument fragments as deltas of their own, as
+        OpenAI streams them."""
         deltas: list[DeltaMessage] = []
         for event in events:
-            if isinstance(event, str):
-                if deltas and deltas[-1].content is not None:
-                    deltas[-1].content += event
+            last = deltas[-1] if deltas else None
+            if isinstance(event, ReasoningText):
+                if last is not None and last.reasoning_content is not None:
+                    last.reasoning_content += event.text
+                else:
+                    deltas.append(DeltaMessage(reasoning_content=event.text))
+            elif isinstance(event, str):
+                if last is not None and last.content is not None:
+                    last.content += event
                 else:
                     deltas.append(DeltaMessage(content=event))
             else:
                 deltas.append(DeltaMessage(tool_calls=[tool_call_delta(event)]))
+        return deltas
+
+    def _parsed_stream_chunks(
+        self,
+        index: int,
+        delta: GenerationDelta,
+        logprobs: ChatLogprobs | None,
+        parser: OutputParser,
+    ) -> list[ChatStreamChoice]:
+        """The engine delta through the parser; at the end, the finish reason.
+
+        The engine delta's logprobs ride on the first chunk.
+        """
+        events = parser.feed(delta.text)
+        if delta.finished:
+            events += parser.finish()
+        deltas = self._delta_messages(events)
         if logprobs is not None and not deltas:
             deltas.append(DeltaMessage())
         chunks = [
@@ -206,6 +270,7 @@ class ChatServing(Serving):
         prompt: Prompt,
         generation: MultiGeneration,
         plan: ToolPlan,
+        parsers: list[OutputParser],
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -213,7 +278,7 @@ class ChatServing(Serving):
         num_top = self._num_top_logprobs(request)
         num_output_tokens = [0] * request.n
         num_cached_tokens = [0] * request.n
-        parsers = [StreamingToolParser(plan.mode, plan.function_name) for _ in range(request.n)]
+        parsed = plan.mode != "none" or self._parsing.reasoning is not None
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
@@ -245,7 +310,7 @@ class ChatServing(Serving):
                     logprobs = chat_logprobs(
                         delta.logprobs, num_top, request.return_tokens_as_token_ids
                     )
-                if plan.mode == "none":
+                if not parsed:
                     yield chunk(
                         ChatStreamChoice(
                             index=index,
@@ -256,7 +321,7 @@ class ChatServing(Serving):
                         )
                     )
                     continue
-                for event in self._tool_stream_chunks(index, delta, logprobs, parsers[index]):
+                for event in self._parsed_stream_chunks(index, delta, logprobs, parsers[index]):
                     yield chunk(event)
             else:
                 if include_usage:

@@ -85,6 +85,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The Jinja source of the chat template used for chats (all of them, if several)."""
+        template = self._hf.chat_template
+        if isinstance(template, dict):
+            return "\n".join(str(source) for source in template.values())
+        return template or None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -22,7 +22,7 @@ from gateway.protocol import (
 )
 from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import ChatTemplateError, Tokenizer
-from gateway.tool_calling import messages_with_tools_in_text, tool_calls_for_template
+from gateway.tool_calling.prompt import messages_with_tools_in_text, tool_calls_for_template
 from services.errors import InvalidRequestError
 from services.sampling_params import DetokenizeParams, SamplingParams
 

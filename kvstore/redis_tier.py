@@ -42,7 +42,7 @@ _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 @dataclass(frozen=True)
 class RedisTierStats:
-    # From DBSIZE and INFO memory at the last refresh_stats().
+    # From DBSIZE and INFO memory at the last refresh().
     num_blocks: int
     bytes_used: int
     corrupt_blocks: int

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\tkvmesh.v1\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvmesh.v1.SamplingParameters\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x07\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.kvmesh.v1.SamplingParameters.LogitBiasEntry\x12\x0e\n\x01n\x18\x12 \x01(\x05H\r\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x13 \x01(\x08\x12\x0c\n\x04user\x18\x14 \x01(\t\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.kvmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\xf8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\x42\r\n\x0bstop_reason\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"a\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x32\xde\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\tkvmesh.v1\"\xdf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x07 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvmesh.v1.SamplingParameters\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\x18\n\x16_add_generation_prompt\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x07\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.kvmesh.v1.SamplingParameters.LogitBiasEntry\x12\x0e\n\x01n\x18\x12 \x01(\x05H\r\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x13 \x01(\x08\x12\x0c\n\x04user\x18\x14 \x01(\t\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.kvmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\xf8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\x42\r\n\x0bstop_reason\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"a\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x32\xde\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=39
-  _globals['_GENERATEREQUEST']._serialized_end=251
-  _globals['_CHOICELIST']._serialized_start=253
-  _globals['_CHOICELIST']._serialized_end=282
-  _globals['_TOKENIDS']._serialized_start=284
-  _globals['_TOKENIDS']._serialized_end=307
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=310
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1230
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=967
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1015
-  _globals['_GENERATERESPONSE']._serialized_start=1233
-  _globals['_GENERATERESPONSE']._serialized_end=1481
-  _globals['_TOKENLOGPROB']._serialized_start=1483
-  _globals['_TOKENLOGPROB']._serialized_end=1577
-  _globals['_USAGE']._serialized_start=1579
-  _globals['_USAGE']._serialized_end=1681
-  _globals['_TOKENIZEREQUEST']._serialized_start=1683
-  _globals['_TOKENIZEREQUEST']._serialized_end=1770
-  _globals['_TOKENIZERESPONSE']._serialized_start=1772
-  _globals['_TOKENIZERESPONSE']._serialized_end=1809
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1811
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1832
-  _globals['_MODELINFO']._serialized_start=1834
-  _globals['_MODELINFO']._serialized_end=1931
-  _globals['_GENERATION']._serialized_start=1934
-  _globals['_GENERATION']._serialized_end=2156
+  _globals['_GENERATEREQUEST']._serialized_end=390
+  _globals['_CHATMESSAGES']._serialized_start=392
+  _globals['_CHATMESSAGES']._serialized_end=448
+  _globals['_CHATMESSAGE']._serialized_start=450
+  _globals['_CHATMESSAGE']._serialized_end=494
+  _globals['_CHOICELIST']._serialized_start=496
+  _globals['_CHOICELIST']._serialized_end=525
+  _globals['_TOKENIDS']._serialized_start=527
+  _globals['_TOKENIDS']._serialized_end=550
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=553
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1473
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=1210
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1258
+  _globals['_GENERATERESPONSE']._serialized_start=1476
+  _globals['_GENERATERESPONSE']._serialized_end=1724
+  _globals['_TOKENLOGPROB']._serialized_start=1726
+  _globals['_TOKENLOGPROB']._serialized_end=1820
+  _globals['_USAGE']._serialized_start=1822
+  _globals['_USAGE']._serialized_end=1924
+  _globals['_TOKENIZEREQUEST']._serialized_start=1926
+  _globals['_TOKENIZEREQUEST']._serialized_end=2013
+  _globals['_TOKENIZERESPONSE']._serialized_start=2015
+  _globals['_TOKENIZERESPONSE']._serialized_end=2052
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2054
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2075
+  _globals['_MODELINFO']._serialized_start=2077
+  _globals['_MODELINFO']._serialized_end=2174
+  _globals['_GENERATION']._serialized_start=2177
+  _globals['_GENERATION']._serialized_end=2399
 # @@protoc_insertion_point(module_scope)

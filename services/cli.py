@@ -28,18 +28,13 @@ def _serve(service: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # The load generator owns its flags entirely (argparse's REMAINDER would
-        # refuse options right after the subcommand).
-        from services.bench import main as bench_main
-
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag except ``bench``'s own (bench/cli.py owns those);
+    parsing runs nothing, so tests check documented command lines against it."""
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from services.launcher import add_up_arguments, run_up
+    from services.launcher import add_up_arguments
 
     up = commands.add_parser("up", help="start the whole stack as processes")
     add_up_arguments(up)
@@ -56,9 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The load generator owns its flags entirely (argparse's REMAINDER would
+        # refuse options right after the subcommand).
+        from services.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "up":
+        from services.launcher import run_up
+
         return run_up(args)
     if args.command == "serve":
         return _serve(args.service, args)

@@ -31,6 +31,16 @@ class StructuredOutputSpec:
 
     kind: StructuredOutputKind
     value: str = ""
+    # The end of the model's thinking, as token ids (a reasoning parser's end
+    # tag): when set, the constraint applies only to the tokens generated
+    # after the first occurrence of this sequence, as vLLM applies structured
+    # output once reasoning ended. Empty: from the first token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
+
+    @property
+    def grammar(self) -> StructuredOutputSpec:
+        """The same constraint without the reasoning gate: what the worker compiles."""
+        return StructuredOutputSpec(self.kind, self.value)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,9 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
-    return common_pb2.StructuredOutput(kind=spec.kind, value=spec.value)
+    return common_pb2.StructuredOutput(
+        kind=spec.kind, value=spec.value, reasoning_end_token_ids=spec.reasoning_end_token_ids
+    )
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
@@ -71,7 +73,11 @@ def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> Structured
         raise InvalidRequestError(
             f"unknown structured output kind {msg.kind!r}; expected one of {expected}"
         )
-    return StructuredOutputSpec(kind=msg.kind, value=msg.value)  # type: ignore[arg-type]
+    return StructuredOutputSpec(
+        kind=msg.kind,  # type: ignore[arg-type]
+        value=msg.value,
+        reasoning_end_token_ids=tuple(msg.reasoning_end_token_ids),
+    )
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

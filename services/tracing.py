@@ -9,7 +9,7 @@ detokenizer. Without the flag, :func:`start_tracing` returns ``None`` and
 nothing imports OpenTelemetry: every call site checks for ``None`` first, so
 tracing off costs one comparison per step, not per request.
 
-How the context travels (docs/architecture.md, "Traces"):
+How the context travels (docs/design/tracing.md):
 
 - calls that carry one request (AddRequest, Prefill, the public Generate)
   carry it in gRPC metadata, written and read by

@@ -677,7 +677,7 @@ class ModelRunner:
             self.device,
         )
         step_grammar = self.structured_output.constrain(sample_rows, batch.row_of)
-        if step_grammar is not None:
+        if step_grammar is not None and step_grammar.bitmask is not None:
             metadata.grammar_bitmask = step_grammar.bitmask
             metadata.grammar_rows = step_grammar.positions
         result = self.sampler(logits, metadata)

@@ -8,7 +8,7 @@ costs little and moves first tokens earlier: a burst of prompts is prefilled
 in steps the first of which ends sooner, and decodes are not held behind a
 1.2-1.6 s step (2,048 bf16 tokens of SmolLM2-135M on two cores).
 
-Measured (README, "Step token budget"), every decoder projection of SmolLM2-135M
+Measured (docs/performance.md, "Step token budget"), every decoder projection of SmolLM2-135M
 through oneDNN's bf16 matmul, per row:
 - 2-core "AMD EPYC" family 25 model 17 (Zen 4: AVX-512, AVX512-BF16, no AMX):
   18.4, 18.5, 18.0, 17.7 us at 512, 1,024, 1,536, 2,048 rows: flat. Served

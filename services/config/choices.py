@@ -54,3 +54,8 @@ DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 # What --quantization accepts: weight-only int8 per 32 input features (Q8_0's
 # layout), or the same weights with int8 activations (W8A8, integer dot products).
 QUANTIZATIONS = ("int8", "w8a8")
+
+# --reasoning-parser: how a model's thinking is split from its answer (gateway.reasoning).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral")
+# --tool-call-parser: each family's tool-call format (gateway.tool_calling.registry).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")

@@ -15,9 +15,11 @@ from services.config.choices import (
     AUTO_DTYPE,
     DTYPE_CHOICES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    TOOL_CALL_PARSERS,
 )
 from services.config.options import Options, opt
 from services.config.speculative import SpeculativeConfig, parse_speculative_config
@@ -282,7 +284,7 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
         "per 32 input features (GGUF Q8_0's layout; CPU only); w8a8: the same weights "
         "(or a GGUF file's Q4_0/Q4_1/Q8_0 codes) times activations quantized per token to "
         "int8, multiplied with VNNI/AMX-INT8 integer dot products (needs the C++ CPU kernels; "
-        "less accurate, README 'Quantized weights')",
+        "less accurate, docs/serving.md 'Quantized weights')",
         choices=QUANTIZATIONS,
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
@@ -465,6 +467,22 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
         60.0,
         "seconds a prefill may take before the decode replica computes the prompt itself",
         minimum=0.001,
+    )
+    reasoning_parser: str = opt(
+        "",
+        "split the model's thinking into reasoning_content, by its family's tags (empty: off)",
+        choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str = opt(
+        "",
+        "the model family's tool-call format, read out of the text for tool_choice auto "
+        "(empty: the one the chat template implies, when it implies exactly one)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    enable_auto_tool_choice: bool = opt(
+        False,
+        'let tool_choice "auto" (the default with tools) parse calls out of the text with '
+        "--tool-call-parser; without it such requests are refused, as vLLM does",
     )
 
     def __post_init__(self) -> None:

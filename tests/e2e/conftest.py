@@ -35,7 +35,9 @@ def stop_stack(stack: LocalStack) -> int:
 def stack() -> Iterator[LocalStack]:
     # A small KV pool keeps memory low; 8 192 tokens still fit 16 concurrent
     # requests of ~200 tokens.
-    s = start_stack(["--num-kv-blocks", "512", "--max-model-len", "2048"])
+    s = start_stack(
+        ["--num-kv-blocks", "512", "--max-model-len", "2048", "--enable-auto-tool-choice"]
+    )
     yield s
     code = stop_stack(s)
     assert code == 0, "stack did not stop cleanly:\n" + "".join(s.log[-50:])

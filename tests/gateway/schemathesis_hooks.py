@@ -18,7 +18,7 @@ import schemathesis
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calling import plan_tools
+from gateway.tool_calling.plan import plan_tools
 from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
 from services.errors import KvmeshError
 from services.model_prep import default_model_path
@@ -90,7 +90,7 @@ def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
     if chat:
         try:
             request = ChatCompletionRequest.model_validate(body)
-            plan = plan_tools(request)
+            plan = plan_tools(request, auto_tool_choice=True)
             prompt = chat_prompt(request, _TOKENIZER, plan.tools if plan.renders_tools else None)
         except (pydantic.ValidationError, KvmeshError):
             return None  # refused for a reason of its own, which the run must see

@@ -58,10 +58,18 @@ def generate_requests(draw) -> generation_pb2.GenerateRequest:
         priority=draw(_BY_TYPE[FieldDescriptor.TYPE_INT32]),
         sampling=sampling,
     )
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["text", "token_ids", "messages"]))
+    if kind == "text":
         msg.text = draw(st.text(max_size=20))
-    else:
+    elif kind == "token_ids":
         msg.token_ids.ids.extend(draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=6)))
+    else:
+        roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "", "x"])
+        for role, content in draw(st.lists(st.tuples(roles, st.text(max_size=12)), max_size=3)):
+            msg.messages.messages.add(role=role, content=content)
+        if draw(st.booleans()):
+            msg.add_generation_prompt = draw(st.booleans())
+        msg.continue_final_message = draw(st.booleans())
     if draw(st.booleans()):
         msg.cache_salt = draw(st.text(max_size=6))
     return msg

@@ -26,7 +26,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway.app import build_app
 from gateway.openapi_schema import decimal_below
+from gateway.output_parsing import OutputParsing
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calling.registry import TOOL_PARSERS
 from services.local_stack import REPO_ROOT, free_ports
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
@@ -37,7 +39,15 @@ SCHEMATHESIS_EXAMPLES = 25
 @pytest.fixture
 def served(engine: FakeEngineClient, tokenizer: Tokenizer) -> Iterator[str]:
     """The gateway app on a loopback port (uvicorn in a thread); yields its base URL."""
-    app = build_app(engine, tokenizer, MODEL_NAME, metrics_registry=CollectorRegistry())
+    # With auto tool choice, as `--enable-auto-tool-choice` serves the default model.
+    parsing = OutputParsing(tool_parser=TOOL_PARSERS["hermes"], auto_tool_choice=True)
+    app = build_app(
+        engine,
+        tokenizer,
+        MODEL_NAME,
+        metrics_registry=CollectorRegistry(),
+        output_parsing=parsing,
+    )
     (port,) = free_ports(1)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

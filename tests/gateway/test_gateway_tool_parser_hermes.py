@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from gateway.tool_call_stream import (
+from gateway.tool_calling.events import (
     ParsedOutput,
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
     collect,
 )
-from gateway.tool_parser_hermes import HermesToolStream, parse_hermes_tool_calls
+from gateway.tool_calling.hermes import HermesToolStream, parse_hermes_tool_calls
 
 
 def parse(text: str) -> ParsedOutput:

@@ -7,11 +7,16 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
+from gateway.app import build_app
+from gateway.output_parsing import OutputParsing
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calling.registry import TOOL_PARSERS
 from services.sampling_params import StructuredOutputSpec
 from tests.gateway.fakes import FakeEngineClient
-from tests.gateway.helpers import parse_sse
+from tests.gateway.helpers import MODEL_NAME, parse_sse
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -22,6 +27,15 @@ WEATHER = {
     "function": {"name": "get_weather", "description": "Weather now", "parameters": SCHEMA},
 }
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+
+
+@pytest.fixture
+def app(engine: FakeEngineClient, tokenizer: Tokenizer, registry: CollectorRegistry) -> FastAPI:
+    """The gateway as `--enable-auto-tool-choice` serves SmolLM2 (hermes, from its template)."""
+    parsing = OutputParsing(tool_parser=TOOL_PARSERS["hermes"], auto_tool_choice=True)
+    return build_app(
+        engine, tokenizer, MODEL_NAME, metrics_registry=registry, output_parsing=parsing
+    )
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.inprocess_engine import InProcessEngine
+from kvmesh.engine import InProcessEngine
 from services.config import SpeculativeConfig
 from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams

@@ -3,7 +3,7 @@
 The prepared float32 folder was converted from that very GGUF file, so loading
 the file directly must give the same logits bit for bit (and the same tokens)
 while holding only codes; int8 re-quantizes Q4_1 weights and costs a little
-accuracy, bounded here (README: "Quantized weights" has the numbers).
+accuracy, bounded here (docs/serving.md: "Quantized weights" has the numbers).
 """
 
 from __future__ import annotations

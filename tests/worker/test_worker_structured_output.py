@@ -164,3 +164,60 @@ def test_resumed_request_replays_its_tokens_into_a_fresh_matcher(runner, tokeniz
     finished = driver.run()["resumed"]
     assert finished.error is None
     assert truncate_at_eos(finished.output_token_ids, (EOS,)) == whole
+
+
+def test_a_thinking_request_samples_freely_until_its_thinking_ends(compiler, tokenizer) -> None:
+    manager = StructuredOutputManager(compiler)
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False).ids)
+    gated = StructuredOutputSpec("choice", '["yes", "no"]', reasoning_end_token_ids=end)
+    manager.add_request("r", gated, [])
+    rows = torch.tensor([3])
+    step = manager.constrain(rows.numpy(), {"r": 3})
+    assert step is not None and step.bitmask is None and step.thinking_req_ids == ["r"]
+    assert manager.is_thinking("r") and "r" in manager
+    thought = tokenizer.encode("hmm, yes? ", add_special_tokens=False).ids
+    for token_id in [*thought, *end]:
+        assert manager.is_thinking("r")
+        manager.constrain(rows.numpy(), {"r": 3}).accept([token_id])  # type: ignore[union-attr]
+    assert not manager.is_thinking("r")  # "</think>" arrived: the grammar starts now
+    step = manager.constrain(rows.numpy(), {"r": 3})
+    assert step is not None and step.bitmask is not None and step.positions == [0]
+    logits = torch.zeros(1, VOCAB)
+    metadata = sampling_metadata_from_lists(
+        [SamplingParams(temperature=0.0)], [[1]], [[]], {}, [EOS], VOCAB
+    )
+    metadata.grammar_bitmask, metadata.grammar_rows = step.bitmask, step.positions
+    texts = {tokenizer.decode([t]) for t in _allowed(apply_logits_processors(logits, metadata)[0])}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    # The gate is not part of the grammar: one compiled grammar serves both.
+    assert compiler.get(gated) is compiler.get(StructuredOutputSpec("choice", '["yes", "no"]'))
+
+
+def test_a_resumed_request_replays_only_what_followed_its_thinking(compiler, tokenizer) -> None:
+    manager = StructuredOutputManager(compiler)
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False).ids)
+    gated = StructuredOutputSpec("regex", "[0-9]+", reasoning_end_token_ids=end)
+    digits = tokenizer.encode("12", add_special_tokens=False).ids
+    # Thinking text no grammar allows, then the end, then digits: the replay fits.
+    before = tokenizer.encode("words, not digits ", add_special_tokens=False).ids
+    manager.add_request("done", gated, [*before, *end, *digits])
+    assert not manager.is_thinking("done")
+    manager.add_request("still", gated, before)
+    assert manager.is_thinking("still")
+    with pytest.raises(ValueError, match="does not fit"):
+        manager.add_request("bad", gated, [*before, *end, *before])
+
+
+@pytest.mark.model
+def test_model_output_is_free_until_the_gate_then_follows_the_grammar(runner, tokenizer) -> None:
+    prompt = tokenizer.encode("Tell me about Paris.").ids
+    free = _run(runner, {"free": (prompt, SamplingParams(temperature=0.0))}, n=12)["free"]
+    assert len(free) >= 6
+    # Stand-in for "</think>": two tokens the model writes on its own, greedily.
+    gate = tuple(free[2:4])
+    spec = StructuredOutputSpec("regex", "[0-9]{3}", reasoning_end_token_ids=gate)
+    params = SamplingParams(temperature=0.0, structured_output=spec)
+    gated = _run(runner, {"gated": (prompt, params)}, n=12)["gated"]
+    assert gated[:4] == free[:4]  # the thinking was not constrained
+    assert gated[-1] == EOS
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(gated[4:-1]))

@@ -40,7 +40,7 @@ by every projection of the thread (``_dequantize``), then run oneDNN on it as
 a plain dense weight (the same result, bit for bit, as the prepacked weight of
 a float checkpoint holding these values: checked in the tests). The scratch
 costs one weight's worth of float32, the largest projection's; rebuilding
-costs a pass over the weight per prefill call (README, "Quantized weights", has the
+costs a pass over the weight per prefill call (docs/serving.md, "Quantized weights", has the
 measured price).
 
 ``--quantization w8a8`` keeps the same codes and quantizes the activations too

@@ -6,8 +6,9 @@ or, with micro-batches (a pipeline-parallel replica through
 ``worker.parallel.driver.BroadcastingRunner``), up to one begun step per
 stage, each finished once the pipeline is full or nothing else can begin.
 This is the ceiling the full stack is measured against (baseline (b) of
-``benchmarks/baselines.py``); it lives here because the scheduler package must
-never load a model and the worker package must never decide what to run.
+``benchmarks/baselines.py``) and the engine under ``kvmesh.LLM``; it lives here,
+above the services, because the scheduler package must never load a model and
+the worker package must never decide what to run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
+from scheduler.output import RequestOutput
 from scheduler.request import Request
+from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from services.config import SpeculativeConfig
 from services.lora_request import LoRARequest
@@ -33,11 +36,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GenerationResult:
+    """One request's tokens so far and, once it ended, why."""
+
     request_id: str
     output_token_ids: list[int]
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    # The OpenAI finish reason ("stop", "length", "abort", "error") once finished.
+    finish_reason: str | None = None
+    # The stop_token_ids entry that ended the request (None for EOS, length, a stop string).
+    stop_reason: int | None = None
 
 
 class InProcessEngine:
@@ -84,7 +93,10 @@ class InProcessEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        parallel_group: str | None = None,
     ) -> None:
+        """``parallel_group``: shared by the samples of one prompt (n > 1), so the
+        scheduler computes the prompt once and the others hit its cache."""
         now = time.monotonic()
         self.scheduler.add_request(
             Request(
@@ -94,6 +106,7 @@ class InProcessEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
                 lora_request=lora_request,
+                parallel_group=parallel_group,
             )
         )
         self.results[request_id] = GenerationResult(request_id, [], now)
@@ -103,13 +116,26 @@ class InProcessEngine:
 
     def step(self) -> list[str]:
         """Run one engine step; returns the ids of requests that finished in it."""
+        return [output.request_id for output in self.step_outputs() if output.finished]
+
+    def step_outputs(self) -> list[RequestOutput]:
+        """Run one engine step; returns every request's new tokens from it (and how
+        those that ended, ended), as the scheduler service publishes them."""
         if self.scheduler.config.num_micro_batches > 1:
             return self._pipelined_step()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
-    def _pipelined_step(self) -> list[str]:
+    def finish_stopped(self, request_id: str) -> None:
+        """End a request whose text hit a stop string (the detokenizer's ask of
+        the scheduler in the stack); its blocks are freed at once."""
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
+        result = self.results[request_id]
+        result.finish_reason = "stop"
+        result.finish_time = time.monotonic()
+
+    def _pipelined_step(self) -> list[RequestOutput]:
         """Begin the next micro-batch if the pipeline has room; finish the oldest
         once it is full or nothing else began (the worker service's policy when
         steps arrive faster than the last stage hands them back)."""
@@ -127,10 +153,9 @@ class InProcessEngine:
 
     def _apply(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[str]:
+    ) -> list[RequestOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
-        finished: list[str] = []
         for output in outputs:
             result = self.results[output.request_id]
             if output.new_token_ids and result.first_token_time is None:
@@ -138,8 +163,9 @@ class InProcessEngine:
             result.output_token_ids.extend(output.new_token_ids)
             if output.finish_reason is not None:
                 result.finish_time = now
-                finished.append(output.request_id)
-        return finished
+                result.finish_reason = output.finish_reason.value
+                result.stop_reason = output.stop_reason
+        return outputs
 
     def generate(
         self,

@@ -1,6 +1,7 @@
 """Read a tool call's JSON while it is being generated, one character at a time.
 
-A call is an object ``{"name": "...", "arguments": {...}}``. ``CallScanner``
+A call is an object ``{"name": "...", "arguments": {...}}`` (Llama 3 writes
+``"parameters"`` instead of ``"arguments"``). ``CallScanner``
 follows its structure as text arrives, so a stream can send the function's
 name as soon as its string is closed and the arguments' text as it is
 generated, exactly as it will read once complete: the arguments object is
@@ -14,7 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from gateway.tool_calling.events import IdFactory, StreamEvent, ToolCallArguments, ToolCallStart
+
 _WHITESPACE = " \t\r\n"
+# The keys a call object may hold its arguments under, in order of preference.
+ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 class MalformedCallError(ValueError):
@@ -132,11 +137,19 @@ class CallScanner:
         return span is not None and span[1] is not None
 
     @property
+    def arguments_key(self) -> str:
+        """The key the arguments are under: the first of ARGUMENT_KEYS that started."""
+        return next((key for key in ARGUMENT_KEYS if key in self.values), ARGUMENT_KEYS[0])
+
+    @property
     def name(self) -> str | None:
         """The function's name once its string is complete."""
         if not self.is_closed("name"):
             return None
-        name = json.loads(self.value_text("name") or "null")
+        try:
+            name = json.loads(self.value_text("name") or "null")
+        except json.JSONDecodeError as exc:  # e.g. an unquoted name
+            raise MalformedCallError("a tool call's name must be a JSON string") from exc
         if not isinstance(name, str):
             raise MalformedCallError("a tool call's name must be a string")
         return name
@@ -156,8 +169,9 @@ class CallScanner:
         name = payload.get("name")
         if not isinstance(name, str):
             raise MalformedCallError("a tool call needs a name")
-        arguments = payload.get("arguments", {})
-        raw = self.value_text("arguments")
+        key = self.arguments_key
+        arguments = payload.get(key, {})
+        raw = self.value_text(key)
         if isinstance(arguments, str):
             raw = arguments
             try:
@@ -167,3 +181,59 @@ class CallScanner:
         if not isinstance(arguments, dict):
             raise MalformedCallError("arguments must be a JSON object")
         return name, raw if raw is not None else "{}"
+
+
+class CallStreamer:
+    """One call object being generated: its start once the name is known, then arguments.
+
+    An arguments object streams verbatim; arguments that are a JSON string
+    (double-encoded) go out decoded, in one piece, once complete.
+    """
+
+    def __init__(
+        self, index: int, make_id: IdFactory, known_names: frozenset[str] | None = None
+    ) -> None:
+        self.index = index
+        self.id = make_id()
+        self._known_names = known_names
+        self.scanner = CallScanner()
+        self._started = False
+        self._num_sent = 0  # characters of the arguments already sent
+
+    @property
+    def started(self) -> bool:
+        """Whether the call's start (id, name) was emitted."""
+        return self._started
+
+    def feed(self, text: str) -> tuple[int, list[StreamEvent]]:
+        """Consume up to the end of the call object; (characters taken, events)."""
+        taken = self.scanner.feed(text)
+        events: list[StreamEvent] = []
+        name = self.scanner.name
+        if name is not None and not self._started:
+            self._check_name(name)
+            self._started = True
+            events.append(ToolCallStart(self.index, self.id, name))
+        arguments = self.scanner.value_text(self.scanner.arguments_key)
+        if self._started and arguments and arguments.startswith("{"):
+            events += self._arguments_up_to(arguments)
+        return taken, events
+
+    def finish(self) -> list[StreamEvent]:
+        """The rest of the call once its object is complete (MalformedCallError if invalid)."""
+        name, arguments = self.scanner.finish()
+        events: list[StreamEvent] = []
+        if not self._started:
+            self._check_name(name)
+            self._started = True
+            events.append(ToolCallStart(self.index, self.id, name))
+        return events + self._arguments_up_to(arguments)
+
+    def _check_name(self, name: str) -> None:
+        if self._known_names is not None and name not in self._known_names:
+            raise MalformedCallError(f"{name!r} is not one of the request's tools")
+
+    def _arguments_up_to(self, arguments: str) -> list[StreamEvent]:
+        fragment = arguments[self._num_sent :]
+        self._num_sent = len(arguments)
+        return [ToolCallArguments(self.index, fragment)] if fragment else []
