@@ -25,6 +25,7 @@ from scheduler.request import Request
 from scheduler.request_status import RequestStatus
 from scheduler.scheduler import Scheduler
 from services.config import SpeculativeConfig
+from services.finish_reason import FinishReason
 from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 from services.step import ModelRunnerOutput, SchedulerOutput
@@ -132,7 +133,7 @@ class InProcessEngine:
         the scheduler in the stack); its blocks are freed at once."""
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
         result = self.results[request_id]
-        result.finish_reason = "stop"
+        result.finish_reason = FinishReason.STOP.value
         result.finish_time = time.monotonic()
 
     def _pipelined_step(self) -> list[RequestOutput]:

@@ -27,6 +27,7 @@ from gateway.tokenizer import Tokenizer
 from kvmesh.engine import GenerationResult, InProcessEngine
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.sampling_params import SamplingParams, as_list
+from services.finish_reason import FinishReason
 from services.model_prep import resolve_model_path
 from worker.config import CacheConfig, ModelConfig
 from worker.model_runner import ModelRunner
@@ -197,8 +198,7 @@ class LLM:
                 stop_string = stream.update(
                     out.new_token_ids,
                     finished=out.finished,
-                    stopped_by_token=out.finish_reason is not None
-                    and out.finish_reason.value == "stop",
+                    stopped_by_token=out.finish_reason is FinishReason.STOP,
                 )
                 if stop_string is not None and not out.finished:
                     self.engine.finish_stopped(out.request_id)

@@ -40,13 +40,6 @@ KNOWN_EXCEPTIONS = {
     ),
 }
 
-# Edges another branch removes (allowed while present, not required to exist).
-BEING_REMOVED = {
-    ("tests.worker.parallel_ranks", "benchmarks.inprocess_engine"): (
-        "the in-process engine moves to kvmesh/engine.py with the Python API (issue 37 part 2)"
-    ),
-}
-
 SHIPPED = tuple(p for p in PACKAGES if p != "benchmarks")
 
 
@@ -60,7 +53,6 @@ def _unexcused(found: list[Edge]) -> list[str]:
         f"{e.source} -> {e.target} (line {e.line})"
         for e in found
         if (e.source, e.target) not in KNOWN_EXCEPTIONS
-        and (e.source, e.target) not in BEING_REMOVED
     ]
 
 
