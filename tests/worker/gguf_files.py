@@ -12,7 +12,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from services.model_prep import GGUF_MARKER
-from worker.gguf_weights import LAYER_NAMES
+from worker.models.llama import LlamaForCausalLM
+
+LAYER_NAMES = LlamaForCausalLM.declaration.gguf_layer_names
 
 Q8_0, Q4_0, Q4_1, F32, F16 = (
     GGMLQuantizationType.Q8_0,
