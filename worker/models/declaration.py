@@ -218,7 +218,7 @@ class ModelDeclaration:
         """This rank's part of a per-layer checkpoint tensor."""
         target = self.layer_tensors[suffix]
         tensor = self.shard_rows(target.param, target.labels, tensor, plan, hidden_size)
-        if tensor.ndim == 2:
+        if len(tensor.shape) == 2:  # a matrix (or a GGUF file's RowCodes)
             tensor = self.shard_cols(target.param, tensor, plan, hidden_size)
         return tensor
 
