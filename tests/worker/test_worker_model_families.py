@@ -5,17 +5,26 @@ throughout), with chunked prefill and a prefix-cache hit, and at TP=2."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.sampling_params import SamplingParams
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
+from worker.models.config_checks import UnsupportedModelError
+from worker.models.features import Features
+from worker.models.registry import get_model_class
 
 from .conftest import hf_greedy_tokens
 from .model_families import make_family_checkpoint
+from .parallel_ranks import RunSpec, run_replica, run_single
+from .test_worker_model_loader import _hf_logits, _our_logits
+from .test_worker_parallel_replica import assert_same_outputs
 
 FAMILIES = [
     "Qwen3ForCausalLM",
@@ -82,3 +91,157 @@ def test_family_matches_transformers_greedy(family: tuple[str, Path, list[list[i
     # the continuation varies.
     assert all(len(set(tokens)) > 1 for tokens in expected), (architecture, expected)
     assert _greedy(_runner(folder)) == expected
+
+
+# What each family does that Llama does not, removed: the parity check must
+# then fail (so it would catch the feature being ignored).
+MUTATIONS = {
+    "Qwen3ForCausalLM": {"qk_norm": ""},
+    "Gemma2ForCausalLM": {"attention_scale": None},  # query_pre_attn_scalar ignored
+    "Gemma3ForCausalLM": {"layer_rope": (0, 0, 0)},  # local layers on the global base
+    "Olmo2ForCausalLM": {"qk_norm": ""},
+    "GraniteForCausalLM": {"residual_multiplier": 1.0},
+}
+
+
+def test_ignoring_the_familys_feature_fails_parity(
+    family: tuple[str, Path, list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    architecture, folder, expected = family
+    if architecture not in MUTATIONS:
+        pytest.skip(f"{architecture} is Llama's forward over other checkpoint names")
+    model_class = get_model_class(architecture)
+    features = model_class.family_features
+
+    def without_feature(config: ModelConfig) -> Features:
+        return dataclasses.replace(features(config), **MUTATIONS[architecture])
+
+    monkeypatch.setattr(model_class, "family_features", staticmethod(without_feature))
+    assert _greedy(_runner(folder)) != expected
+
+
+def test_gemma2_final_soft_cap_is_in_the_logits(tmp_path: Path) -> None:
+    """Soft-capping keeps the order of the logits (greedy cannot see it), so
+    the logits themselves are compared, and fail without the cap."""
+    hf_model = make_family_checkpoint(tmp_path, "Gemma2ForCausalLM")
+    runner = _runner(tmp_path)
+    expected = _hf_logits(hf_model, PROMPTS[1])
+    torch.testing.assert_close(_our_logits(runner, PROMPTS[1]), expected, rtol=1e-4, atol=1e-4)
+    assert float(expected.abs().max()) <= 3.0  # the cap (family_config's 3.0)
+    runner.model.features = dataclasses.replace(runner.model.features, final_logit_softcap=None)
+    assert not torch.allclose(_our_logits(runner, PROMPTS[1]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_phi3_longrope_below_its_original_length_matches_transformers(tmp_path: Path) -> None:
+    """LongRoPE's short factors and attention factor (max_model_len within the
+    original length; beyond it transformers switches tables mid-run: refused)."""
+    half = 64 // 4 // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.3 * i for i in range(half)],
+        "long_factor": [2.0 + i for i in range(half)],
+        "original_max_position_embeddings": 128,
+    }
+    hf_model = make_family_checkpoint(
+        tmp_path, "Phi3ForCausalLM", rope_parameters=rope, original_max_position_embeddings=128
+    )
+    expected = [
+        hf_greedy_tokens(hf_model, p, NEW_TOKENS, min_new_tokens=NEW_TOKENS) for p in PROMPTS
+    ]
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(tmp_path, max_model_len=128),
+        CacheConfig(block_size=BLOCK, num_kv_blocks=128),
+        num_threads=1,
+    )
+    assert _greedy(runner) == expected
+    with pytest.raises(UnsupportedModelError, match=r"--max-model-len <= 128"):
+        ModelConfig.from_pretrained(tmp_path, max_model_len=256)
+
+
+@pytest.mark.parametrize(
+    ("rope", "max_model_len"),
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            256,
+        ),
+        ({"rope_type": "linear", "factor": 2.0}, 256),
+        ({"rope_type": "dynamic", "factor": 2.0}, 256),
+    ],
+    ids=lambda v: v["rope_type"] if isinstance(v, dict) else str(v),
+)
+def test_llama_rope_scaling_matches_transformers(
+    tmp_path: Path, rope: dict, max_model_len: int
+) -> None:
+    hf_model = make_family_checkpoint(
+        tmp_path, "LlamaForCausalLM", rope_parameters={"rope_theta": 10000.0, **rope}
+    )
+    expected = [
+        hf_greedy_tokens(hf_model, p, NEW_TOKENS, min_new_tokens=NEW_TOKENS) for p in PROMPTS
+    ]
+    assert _greedy(_runner(tmp_path)) == expected
+
+
+def _with_config(folder: Path, **fields: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "unsupported architecture"),
+        (
+            {"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
+            r"rope_parameters\.rope_type='su'",
+        ),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
+        ({"kv_lora_rank": 512}, "kv_lora_rank=512"),
+        ({"sliding_window": 64}, r"sliding_window=64 is shorter than max_model_len=256"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"hidden_act": "relu"}, "hidden_act='relu'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_unimplemented_config_fields_are_refused_at_start_up(
+    tmp_path: Path, fields: dict, message: str
+) -> None:
+    """Mistral's sliding_window, an unknown rope type, a quantized checkpoint...:
+    each names its field and what is supported, never served approximately."""
+    make_family_checkpoint(tmp_path, "LlamaForCausalLM")
+    _with_config(tmp_path, **{"architectures": ["MistralForCausalLM"], **fields})
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> None:
+    """A window at least max_model_len long changes nothing: served. Gemma 2's
+    attention soft-capping is refused by name (the kernels do not cap scores)."""
+    make_family_checkpoint(tmp_path, "Gemma2ForCausalLM")
+    _with_config(tmp_path, sliding_window=128)
+    assert ModelConfig.from_pretrained(tmp_path, max_model_len=128).max_model_len == 128
+    with pytest.raises(UnsupportedModelError, match="sliding_window=128"):
+        ModelConfig.from_pretrained(tmp_path, max_model_len=129)
+    _with_config(tmp_path, attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedModelError, match=r"attn_logit_softcapping=50\.0"):
+        ModelConfig.from_pretrained(tmp_path, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    "architecture", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"]
+)
+def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) -> None:
+    """Two gloo ranks: per-head q/k norms, OLMo 2's whole-projection norm (one
+    all-reduce of the sums of squares), Phi-3's fused tensors cut run by run."""
+    make_family_checkpoint(tmp_path, architecture)
+    spec = RunSpec(str(tmp_path), [PROMPTS[0][:30], PROMPTS[1]], chunk_size=8)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))

@@ -95,7 +95,10 @@ def check_common(
     if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse("partial_rotary_factor", hf_config["partial_rotary_factor"], "1.0")
     max_positions = int(hf_config.get("max_position_embeddings") or max_model_len)
-    check_rope(rope_parameters(hf_config), max_model_len, max_positions)
+    field = (
+        "rope_parameters" if isinstance(hf_config.get("rope_parameters"), dict) else "rope_scaling"
+    )
+    check_rope(rope_parameters(hf_config), max_model_len, max_positions, field)
 
 
 def check_windows(windows: Iterable[int | None], max_model_len: int, field: str) -> None:
