@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.sampling_params import SamplingParams
+from tests.lora_adapters import lora_request, make_lora_adapter
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
@@ -245,3 +246,77 @@ def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) ->
     make_family_checkpoint(tmp_path, architecture)
     spec = RunSpec(str(tmp_path), [PROMPTS[0][:30], PROMPTS[1]], chunk_size=8)
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "targets"),
+    [
+        ("Phi3ForCausalLM", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+        ("Qwen3ForCausalLM", "all-linear"),
+        ("Gemma3ForCausalLM", ("q_proj", "v_proj", "down_proj")),
+    ],
+)
+def test_family_lora_equals_transformers_peft(
+    tmp_path: Path, architecture: str, targets: tuple[str, ...] | str
+) -> None:
+    """An adapter on the family's own PEFT modules (Phi-3's fused ones) equals
+    transformers + PEFT: the declaration's targets name and cut them."""
+    make_family_checkpoint(tmp_path / "base", architecture)
+    peft_model = make_lora_adapter(
+        tmp_path / "base",
+        tmp_path / "lora",
+        rank=4,
+        alpha=8.0,
+        target_modules=targets,
+        seed=1,
+        scale=0.3,
+    )
+    prompts = PROMPTS[:2]
+    expected = [hf_greedy_tokens(peft_model, p, 12, min_new_tokens=12) for p in prompts]
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(tmp_path / "base"),
+        CacheConfig(block_size=BLOCK, num_kv_blocks=128),
+        num_threads=1,
+        max_loras=1,
+        max_lora_rank=8,
+    )
+    driver = LocalDriver(runner, chunk_size=16)
+    lora = lora_request("a", tmp_path / "lora")
+    for index, prompt in enumerate(prompts):
+        driver.add_request(
+            f"r{index}", prompt, SamplingParams(temperature=0.0), 12, lora_request=lora
+        )
+    finished = driver.run()
+    assert [finished[f"r{i}"].output_token_ids for i in range(len(prompts))] == expected
+
+
+def test_an_adapter_for_modules_the_family_lacks_fails_its_request(tmp_path: Path) -> None:
+    """A Llama-named adapter on Phi-3 (no q_proj there) is refused by name."""
+    make_family_checkpoint(tmp_path / "llama", "LlamaForCausalLM")
+    make_lora_adapter(
+        tmp_path / "llama",
+        tmp_path / "lora",
+        rank=4,
+        alpha=8.0,
+        target_modules=("q_proj",),
+        seed=1,
+        scale=0.3,
+    )
+    make_family_checkpoint(tmp_path / "phi3", "Phi3ForCausalLM")
+    runner = ModelRunner(
+        ModelConfig.from_pretrained(tmp_path / "phi3"),
+        CacheConfig(block_size=BLOCK, num_kv_blocks=64),
+        num_threads=1,
+        max_loras=1,
+        max_lora_rank=8,
+    )
+    driver = LocalDriver(runner)
+    driver.add_request(
+        "r",
+        PROMPTS[1],
+        SamplingParams(temperature=0.0),
+        4,
+        lora_request=lora_request("a", tmp_path / "lora"),
+    )
+    error = driver.run()["r"].error
+    assert error is not None and "['q_proj'] are not projections of this model" in error

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.lora_files import ADAPTER_WEIGHTS, AdapterConfig, read_adapter_config
+from services.lora_files import ADAPTER_WEIGHTS, ALL_LINEAR, AdapterConfig, read_adapter_config
 from worker.models.declaration import ModelDeclaration
 from worker.parallel.sharding import ShardPlan
 
@@ -54,7 +54,7 @@ def load_adapter(
     config = read_adapter_config(folder)
     module_shapes = declaration.lora_module_shapes(full_plan, hidden_size)
     by_path = {target.path: module for module, target in declaration.lora_targets.items()}
-    unknown = sorted(set(config.target_modules) - set(module_shapes))
+    unknown = sorted(set(config.target_modules) - {*module_shapes, ALL_LINEAR})
     if unknown:
         raise ValueError(
             f"target_modules {unknown} are not projections of this model; "
