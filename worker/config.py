@@ -112,6 +112,9 @@ class ModelConfig:
     # --quantization: "int8" quantizes the float projections at load, "w8a8"
     # also the activations of every codes-only projection ('' : none).
     quantization: str = ""
+    # Mixture of experts: experts per layer (0: a dense MLP) and each one's width.
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
     # The whole config.json, for the fields only one family reads (its file in
     # worker/models/ reads them, and refuses the ones it does not implement).
     hf_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
@@ -223,6 +226,12 @@ class ModelConfig:
             dtype_reason=dtype_reason,
             gguf_file="" if gguf_file is None else str(gguf_file),
             quantization=quantization or "",
+            num_experts=int(
+                hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+            ),
+            expert_intermediate_size=int(
+                hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+            ),
             hf_config=hf_config,
         )
         # Refuse an unknown architecture or an unimplemented config feature now,

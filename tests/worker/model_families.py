@@ -71,6 +71,21 @@ def family_config(architecture: str, **overrides: Any) -> Any:
                 **common,
             }
         )
+    if architecture == "Qwen3MoeForCausalLM":
+        return transformers.Qwen3MoeConfig(
+            **{
+                "head_dim": 16,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": True,
+                **common,
+            }
+        )
+    if architecture == "MixtralForCausalLM":
+        return transformers.MixtralConfig(
+            **{"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None, **common}
+        )
     raise ValueError(architecture)
 
 

@@ -34,6 +34,8 @@ FAMILIES = [
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 ]
 NEW_TOKENS = 24
 BLOCK = 4
@@ -102,6 +104,8 @@ MUTATIONS = {
     "Gemma3ForCausalLM": {"layer_rope": (0, 0, 0)},  # local layers on the global base
     "Olmo2ForCausalLM": {"qk_norm": ""},
     "GraniteForCausalLM": {"residual_multiplier": 1.0},
+    "Qwen3MoeForCausalLM": {"moe_renormalize": False},  # norm_topk_prob ignored
+    "MixtralForCausalLM": {"moe_top_k": 1},
 }
 
 
@@ -238,11 +242,19 @@ def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
-    "architecture", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"]
+    "architecture",
+    [
+        "Qwen3ForCausalLM",
+        "Olmo2ForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ],
 )
 def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) -> None:
     """Two gloo ranks: per-head q/k norms, OLMo 2's whole-projection norm (one
-    all-reduce of the sums of squares), Phi-3's fused tensors cut run by run."""
+    all-reduce of the sums of squares), Phi-3's fused tensors cut run by run,
+    every expert's MLP width split like a dense MLP's."""
     make_family_checkpoint(tmp_path, architecture)
     spec = RunSpec(str(tmp_path), [PROMPTS[0][:30], PROMPTS[1]], chunk_size=8)
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))

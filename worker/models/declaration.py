@@ -35,10 +35,12 @@ class Split(enum.Enum):
     KV_HEADS = "kv_heads"  # KV heads x head_dim, split by this rank's KV heads
     INTERMEDIATE = "intermediate"  # the MLP's width, split in contiguous slices
     VOCAB = "vocab"  # vocabulary rows, split in equal shards
+    EXPERTS = "experts"  # one row per expert (a router), replicated
+    EXPERT_INTERMEDIATE = "expert_intermediate"  # an expert's MLP width, split like the MLP's
 
     @property
     def sharded(self) -> bool:
-        return self not in (Split.HIDDEN, Split.HEAD_DIM)
+        return self not in (Split.HIDDEN, Split.HEAD_DIM, Split.EXPERTS)
 
 
 def split_full_size(split: Split, plan: ShardPlan, hidden_size: int) -> int:
@@ -50,6 +52,8 @@ def split_full_size(split: Split, plan: ShardPlan, hidden_size: int) -> int:
         Split.KV_HEADS: plan.num_kv_heads * plan.head_dim,
         Split.INTERMEDIATE: plan.intermediate_size,
         Split.VOCAB: plan.vocab_size,
+        Split.EXPERTS: plan.num_experts,
+        Split.EXPERT_INTERMEDIATE: plan.expert_intermediate_size,
     }[split]
 
 
@@ -65,6 +69,8 @@ def split_keep(split: Split, plan: ShardPlan, hidden_size: int) -> range:
         return plan.intermediate
     if split is Split.VOCAB:
         return plan.vocab
+    if split is Split.EXPERT_INTERMEDIATE:
+        return plan.expert_intermediate
     return range(split_full_size(split, plan, hidden_size))
 
 
@@ -85,6 +91,9 @@ class ParamDecl:
     rows: tuple[Part, ...]
     cols: Split | None = None
     projection: bool = False
+    # One such matrix per expert, stacked in a leading dimension; checkpoint
+    # tensors name the expert (``mlp.experts.{e}.gate_proj.weight``).
+    experts: bool = False
 
     def part(self, label: str) -> Part:
         for part in self.rows:
@@ -163,9 +172,10 @@ class ModelDeclaration:
         """The parameter's shape on this rank."""
         decl = self.params[name]
         rows = sum(len(split_keep(p.split, plan, hidden_size)) for p in decl.rows)
-        if decl.cols is None:
-            return (rows,)
-        return (rows, len(split_keep(decl.cols, plan, hidden_size)))
+        shape: tuple[int, ...] = (rows,)
+        if decl.cols is not None:
+            shape = (rows, len(split_keep(decl.cols, plan, hidden_size)))
+        return (plan.num_experts, *shape) if decl.experts else shape
 
     def local_offset(self, name: str, label: str, plan: ShardPlan, hidden_size: int) -> int:
         """First local row of run ``label`` in parameter ``name`` on this rank."""
@@ -212,11 +222,28 @@ class ModelDeclaration:
         keep = split_keep(cols, plan, hidden_size)
         return tensor[:, keep.start : keep.stop]
 
+    def layer_tensor(self, suffix: str) -> tuple[CheckpointTensor, int | None] | None:
+        """(destination, expert index or None) of a per-layer checkpoint name
+        (None: not one of the family's): an expert's tensor names its expert,
+        the declaration says ``experts.{e}``."""
+        target = self.layer_tensors.get(suffix)
+        if target is not None:
+            return target, None
+        head, found, tail = suffix.partition(".experts.")
+        index, _, rest = tail.partition(".")
+        if not found or not index.isdigit():
+            return None
+        target = self.layer_tensors.get(f"{head}.experts.{{e}}.{rest}")
+        return None if target is None else (target, int(index))
+
     def shard_layer_tensor(
         self, suffix: str, tensor: torch.Tensor, plan: ShardPlan, hidden_size: int
     ) -> torch.Tensor:
         """This rank's part of a per-layer checkpoint tensor."""
-        target = self.layer_tensors[suffix]
+        found = self.layer_tensor(suffix)
+        if found is None:
+            raise KeyError(suffix)
+        target = found[0]
         tensor = self.shard_rows(target.param, target.labels, tensor, plan, hidden_size)
         if len(tensor.shape) == 2:  # a matrix (or a GGUF file's RowCodes)
             tensor = self.shard_cols(target.param, tensor, plan, hidden_size)

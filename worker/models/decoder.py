@@ -12,6 +12,7 @@ the checkpoint stores.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from worker.models.config_checks import check_common, check_windows, sliding_win
 from worker.models.declaration import LayerKVSpec, ModelDeclaration, split_keep
 from worker.models.features import Features, RopeSpec
 from worker.models.linear import PackedLinear
+from worker.models.moe import grouped_experts
 from worker.models.quantized import WeightPiece, assemble, is_placeholder, placeholder, release
 from worker.models.rotary import RotaryEmbedding
 from worker.parallel.sharding import ShardPlan, partition_heads
@@ -50,6 +52,11 @@ _OPTIONAL_PARAMS = (
     "q_norm",
     "k_norm",
     "qkv_bias",
+    "router",
+    "experts_gate_up",
+    "experts_down",
+    "gate_up_proj",
+    "down_proj",
 )
 
 
@@ -75,6 +82,8 @@ def full_plan(config: ModelConfig) -> ShardPlan:
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
         num_layers=config.num_layers,
+        num_experts=config.num_experts,
+        expert_intermediate_size=config.expert_intermediate_size,
     )
 
 
@@ -221,8 +230,11 @@ class DecoderLayer(nn.Module):
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
         # The family's switches, as plain attributes the forward reads.
+        self.moe_top_k = features.moe_top_k
+        self.moe_renormalize = features.moe_renormalize
         self.llama_mlp = (
             features.llama_mlp
+            and self.router is None
             and self.pre_mlp_norm is not None
             and self.post_attn_norm is None
             and self.post_mlp_norm is None
@@ -415,9 +427,22 @@ class DecoderLayer(nn.Module):
         residual = hidden
         if self.pre_mlp_norm is not None:
             hidden = self._norm(hidden, self.pre_mlp_norm)
-        gate, up = self._linear("gate_up", self.gate_up_proj, hidden, lora).chunk(2, dim=-1)
-        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        out = self.all_reduce(self._linear("down", self.down_proj, activated * up, lora))
+        if self.router is not None:
+            out = self.all_reduce(
+                grouped_experts(
+                    hidden,
+                    self.router,
+                    self.experts_gate_up,
+                    self.experts_down,
+                    self.moe_top_k,
+                    self.moe_renormalize,
+                    self.gelu,
+                )
+            )
+        else:
+            gate, up = self._linear("gate_up", self.gate_up_proj, hidden, lora).chunk(2, dim=-1)
+            activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.all_reduce(self._linear("down", self.down_proj, activated * up, lora))
         if self.post_mlp_norm is not None:
             out = self._norm(out, self.post_mlp_norm)
         if self.residual_multiplier != 1.0:
@@ -764,23 +789,25 @@ class DecoderForCausalLM(nn.Module):
                 target = self._global_target(name)
                 if target is None:
                     continue
-                row = 0
+                param_name, row = names_by_param[id(target)], 0
                 if name != declaration.norm_name and plan.tp_size > 1:
                     vocab = plan.vocab
                     tensor = tensor[vocab.start : vocab.stop]
             else:
                 index, _, suffix = name[len(prefix) :].partition(".")
-                checkpoint = declaration.layer_tensors.get(suffix)
-                if (
-                    not index.isdigit()
-                    or int(index) >= self.config.num_layers
-                    or checkpoint is None
-                ):
+                found = declaration.layer_tensor(suffix)
+                if not index.isdigit() or int(index) >= self.config.num_layers or found is None:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
                 if int(index) not in plan.layers:
                     continue  # another pipeline stage's layer
-                layer = self.layers[int(index) - self.layer_offset]
-                target = getattr(layer, checkpoint.param)
+                checkpoint, expert = found
+                local = int(index) - self.layer_offset
+                target = getattr(self.layers[local], checkpoint.param)
+                param_name = f"layers.{local}.{checkpoint.param}"
+                if expert is not None:
+                    if expert >= target.shape[0]:
+                        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                    target = target[expert]
                 row = declaration.local_offset(
                     checkpoint.param, checkpoint.labels[0], plan, hidden_size
                 )
@@ -790,16 +817,16 @@ class DecoderForCausalLM(nn.Module):
                     f"weight {name!r} has shape {tuple(tensor.shape)}, does not fit "
                     f"{tuple(target.shape)} at row {row}"
                 )
-            param_name = names_by_param[id(target)]
             if is_placeholder(target):
                 self._pieces.setdefault(param_name, {})[row] = tensor  # packed later
             else:
                 if isinstance(tensor, RowCodes):
                     tensor = tensor.dequantize()
                 target[row : row + tensor.shape[0]].copy_(tensor)
-            rows_loaded[param_name] = rows_loaded.get(param_name, 0) + tensor.shape[0]
+            # Elements, not rows: an expert's matrix fills one slice of its stack.
+            rows_loaded[param_name] = rows_loaded.get(param_name, 0) + math.prod(tensor.shape)
         missing = sorted(
-            name for name, param in params.items() if rows_loaded.get(name, 0) != param.shape[0]
+            name for name, param in params.items() if rows_loaded.get(name, 0) != param.numel()
         )
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:8]}")

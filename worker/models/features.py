@@ -44,6 +44,10 @@ class Features:
     logits_divisor: float = 1.0
     # cap * tanh(logits / cap) on the final logits (Gemma 2), None: off.
     final_logit_softcap: float | None = None
+    # Mixture of experts (layers with a ``router``): experts per token, and
+    # whether their routing weights are renormalized to sum 1.
+    moe_top_k: int = 0
+    moe_renormalize: bool = True
     # The rotary tables, and which one each layer uses (None: table 0 everywhere).
     ropes: tuple[RopeSpec, ...] = ()
     layer_rope: tuple[int, ...] | None = None

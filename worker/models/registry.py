@@ -16,6 +16,7 @@ from worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from worker.models.olmo2 import Olmo2ForCausalLM
 from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -83,6 +83,10 @@ class ShardPlan:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    # Mixture-of-experts layers: experts per layer, and each expert's MLP width
+    # (split over TP ranks like the dense MLP's; every rank holds every expert).
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -98,6 +102,10 @@ class ShardPlan:
     @property
     def intermediate(self) -> range:
         return split_range(self.intermediate_size, self.tp_size, self.tp_rank)
+
+    @property
+    def expert_intermediate(self) -> range:
+        return split_range(self.expert_intermediate_size, self.tp_size, self.tp_rank)
 
     @property
     def vocab(self) -> range:
