@@ -26,7 +26,12 @@ from kernels.block_codes import RowCodes, quantize_int8
 from worker.config import ModelConfig
 from worker.lora.slots import ProjectionShape, ProjectionSlots
 from worker.lora.step_batch import LoRABatch
-from worker.models.config_checks import check_common, check_windows, sliding_window_of
+from worker.models.config_checks import (
+    UnsupportedModelError,
+    check_common,
+    check_windows,
+    sliding_window_of,
+)
 from worker.models.declaration import LayerKVSpec, ModelDeclaration, split_keep
 from worker.models.features import Features, RopeSpec
 from worker.models.linear import PackedLinear
@@ -532,11 +537,16 @@ class DecoderForCausalLM(nn.Module):
         (worker/models/config_checks.py holds the checks every family shares);
         a family with more fields extends this."""
         check_common(config.hf_config, config.max_model_len, cls.activations)
-        check_windows(
-            (spec.sliding_window for spec in cls.kv_cache_spec(config)),
-            config.max_model_len,
-            "sliding_window",
-        )
+        specs = cls.kv_cache_spec(config)
+        check_windows((s.sliding_window for s in specs), config.max_model_len, "sliding_window")
+        # One cache shape for every layer is what the cache allocation and the
+        # kernels take (worker/kv_cache.py); a family with per-layer shapes waits.
+        shapes = {(s.num_kv_heads, s.head_dim) for s in specs}
+        if shapes != {(config.num_kv_heads, config.head_dim)}:
+            raise UnsupportedModelError(
+                f"per-layer KV-cache shapes {sorted(shapes)} differ; kvmesh's cache has one "
+                f"shape for every layer ({config.num_kv_heads} KV heads x {config.head_dim})"
+            )
 
     @classmethod
     def kv_cache_spec(cls, config: ModelConfig) -> list[LayerKVSpec]:
