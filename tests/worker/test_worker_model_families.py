@@ -22,6 +22,7 @@ from worker.models.features import Features
 from worker.models.registry import get_model_class
 
 from .conftest import hf_greedy_tokens
+from .gguf_files import write_tiny_gguf
 from .model_families import make_family_checkpoint
 from .parallel_ranks import RunSpec, run_replica, run_single
 from .test_worker_model_loader import _hf_logits, _our_logits
@@ -248,7 +249,10 @@ def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> No
         "Olmo2ForCausalLM",
         "Phi3ForCausalLM",
         "Gemma3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "GraniteForCausalLM",
         "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
     ],
 )
 def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) -> None:
@@ -332,3 +336,17 @@ def test_an_adapter_for_modules_the_family_lacks_fails_its_request(tmp_path: Pat
     )
     error = driver.run()["r"].error
     assert error is not None and "['q_proj'] are not projections of this model" in error
+
+
+def test_qwen3_gguf_runs_from_codes_like_its_dequantized_checkpoint(tmp_path: Path) -> None:
+    """A Qwen3 GGUF file (llama.cpp's "qwen3" names, q/k norms, rows not
+    permuted) loads through the declaration and equals its dequantized weights."""
+    make_family_checkpoint(tmp_path / "ckpt", "Qwen3ForCausalLM")
+    named, reference = write_tiny_gguf(tmp_path / "ckpt", tmp_path)
+    ours, ref = _runner(named), _runner(reference)
+    assert ours.model_config.gguf_file.endswith("tiny.gguf")
+    assert ours.model.weight_bytes()["codes_only_projections"] > 0
+    torch.testing.assert_close(
+        _our_logits(ours, PROMPTS[1]), _our_logits(ref, PROMPTS[1]), rtol=1e-5, atol=1e-5
+    )
+    assert _greedy(ours) == _greedy(ref)

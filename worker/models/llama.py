@@ -86,7 +86,7 @@ def llama_declaration(qkv_bias: bool) -> ModelDeclaration:
             "ffn_norm": "post_attention_layernorm",
             **GGUF_SPLIT_NAMES,
         },
-        gguf_architectures=("llama", "mistral", "qwen2"),
+        gguf_architectures=("mistral", "qwen2", "llama"),
         gguf_permuted_qk=("llama",),
     )
 

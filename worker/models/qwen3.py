@@ -8,7 +8,14 @@ from worker.models.config_checks import refuse
 from worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.features import Features
-from worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from worker.models.llama import (
+    GGUF_SPLIT_NAMES,
+    NORM_TENSORS,
+    NORMS,
+    PROJECTIONS,
+    SPLIT_LORA,
+    SPLIT_TENSORS,
+)
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
@@ -26,6 +33,14 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
             "self_attn.k_norm.weight": CheckpointTensor("k_norm", ("head",)),
         },
         lora_targets=SPLIT_LORA,
+        gguf_layer_names={
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+            **GGUF_SPLIT_NAMES,
+        },
+        gguf_architectures=("qwen3",),
     )
 
     @classmethod
