@@ -9,6 +9,7 @@ is its 49,152 tokens), so prompts and completions are text as for any model.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -108,3 +109,16 @@ def test_family_through_the_stack_equals_transformers(
         assert _scheduler_metric(stack, "vllm:num_preemptions_total") > 0
     finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-50:])
+
+
+def test_a_window_shorter_than_the_context_stops_the_stack_with_its_field(tmp_path: Path) -> None:
+    """Mistral with a 64-token sliding_window at --max-model-len 256: kvmesh
+    up fails at start-up naming the field, instead of serving full attention."""
+    _checkpoint(tmp_path, "LlamaForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stack = LocalStack(["--dtype", "float32", "--max-model-len", "256"], model=tmp_path)
+    with pytest.raises(RuntimeError, match="stack did not start") as failure:
+        stack.wait_ready(STARTUP_TIMEOUT_S)
+    assert "sliding_window=64 is shorter than max_model_len=256" in str(failure.value)
