@@ -22,6 +22,7 @@ from safetensors import safe_open
 from services.config.process import DENSE_LINEAR
 from worker.config import ModelConfig
 from worker.gguf_weights import GGUFTensor, iterate_gguf_weights
+from worker.models.config_checks import UnsupportedModelError
 from worker.models.decoder import AllReduce, DecoderForCausalLM, GatherVocab
 from worker.models.registry import check_model
 from worker.parallel.sharding import ShardPlan
@@ -88,6 +89,12 @@ def load_model(
     """Build the model class for the checkpoint's architecture and fill its weights
     (this rank's shards of them under tensor/pipeline parallelism: ``plan``)."""
     model_class = check_model(model_config)
+    if torch.device(device).type != "cpu" and "router" in model_class.declaration.params:
+        # torch._grouped_mm's GPU kernels take bfloat16 on recent GPUs only, and
+        # no test has run the expert path on one: refused, not guessed.
+        raise UnsupportedModelError(
+            f"{model_config.architecture} (mixture of experts) runs on CPU only in kvmesh"
+        )
     parallel_args = {} if all_reduce is None else {"all_reduce": all_reduce}
     model = model_class(model_config, plan, gather_vocab=gather_vocab, **parallel_args).to(device)
     model.load_weights(model_weights(model_config))

@@ -51,4 +51,4 @@ def grouped_experts(
     activated = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     out = torch._grouped_mm(activated, down.transpose(1, 2), offs=ends)
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros(num_tokens, hidden.shape[1], dtype=out.dtype).index_add_(0, tokens, out)
+    return out.new_zeros(num_tokens, hidden.shape[1]).index_add_(0, tokens, out)
