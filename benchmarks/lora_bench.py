@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvmesh.engine import InProcessEngine
-from services.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TARGET_MODULES, adapter_id
+from services.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_id
 from services.lora_request import LoRARequest
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
@@ -51,16 +51,16 @@ def write_adapter(folder: Path, runner: ModelRunner, seed: int) -> LoRARequest:
         "peft_type": "LORA",
         "r": RANK,
         "lora_alpha": 2 * RANK,
-        "target_modules": TARGET_MODULES,
+        "target_modules": list(runner.model.declaration.lora_targets),
     }
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    targets = runner.model.declaration.lora_targets
     for layer, projections in enumerate(runner.model.lora_shapes()):
         for shape in projections.values():
             for module, _, size in shape.slices:
-                group = "self_attn" if module[0] in "qkvo" else "mlp"
-                prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+                prefix = f"base_model.model.model.layers.{layer}.{targets[module].path}"
                 tensors[f"{prefix}.lora_A.weight"] = (
                     torch.randn(RANK, shape.in_features, generator=generator) * 0.01
                 )

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The projections of the Llama family that adapters may target (PEFT's
-# module names); a fused projection of the worker gets one slice per name.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's "every linear layer": which ones is the model family's declaration
+# (worker/models/declaration.py), read by the worker when it loads the adapter.
+ALL_LINEAR = "all-linear"
+# A PEFT module name: which names a model has is its family's declaration, checked
+# by the worker at load (this module is the gateway's too, and knows no model).
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CHUNK = 1 << 20
 
 
@@ -38,20 +42,20 @@ class AdapterConfig:
 
 
 def _target_modules(value: Any) -> tuple[str, ...]:
-    if value == "all-linear":
-        return TARGET_MODULES
+    if value == ALL_LINEAR:
+        return (ALL_LINEAR,)
     # PEFT matches a listed name as a suffix of the module path (and saves
     # "all-linear" as full paths); which layers an adapter changes is what its
     # weights file holds. A regex in a plain string is not served.
     names = [value] if isinstance(value, str) else list(value or [])
     names = sorted({str(n).rsplit(".", 1)[-1] for n in names})
-    unsupported = [n for n in names if n not in TARGET_MODULES]
+    unsupported = [n for n in names if not _MODULE_NAME.fullmatch(n)]
     if unsupported or not names:
         raise ValueError(
-            f"target_modules {unsupported or names} not supported; "
-            f"an adapter may target {', '.join(TARGET_MODULES)}"
+            f"target_modules {unsupported or names} not supported; an adapter may target "
+            "the model's projections by their PEFT names (q_proj, ..., or all-linear)"
         )
-    return tuple(sorted(names, key=TARGET_MODULES.index))
+    return tuple(names)
 
 
 def read_adapter_config(folder: str | Path) -> AdapterConfig:

@@ -43,7 +43,8 @@ def _rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = None if rope_type == "default" else dict(params)
+        nested = any(isinstance(v, dict) for v in params.values())  # per layer type
+        scaling = None if rope_type == "default" or nested else dict(params)
         return theta, scaling
     theta = float(hf_config.get("rope_theta", 10000.0))
     scaling = hf_config.get("rope_scaling")
@@ -111,6 +112,12 @@ class ModelConfig:
     # --quantization: "int8" quantizes the float projections at load, "w8a8"
     # also the activations of every codes-only projection ('' : none).
     quantization: str = ""
+    # Mixture of experts: experts per layer (0: a dense MLP) and each one's width.
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    # The whole config.json, for the fields only one family reads (its file in
+    # worker/models/ reads them, and refuses the ones it does not implement).
+    hf_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     @property
     def weights_description(self) -> str:
@@ -191,7 +198,10 @@ class ModelConfig:
                 max_positions,
             )
         rope_theta, rope_scaling = _rope_settings(hf_config)
-        return cls(
+        if rope_scaling is not None:
+            # LongRoPE's default factor is max_position_embeddings / original.
+            rope_scaling.setdefault("max_position_embeddings", max_positions)
+        config = cls(
             path=str(folder),
             architecture=str(architectures[0]),
             num_layers=int(hf_config["num_hidden_layers"]),
@@ -216,7 +226,20 @@ class ModelConfig:
             dtype_reason=dtype_reason,
             gguf_file="" if gguf_file is None else str(gguf_file),
             quantization=quantization or "",
+            num_experts=int(
+                hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+            ),
+            expert_intermediate_size=int(
+                hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+            ),
+            hf_config=hf_config,
         )
+        # Refuse an unknown architecture or an unimplemented config feature now,
+        # at start-up, with the field named (worker/models/registry.py).
+        from worker.models.registry import check_model  # the model files import this module
+
+        check_model(config)
+        return config
 
 
 @dataclass(frozen=True)

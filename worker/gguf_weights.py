@@ -21,7 +21,6 @@ on the codes' rows.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,32 +30,14 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kernels.block_codes import BLOCK, RowCodes
+from worker.models.declaration import ModelDeclaration
 
 logger = logging.getLogger(__name__)
 
 GGUFTensor = torch.Tensor | RowCodes
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that the model does not load (rotary factors come from config.json).
 _SKIPPED = ("rope_freqs.weight",)
-# Architectures whose converter permuted the q/k rows (transformers' GGUF loader list).
-_PERMUTED_ARCHITECTURES = ("llama",)
 
 # Bytes of one 32-weight block: (type, float16 fields before the codes, code bytes).
 _Q8_0, _Q4_0, _Q4_1 = (
@@ -66,17 +47,6 @@ _Q8_0, _Q4_0, _Q4_1 = (
 )
 _BLOCK_FIELDS = {_Q8_0: (1, 32), _Q4_0: (1, 16), _Q4_1: (2, 16)}
 CODE_TYPES = tuple(_BLOCK_FIELDS)
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None: not a model weight)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in LAYER_NAMES:
-        return None
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
 
 
 def block_codes(data: np.ndarray, kind: GGMLQuantizationType, rows: int, cols: int) -> RowCodes:
@@ -104,14 +74,24 @@ def _unpermute_rows(tensor: GGUFTensor, num_heads: int) -> GGUFTensor:
 
 
 def iterate_gguf_weights(
-    path: Path, num_heads: int, num_kv_heads: int, dense_dtype: torch.dtype = torch.float32
+    path: Path,
+    declaration: ModelDeclaration,
+    num_heads: int,
+    num_kv_heads: int,
+    dense_dtype: torch.dtype = torch.float32,
 ) -> Iterator[tuple[str, GGUFTensor]]:
-    """(Hugging Face name, dense tensor in ``dense_dtype`` or RowCodes) for every weight."""
+    """(checkpoint name, dense tensor in ``dense_dtype`` or RowCodes) for every
+    weight, named by the family's declaration (``gguf_name``)."""
     reader = GGUFReader(str(path))
     architecture = str(reader.fields["general.architecture"].contents())
-    permuted = architecture in _PERMUTED_ARCHITECTURES
+    if architecture not in declaration.gguf_architectures:
+        raise ValueError(
+            f"GGUF architecture {architecture!r} in {path} is not one this model family reads "
+            f"(it reads {list(declaration.gguf_architectures) or 'no GGUF files'})"
+        )
+    permuted = architecture in declaration.gguf_permuted_qk
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = declaration.gguf_name(tensor.name)
         if name is None:
             if tensor.name not in _SKIPPED:
                 raise ValueError(f"unexpected tensor {tensor.name!r} in {path}")

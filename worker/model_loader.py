@@ -22,8 +22,9 @@ from safetensors import safe_open
 from services.config.process import DENSE_LINEAR
 from worker.config import ModelConfig
 from worker.gguf_weights import GGUFTensor, iterate_gguf_weights
-from worker.models import get_model_class
-from worker.models.llama import AllReduce, GatherVocab, LlamaForCausalLM
+from worker.models.config_checks import UnsupportedModelError
+from worker.models.decoder import AllReduce, DecoderForCausalLM, GatherVocab
+from worker.models.registry import check_model
 from worker.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]
     if model_config.gguf_file:
         return iterate_gguf_weights(
             Path(model_config.gguf_file),
+            check_model(model_config).declaration,
             model_config.num_heads,
             model_config.num_kv_heads,
             model_config.load_dtype,
@@ -83,10 +85,16 @@ def load_model(
     plan: ShardPlan | None = None,
     all_reduce: AllReduce | None = None,
     gather_vocab: GatherVocab | None = None,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """Build the model class for the checkpoint's architecture and fill its weights
     (this rank's shards of them under tensor/pipeline parallelism: ``plan``)."""
-    model_class = get_model_class(model_config.architecture)
+    model_class = check_model(model_config)
+    if torch.device(device).type != "cpu" and "router" in model_class.declaration.params:
+        # torch._grouped_mm's GPU kernels take bfloat16 on recent GPUs only, and
+        # no test has run the expert path on one: refused, not guessed.
+        raise UnsupportedModelError(
+            f"{model_config.architecture} (mixture of experts) runs on CPU only in kvmesh"
+        )
     parallel_args = {} if all_reduce is None else {"all_reduce": all_reduce}
     model = model_class(model_config, plan, gather_vocab=gather_vocab, **parallel_args).to(device)
     model.load_weights(model_weights(model_config))

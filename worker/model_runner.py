@@ -11,6 +11,7 @@ n+1 before it finishes step n, so stages overlap (worker/parallel/driver.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from worker.lora.setup import attach_lora_slots
 from worker.lora.slots import LoRASlots
 from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 from worker.model_loader import load_model
+from worker.models.decoder import full_plan
 from worker.parallel.collectives import Collectives
 from worker.parallel.layout import RankLayout
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
@@ -58,13 +60,8 @@ class StepTimings:
 
 
 def shard_plan(model_config: ModelConfig, layout: RankLayout) -> ShardPlan:
-    return ShardPlan(
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        intermediate_size=model_config.intermediate_size,
-        vocab_size=model_config.vocab_size,
-        num_layers=model_config.num_layers,
+    return dataclasses.replace(
+        full_plan(model_config),
         tp_size=layout.tp_size,
         tp_rank=layout.tp_rank,
         pp_size=layout.pp_size,

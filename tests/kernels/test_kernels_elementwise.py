@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from tests.kernels.ulp import assert_bf16_close
-from worker.models.llama import rms_norm
+from worker.models.decoder import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -10,13 +10,14 @@ from gguf.quants import dequantize, quantize
 
 from kernels import native
 from kernels.block_codes import BLOCK, find_block_codes, quantize_int8
-from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes, hf_name
+from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes
 from worker.models.linear import (
     MAX_BLOCK_CODE_ROWS,
     MAX_CODES_ONLY_KERNEL_ROWS,
     MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX,
     PackedLinear,
 )
+from worker.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,6 +126,7 @@ def test_int8_quantization_error_is_half_a_step() -> None:
 
 
 def test_gguf_names_map_to_hugging_face_names() -> None:
+    hf_name = LlamaForCausalLM.declaration.gguf_name
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from services.model_prep import GGUF_MARKER
-from worker.gguf_weights import LAYER_NAMES
+from worker.models.registry import get_model_class
 
 Q8_0, Q4_0, Q4_1, F32, F16 = (
     GGMLQuantizationType.Q8_0,
@@ -56,7 +56,12 @@ def write_tiny_gguf(
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state = load_file(str(checkpoint / "model.safetensors"))
     gguf_path = out_dir / "tiny.gguf"
-    writer = GGUFWriter(gguf_path, "llama")
+    # The family's llama.cpp names (its declaration), as llama.cpp's converter
+    # writes them: q/k rows permuted for the "llama" architecture only.
+    declaration = get_model_class(config["architectures"][0]).declaration
+    architecture = declaration.gguf_architectures[-1]
+    permuted = architecture in declaration.gguf_permuted_qk
+    writer = GGUFWriter(gguf_path, architecture)
     reference: dict[str, torch.Tensor] = {}
 
     def add(gguf_name: str, hf_name: str, kind: GGMLQuantizationType, permute: int = 0) -> None:
@@ -80,9 +85,9 @@ def write_tiny_gguf(
     if "lm_head.weight" in state:
         add("output.weight", "lm_head.weight", Q8_0)
     for layer in range(config["num_hidden_layers"]):
-        for part, hf_part in LAYER_NAMES.items():
+        for part, hf_part in declaration.gguf_layer_names.items():
             kind = LAYER_TYPES.get(part, F32)
-            permute = {"attn_q": heads, "attn_k": kv_heads}.get(part, 0)
+            permute = {"attn_q": heads, "attn_k": kv_heads}.get(part, 0) if permuted else 0
             add(
                 f"blk.{layer}.{part}.weight",
                 f"model.layers.{layer}.{hf_part}.weight",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
 from worker.parallel.layout import RankLayout
 from worker.parallel.sharding import ShardPlan, partition_heads, split_range
 
@@ -12,6 +14,14 @@ HEAD_DIM = 4
 HIDDEN = 12
 INTERMEDIATE = 10
 VOCAB = 11
+
+
+def shard(plan: ShardPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor, as the Llama/Qwen2 declaration cuts it."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return tensor[plan.vocab.start : plan.vocab.stop]
+    declaration = Qwen2ForCausalLM.declaration  # Llama's plus q/k/v biases
+    return declaration.shard_layer_tensor(name, tensor, plan, HIDDEN)
 
 
 def plans(num_heads: int, num_kv_heads: int, tp_size: int) -> list[ShardPlan]:
@@ -59,7 +69,7 @@ def test_column_parallel_shards_reassemble_along_rows(
         "lm_head.weight": torch.randn(VOCAB, HIDDEN),
     }
     for name, full in weights.items():
-        shards = [plan.shard(name, full) for plan in plans(num_heads, num_kv_heads, tp_size)]
+        shards = [shard(plan, name, full) for plan in plans(num_heads, num_kv_heads, tp_size)]
         assert torch.equal(torch.cat(shards, dim=0), full), name
 
 
@@ -75,7 +85,7 @@ def test_row_parallel_shards_reassemble_along_columns_and_sum_to_the_product(
         full = torch.randn(HIDDEN, in_features, dtype=torch.float64)
         x = torch.randn(3, in_features, dtype=torch.float64)
         rank_plans = plans(num_heads, num_kv_heads, tp_size)
-        shards = [plan.shard(name, full) for plan in rank_plans]
+        shards = [shard(plan, name, full) for plan in rank_plans]
         assert torch.equal(torch.cat(shards, dim=1), full), name
         # What the all-reduce computes: each rank's input slice times its shard.
         pieces = torch.split(x, [s.shape[1] for s in shards], dim=1)
@@ -85,7 +95,7 @@ def test_row_parallel_shards_reassemble_along_columns_and_sum_to_the_product(
 
 def test_replicated_kv_head_shards_are_copies_of_one_head() -> None:
     full = torch.randn(2 * HEAD_DIM, HIDDEN)
-    shards = [plan.shard("self_attn.k_proj.weight", full) for plan in plans(8, 2, 4)]
+    shards = [shard(plan, "self_attn.k_proj.weight", full) for plan in plans(8, 2, 4)]
     assert torch.equal(shards[0], shards[1]) and torch.equal(shards[0], full[:HEAD_DIM])
     assert torch.equal(shards[2], shards[3]) and torch.equal(shards[2], full[HEAD_DIM:])
 
@@ -93,7 +103,34 @@ def test_replicated_kv_head_shards_are_copies_of_one_head() -> None:
 def test_norms_are_not_sharded() -> None:
     norm = torch.randn(HIDDEN)
     for plan in plans(6, 3, 2):
-        assert plan.shard("input_layernorm.weight", norm) is norm
+        assert shard(plan, "input_layernorm.weight", norm) is norm
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_a_fused_checkpoint_tensor_shards_like_its_split_tensors(tp_size: int) -> None:
+    """Phi-3's qkv_proj/gate_up_proj hold q|k|v and gate|up: each run is cut
+    like Llama's separate tensor, so both layouts load the same rank weights."""
+    q = torch.randn(6 * HEAD_DIM, HIDDEN)
+    k, v = torch.randn(3 * HEAD_DIM, HIDDEN), torch.randn(3 * HEAD_DIM, HIDDEN)
+    gate, up = torch.randn(INTERMEDIATE, HIDDEN), torch.randn(INTERMEDIATE, HIDDEN)
+    fused, split = Phi3ForCausalLM.declaration, LlamaForCausalLM.declaration
+    for plan in plans(6, 3, tp_size):
+        qkv = fused.shard_layer_tensor(
+            "self_attn.qkv_proj.weight", torch.cat([q, k, v]), plan, HIDDEN
+        )
+        expected = [
+            split.shard_layer_tensor(f"self_attn.{n}_proj.weight", t, plan, HIDDEN)
+            for n, t in (("q", q), ("k", k), ("v", v))
+        ]
+        assert torch.equal(qkv, torch.cat(expected))
+        gate_up = fused.shard_layer_tensor(
+            "mlp.gate_up_proj.weight", torch.cat([gate, up]), plan, HIDDEN
+        )
+        expected = [
+            split.shard_layer_tensor(f"mlp.{n}_proj.weight", t, plan, HIDDEN)
+            for n, t in (("gate", gate), ("up", up))
+        ]
+        assert torch.equal(gate_up, torch.cat(expected))
 
 
 def test_vocab_shards_are_equal_width_but_the_last() -> None:

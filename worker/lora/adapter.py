@@ -1,8 +1,10 @@
 """Read one PEFT adapter's tensors from its folder, checked against the model.
 
-PEFT saves ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight``
-([r, in]) and ``...lora_B.weight`` ([out, r]); the forward it trained with is
-``y = W x + scaling * B (A x)``.
+PEFT saves ``base_model.model.model.layers.{i}.{path}.lora_A.weight`` ([r, in])
+and ``...lora_B.weight`` ([out, r]), ``path`` a module of the layer
+(``self_attn.q_proj``); the forward it trained with is ``y = W x + scaling * B (A x)``.
+Which modules exist, their shapes and how they shard come from the model
+family's declaration (worker/models/declaration.py).
 
 A rank of a tensor/pipeline-parallel replica keeps its part (``shard_adapter``):
 its stage's layers, and per module the half that meets its weight shard. A
@@ -17,28 +19,17 @@ output and the all-reduce that sums the partial outputs sums the deltas too:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from services.lora_files import ADAPTER_WEIGHTS, AdapterConfig, read_adapter_config
+from services.lora_files import ADAPTER_WEIGHTS, ALL_LINEAR, AdapterConfig, read_adapter_config
+from worker.models.declaration import ModelDeclaration
 from worker.parallel.sharding import ShardPlan
 
-_KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight"
-)
-
-# PEFT module name -> (in_features, out_features) of the whole model's projection
-# (every decoder layer alike).
-ModuleShapes = Mapping[str, tuple[int, int]]
-
-_ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
-# Projections whose input, not output, is split over the TP ranks.
-_ROW_PARALLEL_MODULES = frozenset({"o_proj", "down_proj"})
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight")
 
 
 @dataclass(frozen=True)
@@ -52,21 +43,33 @@ class LoRAAdapter:
 def load_adapter(
     folder: str | Path,
     num_layers: int,
-    module_shapes: ModuleShapes,
+    declaration: ModelDeclaration,
+    full_plan: ShardPlan,
+    hidden_size: int,
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAAdapter:
-    """The adapter's tensors in ``dtype``; ValueError if it does not fit the model or the slots."""
+    """The adapter's tensors in ``dtype``; ValueError if it does not fit the model
+    (its family's LoRA targets, shaped by the unsharded ``full_plan``) or the slots."""
     config = read_adapter_config(folder)
+    module_shapes = declaration.lora_module_shapes(full_plan, hidden_size)
+    by_path = {target.path: module for module, target in declaration.lora_targets.items()}
+    unknown = sorted(set(config.target_modules) - {*module_shapes, ALL_LINEAR})
+    if unknown:
+        raise ValueError(
+            f"target_modules {unknown} are not projections of this model; "
+            f"it has {', '.join(module_shapes)}"
+        )
     if config.rank > max_rank:
         raise ValueError(f"adapter rank {config.rank} exceeds --max-lora-rank {max_rank}")
     halves: dict[tuple[int, str, str], torch.Tensor] = {}
     with safe_open(str(Path(folder) / ADAPTER_WEIGHTS), framework="pt", device="cpu") as file:
         for key in file.keys():  # noqa: SIM118 - safe_open is not a mapping
             match = _KEY.fullmatch(key)
-            if match is None:
+            module = None if match is None else by_path.get(match.group(2))
+            if match is None or module is None:
                 raise ValueError(f"unsupported adapter tensor {key!r}")
-            layer, module, half = int(match.group(1)), match.group(2), match.group(3)
+            layer, half = int(match.group(1)), match.group(3)
             if layer >= num_layers:
                 raise ValueError(f"adapter tensor {key!r} is past the model's {num_layers} layers")
             halves[(layer, module, half)] = file.get_tensor(key).to(dtype)
@@ -90,7 +93,9 @@ def load_adapter(
     return LoRAAdapter(config, modules)
 
 
-def shard_adapter(adapter: LoRAAdapter, plan: ShardPlan) -> LoRAAdapter:
+def shard_adapter(
+    adapter: LoRAAdapter, declaration: ModelDeclaration, plan: ShardPlan, hidden_size: int
+) -> LoRAAdapter:
     """The part of a whole-model adapter one rank applies (see the module docstring):
     the layers of its pipeline stage, numbered from 0 as the stage's model numbers
     them, each module's A or B cut like the weight it adapts."""
@@ -99,10 +104,7 @@ def shard_adapter(adapter: LoRAAdapter, plan: ShardPlan) -> LoRAAdapter:
     for (layer, module), (lora_a, lora_b) in adapter.modules.items():
         if layer not in layers:
             continue
-        name = f"{'self_attn' if module in _ATTENTION_MODULES else 'mlp'}.{module}.weight"
-        if module in _ROW_PARALLEL_MODULES:
-            lora_a = plan.shard(name, lora_a).contiguous()
-        else:
-            lora_b = plan.shard(name, lora_b).contiguous()
-        modules[(layer - layers.start, module)] = (lora_a, lora_b)
+        modules[(layer - layers.start, module)] = declaration.shard_lora(
+            module, lora_a, lora_b, plan, hidden_size
+        )
     return LoRAAdapter(adapter.config, modules)

@@ -8,10 +8,9 @@ import torch
 
 from kernels import native
 from services.lora_request import LoRARequest
-from worker.config import ModelConfig
 from worker.lora.adapter import LoRAAdapter, load_adapter, shard_adapter
 from worker.lora.slots import AgreeOnFailures, LoRASlots
-from worker.models.llama import LlamaForCausalLM
+from worker.models.decoder import DecoderForCausalLM, full_plan
 
 logger = logging.getLogger(__name__)
 
@@ -26,24 +25,8 @@ def native_lora_unavailable_reason(device: torch.device, dtype: torch.dtype) -> 
     return native.unavailable_reason()
 
 
-def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each PEFT module of the whole (unsharded)
-    model: what an adapter's tensors are checked against."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-
-
 def attach_lora_slots(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     max_loras: int,
     max_rank: int,
     device: torch.device,
@@ -59,13 +42,21 @@ def attach_lora_slots(
     decided here once (the reason logged when not); else torch matmuls, on a
     GPU the Triton kernels.
     """
-    config, plan = model.config, model.plan
-    shapes = module_shapes(config)
+    config, plan, declaration = model.config, model.plan, model.declaration
+    whole = full_plan(config)
     dtype = config.dtype
 
     def load(lora: LoRARequest) -> LoRAAdapter:
-        adapter = load_adapter(lora.lora_path, config.num_layers, shapes, max_rank, dtype)
-        return shard_adapter(adapter, plan)
+        adapter = load_adapter(
+            lora.lora_path,
+            config.num_layers,
+            declaration,
+            whole,
+            config.hidden_size,
+            max_rank,
+            dtype,
+        )
+        return shard_adapter(adapter, declaration, plan, config.hidden_size)
 
     slots = LoRASlots(
         model.lora_shapes(), max_loras, max_rank, load, dtype, device, agree_on_failures

@@ -1,641 +1,110 @@
-"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama family: Llama 1-3.x, Mistral, Qwen2/2.5 (q/k/v biases).
 
-Tokens of every request in a step arrive flattened into one ``[num_tokens]``
-batch; the attention backend separates sequences using the step's metadata, so
-the model has no per-request loop. q/k/v and gate/up projections are fused into
-single matmuls when the weights are loaded.
+The plainest declaration: split q/k/v and gate/up checkpoint tensors fused
+into ``qkv_proj`` and ``gate_up_proj``, two norms per layer, SwiGLU.
 """
 
 from __future__ import annotations
 
-import logging
-import re
-from collections.abc import Callable, Iterable
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from kernels import native
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.block_codes import RowCodes, quantize_int8
 from worker.config import ModelConfig
-from worker.lora.slots import ProjectionShape, ProjectionSlots
-from worker.lora.step_batch import LoRABatch
-from worker.models.linear import PackedLinear
-from worker.models.quantized import WeightPiece, assemble, is_placeholder, placeholder, release
-from worker.models.rotary import RotaryEmbedding
-from worker.parallel.sharding import ShardPlan
+from worker.models.config_checks import refuse
+from worker.models.declaration import (
+    CheckpointTensor,
+    LoRATarget,
+    ModelDeclaration,
+    ParamDecl,
+    Split,
+    proj,
+    vector,
+)
+from worker.models.decoder import DecoderForCausalLM
 
-logger = logging.getLogger(__name__)
+H, Q, KV, MLP = Split.HIDDEN, Split.Q_HEADS, Split.KV_HEADS, Split.INTERMEDIATE
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# The four projections every Llama-shaped family has, and their PEFT names.
+PROJECTIONS: dict[str, ParamDecl] = {
+    "qkv_proj": proj(("q", Q), ("k", KV), ("v", KV), cols=H),
+    "o_proj": proj(("o", H), cols=Q),
+    "gate_up_proj": proj(("gate", MLP), ("up", MLP), cols=H),
+    "down_proj": proj(("down", H), cols=MLP),
+}
+SPLIT_TENSORS: dict[str, CheckpointTensor] = {
+    "self_attn.q_proj.weight": CheckpointTensor("qkv_proj", ("q",)),
+    "self_attn.k_proj.weight": CheckpointTensor("qkv_proj", ("k",)),
+    "self_attn.v_proj.weight": CheckpointTensor("qkv_proj", ("v",)),
+    "self_attn.o_proj.weight": CheckpointTensor("o_proj", ("o",)),
+    "mlp.gate_proj.weight": CheckpointTensor("gate_up_proj", ("gate",)),
+    "mlp.up_proj.weight": CheckpointTensor("gate_up_proj", ("up",)),
+    "mlp.down_proj.weight": CheckpointTensor("down_proj", ("down",)),
+}
+QKV_BIAS_TENSORS: dict[str, CheckpointTensor] = {
+    "self_attn.q_proj.bias": CheckpointTensor("qkv_bias", ("q",)),
+    "self_attn.k_proj.bias": CheckpointTensor("qkv_bias", ("k",)),
+    "self_attn.v_proj.bias": CheckpointTensor("qkv_bias", ("v",)),
+}
+SPLIT_LORA: dict[str, LoRATarget] = {
+    "q_proj": LoRATarget("self_attn.q_proj", "qkv_proj", ("q",)),
+    "k_proj": LoRATarget("self_attn.k_proj", "qkv_proj", ("k",)),
+    "v_proj": LoRATarget("self_attn.v_proj", "qkv_proj", ("v",)),
+    "o_proj": LoRATarget("self_attn.o_proj", "o_proj", ("o",)),
+    "gate_proj": LoRATarget("mlp.gate_proj", "gate_up_proj", ("gate",)),
+    "up_proj": LoRATarget("mlp.up_proj", "gate_up_proj", ("up",)),
+    "down_proj": LoRATarget("mlp.down_proj", "down_proj", ("down",)),
+}
+# llama.cpp's names of the same tensors.
+GGUF_SPLIT_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+NORMS: dict[str, ParamDecl] = {
+    "input_norm": vector(("hidden", H)),
+    "pre_mlp_norm": vector(("hidden", H)),
+}
+NORM_TENSORS: dict[str, CheckpointTensor] = {
+    "input_layernorm.weight": CheckpointTensor("input_norm", ("hidden",)),
+    "post_attention_layernorm.weight": CheckpointTensor("pre_mlp_norm", ("hidden",)),
+}
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Sums a row-parallel projection's partial outputs over the TP group (in place).
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-# Full-vocab logits from this rank's vocab shard.
-GatherVocab = Callable[[torch.Tensor, int], torch.Tensor]
 
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def full_plan(config: ModelConfig) -> ShardPlan:
-    """The plan of a model on one process: every head, row and layer."""
-    return ShardPlan(
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        num_layers=config.num_layers,
+def llama_declaration(qkv_bias: bool) -> ModelDeclaration:
+    params = {**NORMS, **PROJECTIONS}
+    tensors = {**NORM_TENSORS, **SPLIT_TENSORS}
+    if qkv_bias:
+        params["qkv_bias"] = vector(("q", Q), ("k", KV), ("v", KV))
+        tensors.update(QKV_BIAS_TENSORS)
+    return ModelDeclaration(
+        params=params,
+        layer_tensors=tensors,
+        lora_targets=SPLIT_LORA,
+        gguf_layer_names={
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            **GGUF_SPLIT_NAMES,
+        },
+        gguf_architectures=("mistral", "qwen2", "llama"),
+        gguf_permuted_qk=("llama",),
     )
 
 
-def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # Uninitialized: every element is overwritten by load_weights.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama and Mistral (whose ``sliding_window`` is checked like any window)."""
+
+    declaration = llama_declaration(qkv_bias=False)
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        super().check_config(config)
+        # Llama's attention_bias biases o_proj too, which this layout lacks.
+        if config.hf_config.get("attention_bias"):
+            raise refuse("attention_bias", True, "false")
 
 
-def _projection(config: ModelConfig, rows: int, cols: int) -> nn.Parameter:
-    """A projection's parameter: weightless when the checkpoint is a GGUF file
-    (its codes arrive as pieces, worker/models/quantized.py), else dense."""
-    if config.gguf_file:
-        return placeholder(rows, cols, config.load_dtype)
-    return _empty(rows, cols, dtype=config.load_dtype)
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Qwen2/2.5: Llama with q/k/v biases (``attention_bias`` unset in its config)."""
 
-
-def _pack(
-    weight: nn.Parameter,
-    piece: WeightPiece | None,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-    quantization: str,
-    use_onednn: bool,
-    use_block_codes: bool,
-    previous: PackedLinear | None = None,
-) -> PackedLinear:
-    """One projection in its inference form: codes only when its checkpoint
-    gave codes (``piece``) or ``quantization`` asks for them, else dense;
-    "w8a8" runs codes-only projections on int8 activations (refused where the
-    C++ kernels are off: there is no torch path for it).
-    ``previous``: this projection packed before (packing again, e.g. to
-    compare kernels), whose codes are all that is left of a quantized weight."""
-    w8a8 = quantization == "w8a8"
-    if w8a8 and not use_block_codes:
-        raise ValueError(
-            "--quantization w8a8 needs kvmesh's C++ CPU kernels (int8 dot products): "
-            f"{native.unavailable_reason() or 'turned off for this model (dense linear)'}"
-        )
-    if piece is None and is_placeholder(weight):
-        if previous is None:
-            raise ValueError("a projection packed without its weights")
-        if previous.codes_only:
-            return PackedLinear.from_codes(
-                previous.codes, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
-            )
-        # Packed before and its parameter released: start from what it kept.
-        weight.data = previous.dense_weight()
-    if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
-        weight.data = piece.to(weight.dtype)
-    if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
-        piece = quantize_int8(weight)
-    if isinstance(piece, RowCodes):
-        release(weight)  # no-op for a placeholder; frees an int8-quantized dense weight
-        return PackedLinear.from_codes(
-            piece.to_panels(), bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
-        )
-    return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
-
-
-def share_plain_weight(param: nn.Parameter, packed: PackedLinear, keep: bool = False) -> None:
-    """Point ``param`` at ``packed``'s plain weight where it keeps one
-    (amx_linear's bfloat16 weight, or the torch linear's): that tensor is the
-    parameter in the compute dtype, what the parameter becomes after packing
-    anyway, so one copy serves both instead of two. Where it keeps none (its
-    weight lives only in packed layouts: oneDNN's, the bf16 pairs, block
-    codes), the parameter is released to its shape unless ``keep`` (a tied
-    embedding table, which lookups read): the forward never reads it, and
-    packing again starts from ``packed.dense_weight()``. A dense parameter
-    beside oneDNN's copy doubled a float32 model's weight memory."""
-    plain = packed.weight
-    if is_placeholder(param) or (plain is None and keep):
-        return
-    if plain is None:
-        release(param)
-    elif plain.shape == param.shape:
-        param.data = plain
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 like transformers, then cast back."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """One decoder layer, or this TP rank's part of it: its heads, its slice of
-    the MLP; ``all_reduce`` completes o_proj's and down's partial sums."""
-
-    def __init__(
-        self, config: ModelConfig, plan: ShardPlan, all_reduce: AllReduce = _identity
-    ) -> None:
-        super().__init__()
-        dtype = config.dtype
-        heads = plan.heads
-        self.num_heads = len(heads.q_heads)
-        self.num_kv_heads = len(heads.kv_heads)
-        self.intermediate_size = len(plan.intermediate)
-        self.head_dim = config.head_dim
-        self.eps = config.rms_norm_eps
-        self.q_size = self.num_heads * config.head_dim
-        self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.all_reduce = all_reduce
-        self.input_norm = _empty(config.hidden_size, dtype=dtype)
-        self.post_attention_norm = _empty(config.hidden_size, dtype=dtype)
-        # Projections hold the checkpoint's exact weights until pack_weights
-        # (a GGUF file's codes wait beside them: _projection).
-        proj = config.load_dtype
-        hidden, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
-        self.qkv_proj = _projection(config, qkv, hidden)
-        self.qkv_bias = _empty(qkv, dtype=proj) if config.attention_bias else None
-        self.o_proj = _projection(config, hidden, self.q_size)
-        self.gate_up_proj = _projection(config, 2 * self.intermediate_size, hidden)
-        self.down_proj = _projection(config, hidden, self.intermediate_size)
-        self.quantization = config.quantization
-        self._packed: dict[str, PackedLinear] | None = None
-        self._native_ops = False
-        # Adapter slots of this layer's projections (worker/lora), when LoRA is on.
-        self.lora: dict[str, ProjectionSlots] | None = None
-
-    def lora_shapes(self, intermediate_size: int) -> dict[str, ProjectionShape]:
-        """Each fused projection's input width and the PEFT modules its output rows hold."""
-        q, kv, hidden = self.q_size, self.kv_size, self.o_proj.shape[0]
-        return {
-            "qkv": ProjectionShape(
-                hidden, (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
-            ),
-            "o": ProjectionShape(q, (("o_proj", 0, hidden),)),
-            "gate_up": ProjectionShape(
-                hidden,
-                (
-                    ("gate_proj", 0, intermediate_size),
-                    ("up_proj", intermediate_size, intermediate_size),
-                ),
-            ),
-            "down": ProjectionShape(intermediate_size, (("down_proj", 0, hidden),)),
-        }
-
-    def pack_weights(
-        self,
-        use_onednn: bool,
-        use_native: bool = False,
-        use_block_codes: bool = False,
-        pieces: dict[str, WeightPiece] | None = None,
-    ) -> None:
-        """Freeze the projections into inference layouts (after load_weights).
-
-        ``use_native``: the C++ elementwise ops (kernels/csrc) are loaded and
-        fit this layer's dtype (float32 or bfloat16 on CPU): fused
-        RMSNorm/SwiGLU. ``use_block_codes``: small batches may run the C++
-        block-code projections (any compute dtype: they take float32 rows).
-        ``pieces``: a GGUF file's weights of placeholder parameters, by name.
-        """
-        self._native_ops = use_native
-        dtype = self.input_norm.dtype
-        pieces = pieces or {}
-        previous = self._packed or {}
-        self._packed = {
-            name: _pack(
-                weight,
-                pieces.get(param),
-                bias,
-                dtype,
-                self.quantization,
-                use_onednn,
-                use_block_codes,
-                previous.get(name),
-            )
-            for name, param, weight, bias in (
-                ("qkv", "qkv_proj", self.qkv_proj, self.qkv_bias),
-                ("o", "o_proj", self.o_proj, None),
-                ("gate_up", "gate_up_proj", self.gate_up_proj, None),
-                ("down", "down_proj", self.down_proj, None),
-            )
-        }
-
-    def share_plain_weights(self) -> None:
-        """Each projection parameter becomes its packed projection's plain
-        weight where there is one, else is released (``share_plain_weight``)."""
-        assert self._packed is not None
-        for name, param in (
-            ("qkv", self.qkv_proj),
-            ("o", self.o_proj),
-            ("gate_up", self.gate_up_proj),
-            ("down", self.down_proj),
-        ):
-            share_plain_weight(param, self._packed[name])
-
-    def _linear(
-        self,
-        name: str,
-        weight: torch.Tensor,
-        x: torch.Tensor,
-        lora: LoRABatch | None,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        y = F.linear(x, weight, bias) if self._packed is None else self._packed[name](x)
-        if lora is not None and self.lora is not None:
-            self.lora[name].add_delta(y, x, lora)
-        return y
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        rotary_tables: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-        lora: LoRABatch | None = None,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``output_rows``: compute the layer's output for these rows only (its
-        K/V still for every row): the last layer of a step whose other rows
-        only fill the KV cache."""
-        num_tokens = hidden.shape[0]
-        residual = hidden
-        if self._native_ops:
-            hidden = torch.ops.kvmesh.rms_norm(hidden, self.input_norm, self.eps)
-        else:
-            hidden = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self._linear("qkv", self.qkv_proj, hidden, lora, self.qkv_bias)
-        # Query and key heads rotate together: one set of elementwise ops per
-        # layer instead of two (the same float ops, so the same results).
-        query_key = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        query_key = rotary.rotate(query_key, *rotary_tables)
-        query = query_key[:, : self.num_heads]
-        key = query_key[:, self.num_heads :]
-        value = qkv[:, self.q_size + self.kv_size :].view(
-            num_tokens, self.num_kv_heads, self.head_dim
-        )
-        k_cache, v_cache = kv_cache
-        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
-        if output_rows is not None:
-            if output_rows.shape[0] == 0:  # nothing samples: the K/V was all
-                return residual[:0]
-            attn, residual = attn[output_rows], residual[output_rows]
-            num_tokens = attn.shape[0]
-        attn_out = self.all_reduce(
-            self._linear("o", self.o_proj, attn.reshape(num_tokens, self.q_size), lora)
-        )
-
-        if self._native_ops:
-            # The same float ops as below, fused into two kernels.
-            hidden, residual = torch.ops.kvmesh.add_rms_norm(
-                attn_out, residual, self.post_attention_norm, self.eps
-            )
-            gate_up = self._linear("gate_up", self.gate_up_proj, hidden, lora)
-            return residual + self.all_reduce(
-                self._linear("down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up), lora)
-            )
-        hidden = residual + attn_out
-        residual = hidden
-        hidden = rms_norm(hidden, self.post_attention_norm, self.eps)
-        gate, up = self._linear("gate_up", self.gate_up_proj, hidden, lora).chunk(2, dim=-1)
-        return residual + self.all_reduce(
-            self._linear("down", self.down_proj, F.silu(gate) * up, lora)
-        )
-
-
-class LlamaForCausalLM(nn.Module):
-    """Decoder stack plus LM head; ``forward`` returns hidden states, not logits.
-
-    Under tensor/pipeline parallelism (``plan``) it is one rank's part: its
-    stage's layers, each cut to the rank's heads and MLP slice, and on the
-    first stage only, the vocab shard of the embedding and LM head plus the
-    final norm (the last stage hands its hidden states back to the first, so
-    sampling stays on the driver, next to the step's sampling state).
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        plan: ShardPlan | None = None,
-        all_reduce: AllReduce = _identity,
-        gather_vocab: GatherVocab | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.plan = plan = plan or full_plan(config)
-        self.all_reduce = all_reduce
-        self.gather_vocab = gather_vocab
-        dtype = config.dtype
-        self.layer_offset = plan.layers.start
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, plan, all_reduce) for _ in plan.layers
-        )
-        self.has_head = plan.is_first_stage
-        if self.has_head:
-            vocab_rows = len(plan.vocab)
-            # The LM head (maybe tied to the embedding) is a projection too.
-            self.embed_tokens = (
-                _projection(config, vocab_rows, config.hidden_size)
-                if config.tie_word_embeddings or config.gguf_file
-                else _empty(vocab_rows, config.hidden_size, dtype=dtype)
-            )
-            self.norm = _empty(config.hidden_size, dtype=dtype)
-            self.lm_head = (
-                self.embed_tokens
-                if config.tie_word_embeddings
-                else _projection(config, vocab_rows, config.hidden_size)
-            )
-        self._packed_lm_head: PackedLinear | None = None
-        # A GGUF file's quantized embedding: rows rebuilt per lookup, no dense table.
-        self._embed_codes: RowCodes | None = None
-        # A GGUF file's tensors for placeholder parameters, by parameter name and first row.
-        self._pieces: dict[str, dict[int, WeightPiece]] = {}
-        self._native_ops = False
-        self.rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_model_len,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-        hidden: torch.Tensor | None = None,
-        lora: LoRABatch | None = None,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] before the final norm; a later
-        pipeline stage passes the previous stage's ``hidden`` instead of embedding.
-
-        ``lora``: the step's adapter layout (worker/lora); None runs the base model.
-        ``output_rows``: return the hidden states of these rows only
-        ([len(output_rows), hidden_size]). A prompt chunk's other rows need the
-        last layer's K/V but not its attention output, O projection or MLP,
-        which the last layer then skips (for a 1,024-token chunk of the
-        30-layer default model, ~2.8% of the step's projection FLOPs).
-        """
-        if hidden is None:
-            hidden = self._embed(input_ids)
-        rotary_tables = self.rotary.tables(positions)
-        last = len(self.layers) - 1
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = layer(
-                hidden,
-                self.rotary,
-                rotary_tables,
-                kv_cache,
-                metadata,
-                backend,
-                lora,
-                output_rows if index == last else None,
-            )
-        return hidden
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._embed_codes is None:
-            return F.embedding(ids, self.embed_tokens)
-        return self._embed_codes.embedding(ids).to(self.config.dtype)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.plan.tp_size == 1:
-            return self._lookup(input_ids)
-        # Vocab-parallel: each rank looks up the ids in its shard, zeros the rest;
-        # the sum over ranks is the full lookup (exact: one non-zero term per row).
-        vocab = self.plan.vocab
-        local = input_ids - vocab.start
-        outside = (local < 0) | (local >= len(vocab))
-        hidden = self._lookup(local.clamp(0, len(vocab) - 1))
-        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.all_reduce(hidden)
-
-    def lora_shapes(self) -> list[dict[str, ProjectionShape]]:
-        """Per layer, the projections adapters apply to (worker/lora/slots.py)."""
-        intermediate = len(self.plan.intermediate)  # this rank's slice of the MLP
-        return [layer.lora_shapes(intermediate) for layer in self.layers]
-
-    def attach_lora(self, layer_slots: list[dict[str, ProjectionSlots]]) -> None:
-        for layer, slots in zip(self.layers, layer_slots, strict=True):
-            layer.lora = slots
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for the given rows only (the rows that sample); norm is per row."""
-        if self._native_ops:
-            normed = torch.ops.kvmesh.rms_norm(
-                hidden.contiguous(), self.norm, self.config.rms_norm_eps
-            )
-        else:
-            normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        if self._packed_lm_head is None:
-            logits = F.linear(normed, self.lm_head)
-        else:
-            logits = self._packed_lm_head(normed)
-        logits = logits.float()  # sampling is float32 whatever the compute dtype
-        if self.gather_vocab is None:
-            return logits
-        return self.gather_vocab(logits, self.config.vocab_size)
-
-    def pack_weights(self, use_onednn: bool = True, use_native: bool = True) -> None:
-        """Prepare every projection for inference once the weights are loaded.
-
-        ``use_native`` asks for kvmesh's C++ CPU ops; they are used where they
-        load and fit, decided here once for every layer: the elementwise ops for
-        float32 and bfloat16 on CPU, block-code projections in either (found on
-        the weights as loaded, ModelConfig.load_dtype, before any rounding).
-        Projections are packed to compute in the model's dtype.
-        """
-        use_codes = (
-            use_native
-            and self.rotary.cos.device.type == "cpu"
-            and native.unavailable_reason() is None
-        )
-        self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
-        params = dict(self.named_parameters())
-        pieces = {
-            name: assemble(rows, params[name].shape[0]) for name, rows in self._pieces.items()
-        }
-        self._pieces = {}  # now held by the packed projections (and _embed_codes)
-        for index, layer in enumerate(self.layers):
-            prefix = f"layers.{index}."
-            layer_pieces = {
-                name.removeprefix(prefix): piece
-                for name, piece in pieces.items()
-                if name.startswith(prefix)
-            }
-            layer.pack_weights(use_onednn, self._native_ops, use_codes, layer_pieces)
-            # Layer by layer: a packed layer's parameters are gone before the next packs.
-            layer.share_plain_weights()
-        self.rotary.use_native = self._native_ops
-        if self.has_head:
-            self._pack_head(pieces, use_onednn, use_codes)
-        if self.has_head and self._packed_lm_head is not None:
-            # Tied, the LM head is the embedding table, which lookups read.
-            tied = self.lm_head is self.embed_tokens
-            share_plain_weight(self.lm_head, self._packed_lm_head, keep=tied)
-        # Packed from the exact weights; every parameter now rounds to the
-        # compute dtype once (the embedding, the unpacked fallbacks).
-        for param in self.parameters():
-            if param.dtype != self.config.dtype:
-                if is_placeholder(param):
-                    param.data = placeholder(*param.shape, self.config.dtype).data
-                else:
-                    param.data = param.data.to(self.config.dtype)
-
-    def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
-        """The embedding table and LM head: a GGUF file's codes stay codes (the
-        lookup rebuilds rows, the head runs like any projection); dense pieces
-        fill their parameters. --quantization leaves both as they are."""
-        embed = pieces.get("embed_tokens")
-        if isinstance(embed, RowCodes):
-            self._embed_codes = embed
-        elif embed is not None:
-            self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
-        head = embed if self.config.tie_word_embeddings else pieces.get("lm_head")
-        self._packed_lm_head = _pack(
-            self.lm_head,
-            head,
-            None,
-            self.config.dtype,
-            "",
-            use_onednn,
-            use_codes,
-            self._packed_lm_head,
-        )
-
-    @property
-    def uses_native_ops(self) -> bool:
-        """Whether the forward runs kvmesh's C++ CPU ops (so they are loaded)."""
-        return self._native_ops
-
-    def set_native_elementwise(self, enabled: bool) -> None:
-        """Switch the fused C++ RMSNorm/SwiGLU/rotary ops on or off after packing,
-        leaving the projections as packed: an A/B of those ops alone."""
-        self._native_ops = enabled
-        for layer in self.layers:
-            layer._native_ops = enabled
-        self.rotary.use_native = enabled
-
-    def _all_packed(self) -> list[PackedLinear]:
-        packed = [self._packed_lm_head] if self.has_head and self._packed_lm_head else []
-        return packed + [p for layer in self.layers for p in (layer._packed or {}).values()]
-
-    def block_code_coverage(self) -> tuple[int, int]:
-        """(projections running on exact block codes for small batches, all projections)."""
-        packed = self._all_packed()
-        return sum(p.uses_block_codes for p in packed), len(packed)
-
-    def weight_bytes(self) -> dict[str, int]:
-        """Bytes of weights resident after packing: the projections' (codes, packed
-        and dense copies), the embedding's codes, every parameter's own storage
-        (one that is a projection's plain weight counts with the projections)."""
-        # A parameter sharing its packed projection's plain weight is counted there.
-        shared = {
-            p.weight.untyped_storage().data_ptr()
-            for p in self._all_packed()
-            if p.weight is not None
-        }
-        params = sum(
-            p.untyped_storage().nbytes()
-            for p in {id(p): p for p in self.parameters()}.values()
-            if p.untyped_storage().data_ptr() not in shared
-        )
-        return {
-            "projections": sum(p.resident_bytes for p in self._all_packed()),
-            "codes_only_projections": sum(p.codes_only for p in self._all_packed()),
-            "embedding_codes": 0 if self._embed_codes is None else self._embed_codes.nbytes,
-            "parameters": params,
-        }
-
-    # -- loading -------------------------------------------------------------
-
-    def _layer_target(self, layer: LlamaDecoderLayer, name: str) -> tuple[torch.Tensor, int]:
-        """(destination parameter, first row) for one per-layer checkpoint tensor."""
-        q, kv, inter = layer.q_size, layer.kv_size, layer.intermediate_size
-        targets: dict[str, tuple[torch.Tensor | None, int]] = {
-            "input_layernorm.weight": (layer.input_norm, 0),
-            "post_attention_layernorm.weight": (layer.post_attention_norm, 0),
-            "self_attn.q_proj.weight": (layer.qkv_proj, 0),
-            "self_attn.k_proj.weight": (layer.qkv_proj, q),
-            "self_attn.v_proj.weight": (layer.qkv_proj, q + kv),
-            "self_attn.q_proj.bias": (layer.qkv_bias, 0),
-            "self_attn.k_proj.bias": (layer.qkv_bias, q),
-            "self_attn.v_proj.bias": (layer.qkv_bias, q + kv),
-            "self_attn.o_proj.weight": (layer.o_proj, 0),
-            "mlp.gate_proj.weight": (layer.gate_up_proj, 0),
-            "mlp.up_proj.weight": (layer.gate_up_proj, inter),
-            "mlp.down_proj.weight": (layer.down_proj, 0),
-        }
-        target, row = targets.get(name, (None, 0))
-        if target is None:
-            raise KeyError(name)
-        return target, row
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, WeightPiece]]) -> None:
-        """Copy checkpoint tensors into the (fused) parameters; fail on anything missing."""
-        params = dict(self.named_parameters())
-        names_by_param = {id(p): name for name, p in params.items()}
-        rows_loaded: dict[str, int] = {}
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if not self.has_head and not name.startswith("model.layers."):
-                continue  # a later pipeline stage: layers only
-            if name == "model.embed_tokens.weight":
-                target, row = self.embed_tokens, 0
-            elif name == "model.norm.weight":
-                target, row = self.norm, 0
-            elif name == "lm_head.weight":
-                if self.config.tie_word_embeddings:
-                    continue  # some tied checkpoints store the copy anyway
-                target, row = self.lm_head, 0
-            else:
-                match = _LAYER_WEIGHT.fullmatch(name)
-                if match is None or int(match.group(1)) >= self.config.num_layers:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                if int(match.group(1)) not in self.plan.layers:
-                    continue  # another pipeline stage's layer
-                try:
-                    target, row = self._layer_target(
-                        self.layers[int(match.group(1)) - self.layer_offset], match.group(2)
-                    )
-                except KeyError:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint") from None
-                tensor = self.plan.shard(match.group(2), tensor)
-            if not name.startswith("model.layers."):
-                tensor = self.plan.shard(name, tensor)
-            if tensor.shape[1:] != target.shape[1:] or row + tensor.shape[0] > target.shape[0]:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, does not fit "
-                    f"{tuple(target.shape)} at row {row}"
-                )
-            param_name = names_by_param[id(target)]
-            if is_placeholder(target):
-                self._pieces.setdefault(param_name, {})[row] = tensor  # packed later
-            else:
-                if isinstance(tensor, RowCodes):
-                    tensor = tensor.dequantize()
-                target[row : row + tensor.shape[0]].copy_(tensor)
-            rows_loaded[param_name] = rows_loaded.get(param_name, 0) + tensor.shape[0]
-        missing = sorted(
-            name for name, param in params.items() if rows_loaded.get(name, 0) != param.shape[0]
-        )
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for {missing[:8]}")
+    declaration = llama_declaration(qkv_bias=True)

@@ -5,7 +5,8 @@ way: q/k/v and gate/up are column-parallel (each rank computes some output
 features: its heads, its slice of the MLP), o_proj and down are row-parallel
 (each rank multiplies its input slice; one all-reduce sums the partial
 outputs), the embedding and LM head are vocab-parallel. Pipeline parallel (PP)
-gives each stage a contiguous range of layers.
+gives each stage a contiguous range of layers. Which checkpoint tensor is
+which kind is the model family's declaration (worker/models/declaration.py).
 
 Heads are split by KV group so that every rank keeps whole groups and the
 attention kernels see a uniform ``num_heads / num_kv_heads`` locally. With
@@ -18,8 +19,6 @@ model runs at TP=2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from services.math_utils import cdiv
 
@@ -84,6 +83,10 @@ class ShardPlan:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    # Mixture-of-experts layers: experts per layer, and each expert's MLP width
+    # (split over TP ranks like the dense MLP's; every rank holds every expert).
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -99,6 +102,10 @@ class ShardPlan:
     @property
     def intermediate(self) -> range:
         return split_range(self.intermediate_size, self.tp_size, self.tp_rank)
+
+    @property
+    def expert_intermediate(self) -> range:
+        return split_range(self.expert_intermediate_size, self.tp_size, self.tp_rank)
 
     @property
     def vocab(self) -> range:
@@ -122,28 +129,3 @@ class ShardPlan:
             for t in range(self.tp_size)
             for p in range(self.pp_size)
         )
-
-    def _rows(self, heads: range) -> slice:
-        return slice(heads.start * self.head_dim, heads.stop * self.head_dim)
-
-    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a checkpoint tensor (its name without the layer prefix
-        for per-layer weights, e.g. ``self_attn.q_proj.weight``)."""
-        if self.tp_size == 1:
-            return tensor
-        heads = self.heads
-        inter = slice(self.intermediate.start, self.intermediate.stop)
-        vocab = slice(self.vocab.start, self.vocab.stop)
-        if name.startswith("self_attn.q_proj."):
-            return tensor[self._rows(heads.q_heads)]
-        if name.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
-            return tensor[self._rows(heads.kv_heads)]
-        if name == "self_attn.o_proj.weight":
-            return tensor[:, self._rows(heads.q_heads)]
-        if name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            return tensor[inter]
-        if name == "mlp.down_proj.weight":
-            return tensor[:, inter]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return tensor[vocab]
-        return tensor  # norms: every rank applies them to the full hidden state

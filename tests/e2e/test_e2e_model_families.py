@@ -1,0 +1,124 @@
+"""Families other than Llama through the whole stack (gateway, scheduler,
+worker, detokenizer): greedy completions equal transformers float32 with
+prefix caching on, a KV pool small enough to preempt, and TP=2.
+
+The tiny random checkpoints reuse the default model's tokenizer (their vocab
+is its 49,152 tokens), so prompts and completions are text as for any model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from services.local_stack import LocalStack
+from services.model_prep import default_model_path, is_prepared
+from tests.e2e.conftest import STARTUP_TIMEOUT_S, stop_stack
+from tests.worker.conftest import hf_greedy_tokens
+from tests.worker.model_families import make_family_checkpoint
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 24
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _checkpoint(folder: Path, architecture: str) -> torch.nn.Module:
+    source = default_model_path()
+    if not is_prepared(source):
+        pytest.skip("default model not prepared (run `make install`)")
+    vocab = 49_152  # the default model's tokenizer
+    model = make_family_checkpoint(folder, architecture, vocab_size=vocab)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+    return model
+
+
+def _prompts() -> list[list[int]]:
+    """Eight prompts in pairs sharing a 48-token prefix (prefix-cache hits)."""
+    prefixes = [[(97 * i + 13 * j) % 40_000 + 100 for j in range(48)] for i in range(4)]
+    return [[*p, 1_000 + k, 2_000 + k] for p in prefixes for k in range(2)]
+
+
+def _scheduler_metric(stack: LocalStack, name: str) -> float:
+    text = httpx.get(stack.metrics_url("scheduler"), timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tp"),
+    [("Qwen3MoeForCausalLM", 1), ("Gemma3ForCausalLM", 2)],
+)
+def test_family_through_the_stack_equals_transformers(
+    tmp_path: Path, architecture: str, tp: int
+) -> None:
+    hf_model = _checkpoint(tmp_path, architecture)
+    prompts = _prompts()
+    expected = [
+        hf_greedy_tokens(hf_model, p, MAX_TOKENS, min_new_tokens=MAX_TOKENS) for p in prompts
+    ]
+    assert all(len(set(tokens)) > 1 for tokens in expected)
+    # 14 blocks of 16 tokens; eight requests at once of up to 74 tokens (5 blocks
+    # each): decodes run out and preempt. Chunks of 32 tokens split every prompt.
+    args = [
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "28",
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "32",
+        "--tensor-parallel-size",
+        str(tp),
+    ]
+    stack = LocalStack(args, model=tmp_path)
+    try:
+        stack.wait_ready(STARTUP_TIMEOUT_S)
+
+        async def one(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
+            r = await client.post(
+                "/v1/completions",
+                json={
+                    "prompt": ids,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+            return [int(t.removeprefix("token_id:")) for t in tokens]
+
+        async def run_all() -> list[list[int]]:
+            async with httpx.AsyncClient(base_url=stack.http_url, timeout=600) as client:
+                return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+        got = asyncio.run(run_all())
+        assert got == expected
+        assert _scheduler_metric(stack, "vllm:prefix_cache_hits_total") > 0
+        assert _scheduler_metric(stack, "vllm:num_preemptions_total") > 0
+    finally:
+        assert stop_stack(stack) == 0, "".join(stack.log[-50:])
+
+
+def test_a_window_shorter_than_the_context_stops_the_stack_with_its_field(tmp_path: Path) -> None:
+    """Mistral with a 64-token sliding_window at --max-model-len 256: kvmesh
+    up fails at start-up naming the field, instead of serving full attention."""
+    _checkpoint(tmp_path, "LlamaForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stack = LocalStack(["--dtype", "float32", "--max-model-len", "256"], model=tmp_path)
+    with pytest.raises(RuntimeError, match="stack did not start") as failure:
+        stack.wait_ready(STARTUP_TIMEOUT_S)
+    assert "sliding_window=64 is shorter than max_model_len=256" in str(failure.value)

@@ -1,0 +1,159 @@
+"""Gemma 2 and Gemma 3 (text): four norms per layer scaling by (1 + w), a
+GELU-tanh MLP, the embedding scaled by sqrt(hidden), attention scaled by
+``query_pre_attn_scalar``; Gemma 2 soft-caps its final logits, Gemma 3 norms
+each q/k head and gives its sliding-window ("local") layers their own rotary
+base. Windowed layers are served where the window covers max_model_len
+(config_checks.check_windows); attention soft-capping is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.config import ModelConfig
+from worker.models.config_checks import check_rope, refuse
+from worker.models.declaration import (
+    CheckpointTensor,
+    LayerKVSpec,
+    ModelDeclaration,
+    Split,
+    vector,
+)
+from worker.models.decoder import DecoderForCausalLM
+from worker.models.features import Features, RopeSpec
+from worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+
+_HIDDEN = ("hidden", Split.HIDDEN)
+SANDWICH_NORMS = {
+    "input_norm": vector(_HIDDEN),
+    "post_attn_norm": vector(_HIDDEN),
+    "pre_mlp_norm": vector(_HIDDEN),
+    "post_mlp_norm": vector(_HIDDEN),
+}
+SANDWICH_TENSORS = {
+    "input_layernorm.weight": CheckpointTensor("input_norm", ("hidden",)),
+    "post_attention_layernorm.weight": CheckpointTensor("post_attn_norm", ("hidden",)),
+    "pre_feedforward_layernorm.weight": CheckpointTensor("pre_mlp_norm", ("hidden",)),
+    "post_feedforward_layernorm.weight": CheckpointTensor("post_mlp_norm", ("hidden",)),
+}
+SLIDING = "sliding_attention"
+
+
+def _layer_types(hf: dict[str, Any], num_layers: int, pattern: int) -> list[str]:
+    """Each layer's attention type: config.json's list, else every
+    ``pattern``-th layer full and the others sliding."""
+    types = hf.get("layer_types")
+    if types:
+        return list(types)
+    return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+class _GemmaBase(DecoderForCausalLM):
+    activations = ("gelu_pytorch_tanh",)
+    sliding_pattern = 2
+
+    @classmethod
+    def _features(cls, config: ModelConfig, **extra: Any) -> Features:
+        hf = config.hf_config
+        return Features(
+            norm_offset=1.0,
+            activation="gelu_tanh",
+            attention_scale=float(hf.get("query_pre_attn_scalar", config.head_dim)) ** -0.5,
+            embed_scale=config.hidden_size**0.5,
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            **extra,
+        )
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> list[LayerKVSpec]:
+        window = config.hf_config.get("sliding_window")
+        types = _layer_types(config.hf_config, config.num_layers, cls.sliding_pattern)
+        return [
+            LayerKVSpec(
+                config.num_kv_heads,
+                config.head_dim,
+                int(window) if kind == SLIDING and window else None,
+            )
+            for kind in types
+        ]
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        hf = config.hf_config
+        if hf.get("attn_logit_softcapping") is not None:
+            raise refuse(
+                "attn_logit_softcapping",
+                hf["attn_logit_softcapping"],
+                "null (the paged attention kernels do not soft-cap scores yet)",
+            )
+        for field in ("attention_bias", "use_bidirectional_attention"):
+            if hf.get(field):
+                raise refuse(field, hf[field], "false")
+        super().check_config(config)
+
+
+class Gemma2ForCausalLM(_GemmaBase):
+    declaration = ModelDeclaration(
+        params={**SANDWICH_NORMS, **PROJECTIONS},
+        layer_tensors={**SANDWICH_TENSORS, **SPLIT_TENSORS},
+        lora_targets=SPLIT_LORA,
+    )
+
+    @classmethod
+    def family_features(cls, config: ModelConfig) -> Features:
+        return cls._features(config)
+
+
+def _gemma3_ropes(config: ModelConfig) -> tuple[RopeSpec, RopeSpec]:
+    """(global, local) rotary tables from either config.json layout."""
+    hf = config.hf_config
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full, local = dict(params["full_attention"]), dict(params.get(SLIDING) or {})
+    else:
+        full = dict(hf.get("rope_scaling") or {})
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    specs = []
+    for params_ in (full, local):
+        rope_type = params_.get("rope_type", params_.get("type", "default"))
+        scaling = None if rope_type == "default" else params_
+        if scaling is not None:
+            scaling.setdefault("max_position_embeddings", config.max_model_len)
+        specs.append(RopeSpec(float(params_.get("rope_theta", 10_000.0)), scaling))
+    return specs[0], specs[1]
+
+
+class Gemma3ForCausalLM(_GemmaBase):
+    sliding_pattern = 6
+    declaration = ModelDeclaration(
+        params={
+            **SANDWICH_NORMS,
+            **PROJECTIONS,
+            "q_norm": vector(("head", Split.HEAD_DIM)),
+            "k_norm": vector(("head", Split.HEAD_DIM)),
+        },
+        layer_tensors={
+            **SANDWICH_TENSORS,
+            **SPLIT_TENSORS,
+            "self_attn.q_norm.weight": CheckpointTensor("q_norm", ("head",)),
+            "self_attn.k_norm.weight": CheckpointTensor("k_norm", ("head",)),
+        },
+        lora_targets=SPLIT_LORA,
+    )
+
+    @classmethod
+    def family_features(cls, config: ModelConfig) -> Features:
+        types = _layer_types(config.hf_config, config.num_layers, cls.sliding_pattern)
+        return cls._features(
+            config,
+            qk_norm="head",
+            ropes=_gemma3_ropes(config),
+            layer_rope=tuple(1 if kind == SLIDING else 0 for kind in types),
+        )
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        super().check_config(config)
+        max_positions = int(config.hf_config.get("max_position_embeddings") or 0)
+        for rope, field in zip(_gemma3_ropes(config), ("full_attention", SLIDING), strict=True):
+            check_rope(rope.scaling or {}, config.max_model_len, max_positions, field)

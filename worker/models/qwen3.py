@@ -1,0 +1,54 @@
+"""Qwen3: Llama's layout with an RMSNorm over each q and k head before the
+rotation, and an explicit ``head_dim`` (not hidden_size / heads)."""
+
+from __future__ import annotations
+
+from worker.config import ModelConfig
+from worker.models.config_checks import refuse
+from worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
+from worker.models.decoder import DecoderForCausalLM
+from worker.models.features import Features
+from worker.models.llama import (
+    GGUF_SPLIT_NAMES,
+    NORM_TENSORS,
+    NORMS,
+    PROJECTIONS,
+    SPLIT_LORA,
+    SPLIT_TENSORS,
+)
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    declaration = ModelDeclaration(
+        params={
+            **NORMS,
+            **PROJECTIONS,
+            "q_norm": vector(("head", Split.HEAD_DIM)),
+            "k_norm": vector(("head", Split.HEAD_DIM)),
+        },
+        layer_tensors={
+            **NORM_TENSORS,
+            **SPLIT_TENSORS,
+            "self_attn.q_norm.weight": CheckpointTensor("q_norm", ("head",)),
+            "self_attn.k_norm.weight": CheckpointTensor("k_norm", ("head",)),
+        },
+        lora_targets=SPLIT_LORA,
+        gguf_layer_names={
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+            **GGUF_SPLIT_NAMES,
+        },
+        gguf_architectures=("qwen3",),
+    )
+
+    @classmethod
+    def family_features(cls, config: ModelConfig) -> Features:
+        return Features(qk_norm="head")
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        super().check_config(config)
+        if config.hf_config.get("attention_bias"):
+            raise refuse("attention_bias", True, "false")

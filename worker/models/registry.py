@@ -1,0 +1,50 @@
+"""Model classes by the ``architectures`` name in a checkpoint's config.json.
+
+Adding a family: its file in this folder (a ``DecoderForCausalLM`` subclass
+with its declaration and features), its line in MODEL_REGISTRY below, and its parity test
+(docs/architecture.md, "Adding a model").
+"""
+
+from __future__ import annotations
+
+from worker.config import ModelConfig
+from worker.models.config_checks import UnsupportedModelError
+from worker.models.decoder import DecoderForCausalLM
+from worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from worker.models.granite import GraniteForCausalLM
+from worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from worker.models.olmo2 import Olmo2ForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
+from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
+    model_class = MODEL_REGISTRY.get(architecture)
+    if model_class is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}"
+        )
+    return model_class
+
+
+def check_model(config: ModelConfig) -> type[DecoderForCausalLM]:
+    """The checkpoint's model class, after refusing anything in its config that
+    the class does not implement (UnsupportedModelError names the field)."""
+    model_class = get_model_class(config.architecture)
+    model_class.check_config(config)
+    return model_class
