@@ -31,6 +31,7 @@ from services.finish_reason import FinishReason
 from services.model_prep import resolve_model_path
 from worker.config import CacheConfig, ModelConfig
 from worker.model_runner import ModelRunner
+from worker.models.registry import check_model
 from worker.step_budget import preferred_step_tokens
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class LLM:
             max_model_len=max_model_len,
             quantization=quantization,
         )
+        # Refuse an unknown architecture or config feature before anything is allocated.
+        check_model(model_config)
         cache_config = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

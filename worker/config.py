@@ -234,11 +234,9 @@ class ModelConfig:
             ),
             hf_config=hf_config,
         )
-        # Refuse an unknown architecture or an unimplemented config feature now,
-        # at start-up, with the field named (worker/models/registry.py).
-        from worker.models.registry import check_model  # the model files import this module
-
-        check_model(config)
+        # An unknown architecture or an unimplemented config feature is refused
+        # by worker.models.registry.check_model, which the model loader and the
+        # start-up paths (worker/server.py, kvmesh/llm.py) run on this config.
         return config
 
 

@@ -50,6 +50,7 @@ from worker.kv_connector import KVBlockStore, KVConnectorWorker
 from worker.kv_layout import worker_kv_layout
 from worker.kvstore_blocks import KVStoreBlocks
 from worker.model_runner import ModelRunner
+from worker.models.registry import check_model
 from worker.parallel.collectives import Collectives
 from worker.parallel.driver import StepBroadcaster
 from worker.parallel.layout import RankLayout
@@ -325,6 +326,8 @@ def build_runner(
         device=config.device,
         quantization=config.quantization or None,
     )
+    # Refuse an unknown architecture or config feature before anything is allocated.
+    check_model(model_config)
     cache_config = CacheConfig(
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or None,

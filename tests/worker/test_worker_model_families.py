@@ -19,7 +19,7 @@ from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 from worker.models.config_checks import UnsupportedModelError
 from worker.models.features import Features
-from worker.models.registry import get_model_class
+from worker.models.registry import check_model, get_model_class
 
 from .conftest import hf_greedy_tokens
 from .gguf_files import write_tiny_gguf
@@ -162,7 +162,7 @@ def test_phi3_longrope_below_its_original_length_matches_transformers(tmp_path: 
     )
     assert _greedy(runner) == expected
     with pytest.raises(UnsupportedModelError, match=r"--max-model-len <= 128"):
-        ModelConfig.from_pretrained(tmp_path, max_model_len=256)
+        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=256))
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,7 @@ def test_unimplemented_config_fields_are_refused_at_start_up(
     make_family_checkpoint(tmp_path, "LlamaForCausalLM")
     _with_config(tmp_path, **{"architectures": ["MistralForCausalLM"], **fields})
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_pretrained(tmp_path)
+        check_model(ModelConfig.from_pretrained(tmp_path))
 
 
 def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> None:
@@ -236,10 +236,10 @@ def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> No
     _with_config(tmp_path, sliding_window=128)
     assert ModelConfig.from_pretrained(tmp_path, max_model_len=128).max_model_len == 128
     with pytest.raises(UnsupportedModelError, match="sliding_window=128"):
-        ModelConfig.from_pretrained(tmp_path, max_model_len=129)
+        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=129))
     _with_config(tmp_path, attn_logit_softcapping=50.0)
     with pytest.raises(UnsupportedModelError, match=r"attn_logit_softcapping=50\.0"):
-        ModelConfig.from_pretrained(tmp_path, max_model_len=128)
+        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=128))
 
 
 @pytest.mark.parametrize(
