@@ -15,6 +15,7 @@ from gateway.disaggregation import PrefillClient
 from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
+from gateway.responses.store import MemoryResponseStore, ResponseStoreConfig
 from gateway.routed_engine_client import RoutedEngineClient
 from gateway.routing.discovery import make_discovery
 from gateway.served_models import ServedModels, read_lora_request
@@ -145,6 +146,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         **surface_options,
         serve_metrics=metrics_on_http,
         models=served_models(config, served_name),
+        response_store=MemoryResponseStore(ResponseStoreConfig.from_config(config)),
     )
     http = _EmbeddedUvicorn(
         uvicorn.Config(
