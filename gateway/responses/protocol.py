@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from gateway.protocol import (
     ModelName,
@@ -71,7 +71,25 @@ class FunctionCallOutputItem(_Request):
     id: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+def _item_type(item: Any) -> str:
+    """An item's type; a message may leave it out (OpenAI's easy input message)."""
+    if isinstance(item, dict):
+        kind = item.get("type", "message")
+        return kind if isinstance(kind, str) else ""
+    return getattr(item, "type", None) or "message"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="input_item_type",
+        custom_error_message="an input item is a message, a function_call or a "
+        "function_call_output (text only)",
+    ),
+]
 
 
 # ---------------------------------------------------------------- request: tools and text
@@ -127,7 +145,7 @@ class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
     model: ModelName | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[list[InputItem], Field(min_length=1)] | str
     instructions: str | None = Field(
         default=None,
         description="A system message before the input; not carried over by previous_response_id.",
