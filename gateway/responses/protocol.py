@@ -74,7 +74,9 @@ class FunctionCallOutputItem(_Request):
 def _item_type(item: Any) -> str:
     """An item's type; a message may leave it out (OpenAI's easy input message)."""
     if isinstance(item, dict):
-        kind = item.get("type", "message")
+        kind = item.get("type")
+        if kind is None:
+            return "message"
         return kind if isinstance(kind, str) else ""
     return getattr(item, "type", None) or "message"
 

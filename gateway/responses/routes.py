@@ -6,7 +6,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, NoMatchFound, compile_path
+from starlette.types import Receive, Scope, Send
 
 from gateway.protocol import ErrorResponse
 from gateway.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
@@ -42,6 +45,46 @@ _CREATED = {
 }
 
 
+_BY_ID = "/v1/responses/{response_id}"
+# The stored response's id, for a client (and schemathesis' stateful phase)
+# going from POST to GET or DELETE.
+_LINKS = {
+    f"{verb.capitalize()}Response": {
+        "operationId": f"{verb}Response",
+        "parameters": {"response_id": "$response.body#/id"},
+    }
+    for verb in ("get", "delete")
+}
+
+
+class _MethodNotAllowed(BaseRoute):
+    """A 405 whose Allow names every method of a path served by several routes.
+
+    Starlette answers a wrong method with the first route that matched the
+    path, so it would name only that route's method.
+    """
+
+    def __init__(self, path: str, methods: set[str]) -> None:
+        self._path_regex = compile_path(path)[0]
+        self._allow = ", ".join(sorted(methods))
+        self._methods = methods
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if (
+            scope["type"] == "http"
+            and scope["method"] not in self._methods
+            and self._path_regex.match(scope["path"])
+        ):
+            return Match.FULL, {}
+        return Match.NONE, {}
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> Any:
+        raise NoMatchFound(name, path_params)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise HTTPException(405, headers={"Allow": self._allow})
+
+
 def add_responses_routes(
     app: FastAPI,
     serving: ResponsesServing,
@@ -60,18 +103,28 @@ def add_responses_routes(
         },
     }
 
-    @app.post("/v1/responses", response_model=None, responses={200: _CREATED, **errors})
+    app.router.routes.append(_MethodNotAllowed(_BY_ID, {"GET", "DELETE"}))
+
+    @app.post(
+        "/v1/responses",
+        operation_id="createResponse",
+        response_model=None,
+        responses={200: {**_CREATED, "links": _LINKS}, **errors},
+    )
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await serve_until_disconnect(raw_request, serving.create_response(request))
 
     @app.get(
-        "/v1/responses/{response_id}",
+        _BY_ID,
+        operation_id="getResponse",
         response_model=ResponseObject,
         responses={**lookup_errors, 404: _NOT_STORED},
     )
     async def get_response(response_id: str) -> Response:
         return await serving.get_response(response_id)
 
-    @app.delete("/v1/responses/{response_id}", responses={**lookup_errors, 404: _NOT_STORED})
+    @app.delete(
+        _BY_ID, operation_id="deleteResponse", responses={**lookup_errors, 404: _NOT_STORED}
+    )
     async def delete_response(response_id: str) -> DeletedResponse:
         return await serving.delete_response(response_id)
