@@ -8,7 +8,6 @@ the second turn answers in text after the tool's result).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import agents
 import httpx
@@ -28,24 +27,20 @@ CITY = {
 }
 
 
-@pytest.fixture
-def sent() -> list[dict]:
-    """The JSON bodies posted to /v1/responses, in order."""
-    return []
+def recording_client(stack, sent: list[dict]) -> openai.AsyncOpenAI:
+    """An async client that appends each JSON body it posts to /v1/responses to ``sent``.
 
+    Made inside the test, not by a fixture: its connections belong to the test's loop.
+    """
 
-@pytest.fixture
-async def async_client(stack, sent: list[dict]) -> AsyncIterator[openai.AsyncOpenAI]:
     async def record(request: httpx.Request) -> None:
         if request.method == "POST" and request.url.path.endswith("/v1/responses"):
             sent.append(json.loads(request.content))
 
     http_client = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120)
-    client = openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=stack.http_url + "/v1", api_key="unused", http_client=http_client
     )
-    yield client
-    await client.close()
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +49,10 @@ def client(stack) -> openai.OpenAI:
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
-async def test_agents_sdk_runs_a_function_tool_through_responses(
-    async_client: openai.AsyncOpenAI, sent: list[dict], streamed: bool
-) -> None:
+async def test_agents_sdk_runs_a_function_tool_through_responses(stack, streamed: bool) -> None:
     agents.set_tracing_disabled(True)
+    sent: list[dict] = []
+    async_client = recording_client(stack, sent)
     calls: list[str] = []
 
     @agents.function_tool
@@ -76,13 +71,14 @@ async def test_agents_sdk_runs_a_function_tool_through_responses(
         ),
     )
     question = "What is the weather in Paris?"
-    if streamed:
-        run = agents.Runner.run_streamed(agent, question, auto_previous_response_id=True)
-        kinds = [event.type async for event in run.stream_events()]
-        assert "raw_response_event" in kinds
-        result: agents.RunResult | agents.RunResultStreaming = run
-    else:
-        result = await agents.Runner.run(agent, question, auto_previous_response_id=True)
+    async with async_client:
+        if streamed:
+            run = agents.Runner.run_streamed(agent, question, auto_previous_response_id=True)
+            kinds = [event.type async for event in run.stream_events()]
+            assert "raw_response_event" in kinds
+            result: agents.RunResult | agents.RunResultStreaming = run
+        else:
+            result = await agents.Runner.run(agent, question, auto_previous_response_id=True)
     assert len(calls) == 1 and calls[0]  # the forced turn produced a call the SDK could run
     assert isinstance(result.final_output, str) and result.final_output.strip()
     first, second = sent[:2]
@@ -127,9 +123,11 @@ def test_responses_stream_adds_up_to_the_final_response(client: openai.OpenAI) -
         model=MODEL, input="Name three colours.", max_output_tokens=20, temperature=0
     ) as stream:
         events = list(stream)
-        final = stream.get_final_response()
     assert events[0].type == "response.created"
+    # The client's get_final_response() wants response.completed; an answer cut
+    # by max_output_tokens ends with response.incomplete, which carries it too.
     assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text and text == final.output_text
     # Greedy decoding: the same request unstreamed says the same.
@@ -163,9 +161,7 @@ def test_forced_function_call_streams_argument_deltas(client: openai.OpenAI) -> 
         stream=True,
     )
     events = list(stream)
-    deltas = "".join(
-        e.delta for e in events if e.type == "response.function_call_arguments.delta"
-    )
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     completed = events[-1]
     assert completed.type == "response.completed"
     (call,) = completed.response.output
