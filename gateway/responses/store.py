@@ -5,7 +5,7 @@ gateway's memory, bounded in count (the least recently used goes first) and
 in age (an entry expires ``ttl_s`` after it was stored), so a busy server's
 memory stays flat. A store shared by several gateway replicas (the kvstore, or
 Redis) implements the same three calls; the methods are coroutines so that
-such a store can do its I/O.
+such a store can do its I/O. ``KVStoreResponseStore`` (kvstore_store.py) is one.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class ResponseStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, response_id: str) -> bool:
         """Forget the entry; False when there was none."""
+
+    async def close(self) -> None:  # noqa: B027 (most stores hold nothing to close)
+        """Release connections; the store is not used afterwards."""
 
 
 @dataclass(frozen=True)

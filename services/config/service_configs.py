@@ -465,6 +465,11 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
     responses_ttl_s: float = opt(
         3600.0, "seconds a stored /v1/responses response is kept", minimum=1
     )
+    responses_kvstore_addr: str = opt(
+        "",
+        "host:port of a kvstore that keeps /v1/responses for every gateway replica, so any "
+        "of them continues a conversation (empty: this gateway's memory)",
+    )
     prefill_scheduler_addr: str = opt(
         "",
         "host:port of a prefill replica's scheduler: each prompt is prefilled there first and "
