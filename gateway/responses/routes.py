@@ -18,6 +18,10 @@ from gateway.responses.serving import ResponsesServing
 ServeUntilDisconnect = Callable[[Request, Awaitable[Response]], Awaitable[Response]]
 
 _NOT_STORED = {"model": ErrorResponse, "description": "No response with this id is stored"}
+_STORE_UNAVAILABLE = {
+    "model": ErrorResponse,
+    "description": "The response store (a kvstore) is not reachable",
+}
 
 # A streamed response: OpenAI's typed events, each an ``event:`` line and a ``data:`` line.
 _CREATED = {
@@ -118,13 +122,15 @@ def add_responses_routes(
         _BY_ID,
         operation_id="getResponse",
         response_model=ResponseObject,
-        responses={**lookup_errors, 404: _NOT_STORED},
+        responses={**lookup_errors, 404: _NOT_STORED, 503: _STORE_UNAVAILABLE},
     )
     async def get_response(response_id: str) -> Response:
         return await serving.get_response(response_id)
 
     @app.delete(
-        _BY_ID, operation_id="deleteResponse", responses={**lookup_errors, 404: _NOT_STORED}
+        _BY_ID,
+        operation_id="deleteResponse",
+        responses={**lookup_errors, 404: _NOT_STORED, 503: _STORE_UNAVAILABLE},
     )
     async def delete_response(response_id: str) -> DeletedResponse:
         return await serving.delete_response(response_id)
