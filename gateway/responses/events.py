@@ -25,6 +25,7 @@ from typing import Any
 
 from gateway.responses.output import item_status, message_item, new_item_id
 from gateway.responses.protocol import (
+    ItemStatus,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
@@ -127,11 +128,11 @@ class ResponseEventWriter:
             ),
         ]
 
-    def _close(self, status: str) -> list[str]:
+    def _close(self, status: ItemStatus) -> list[str]:
         item, self._open = self._open, None
         if item is None:
             return []
-        item.status = status  # type: ignore[assignment]
+        item.status = status
         where = {"item_id": item.id, "output_index": self._output_index}
         if isinstance(item, OutputMessage):
             part = item.content[0]
