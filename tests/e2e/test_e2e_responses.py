@@ -120,7 +120,7 @@ def test_responses_create_and_retrieve(client: openai.OpenAI) -> None:
 
 def test_responses_stream_adds_up_to_the_final_response(client: openai.OpenAI) -> None:
     with client.responses.stream(
-        model=MODEL, input="Name three colours.", max_output_tokens=20, temperature=0
+        model=MODEL, input="Name three colours.", max_output_tokens=12, temperature=0
     ) as stream:
         events = list(stream)
     assert events[0].type == "response.created"
@@ -132,7 +132,7 @@ def test_responses_stream_adds_up_to_the_final_response(client: openai.OpenAI) -
     assert text and text == final.output_text
     # Greedy decoding: the same request unstreamed says the same.
     whole = client.responses.create(
-        model=MODEL, input="Name three colours.", max_output_tokens=20, temperature=0
+        model=MODEL, input="Name three colours.", max_output_tokens=12, temperature=0
     )
     assert whole.output_text == text
 
