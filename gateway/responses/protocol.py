@@ -143,6 +143,10 @@ class TextConfig(_Request):
     )
 
 
+# OpenAI's bounds: 16 pairs, values up to 512 characters.
+Metadata = Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
 class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
@@ -170,9 +174,7 @@ class ResponsesRequest(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stream: bool = False
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | (
-        None
-    ) = None
+    metadata: Metadata | None = Field(default=None, description="Echoed in the response.")
     user: str | None = None
     truncation: Literal["disabled"] | None = Field(
         default=None, description="Only disabled: a prompt over the context length is a 400."
