@@ -221,8 +221,8 @@ def build_app(
     ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
     With ``tracing``, each /v1 call is a server span (gateway/tracing.py). ``models``:
     the LoRA adapters served besides ``served_model_name`` (none by default).
-    ``output_parsing``: the reasoning and tool-call parsers of chat completions
-    (none by default, and tool_choice "auto" refused).
+    ``output_parsing``: the reasoning and tool-call parsers of chat completions and
+    responses (none by default, and tool_choice "auto" refused).
     ``response_store``: where /v1/responses keeps responses (this process's memory
     with the config's bounds by default).
     """
@@ -270,6 +270,7 @@ def build_app(
         models,
         response_store or MemoryResponseStore(),
         tracing,
+        output_parsing,
     )
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}

@@ -5,8 +5,9 @@ input items, instructions and the stored history of ``previous_response_id``
 turn into chat messages, its function tools and ``text.format`` into chat's
 tools and response format. From there the chat path's own pieces do the work:
 the chat template, tool planning (forced calls as a JSON-schema constraint,
-Hermes parsing for "auto"), sampling-parameter validation and the engine
-fan-out. What is new here is the output side: output items and usage
-(output.py), the typed stream of ``response.*`` events (events.py), and the
-store that keeps responses for ``previous_response_id`` and GET (store.py).
+the ``--tool-call-parser`` format for "auto"), sampling-parameter validation,
+the engine fan-out and the output parser (thinking, content and calls). What
+is new here is the output side: output items and usage (output.py), the
+typed stream of ``response.*`` events (events.py), and the store that keeps
+responses for ``previous_response_id`` and GET (store.py).
 """

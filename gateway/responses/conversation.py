@@ -9,7 +9,16 @@ conversation of ``previous_response_id`` (its stored messages) comes first, and
 not stored with the history (OpenAI does not carry them over either).
 
 Function tools, ``tool_choice``, ``text.format``, ``max_output_tokens`` and the
-sampling fields map one to one onto chat's, so the chat path validates them.
+sampling fields map one to one onto chat's, so the chat path validates them,
+with one difference from chat: tools without a ``tool_choice`` on a server
+without ``--enable-auto-tool-choice`` are rendered but not parsed
+(``unparsed_tools``), as vLLM's Responses API answers in text there; an
+explicit "auto" is refused as on chat. That is the Agents SDK's turn after a
+forced call (it resets ``tool_choice`` by leaving it out). Reasoning items of
+earlier turns are accepted and left out, as chat templates leave earlier
+thinking out. ``reasoning.effort`` reaches the template as
+``reasoning_effort`` (vLLM's mapping), and "none" also as ``enable_thinking``
+false.
 A forced call (``required`` or a named function) drops ``text.format``: such a
 turn's output is a call, never text, so the format has nothing to apply to
 (the Agents SDK sends both when an agent has an output type and a forced tool).
@@ -69,6 +78,7 @@ def input_messages(request: ResponsesRequest) -> list[ChatMessageDict]:
             messages.append(
                 {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
             )
+        # A ReasoningItem: earlier thinking, which templates leave out of the prompt.
     return messages
 
 
@@ -77,6 +87,22 @@ def _tool_choice(request: ResponsesRequest) -> str | dict[str, Any] | None:
     if isinstance(choice, FunctionToolChoice):
         return {"type": "function", "function": {"name": choice.name}}
     return choice
+
+
+def unparsed_tools(request: ResponsesRequest, auto_tool_choice: bool) -> bool:
+    """Tools left to the default tool_choice on a server that parses no calls from text:
+    the tools (and earlier calls) are in the prompt, the answer is text."""
+    return request.tool_choice is None and bool(request.tools) and not auto_tool_choice
+
+
+def _template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is None:
+        return None
+    kwargs: dict[str, Any] = {"reasoning_effort": effort}
+    if effort == "none":
+        kwargs["enable_thinking"] = False
+    return kwargs
 
 
 def is_forced(request: ResponsesRequest) -> bool:
@@ -115,6 +141,7 @@ def chat_request(
         "parallel_tool_calls": request.parallel_tool_calls,
         "response_format": _response_format(request),
         "user": request.user,
+        "chat_template_kwargs": _template_kwargs(request),
     }
     if request.tools:
         body["tools"] = [

@@ -4,6 +4,10 @@ Each event is ``event: <type>`` plus its JSON with a ``sequence_number``
 counting from 0. The stream opens with ``response.created`` and
 ``response.in_progress``, then for each output item in order:
 
+- thinking (with ``--reasoning-parser``): ``response.output_item.added`` (a
+  reasoning item), ``response.content_part.added`` (a reasoning_text part),
+  ``response.reasoning_text.delta`` per piece, then ``response.reasoning_text.done``,
+  ``response.content_part.done``, ``response.output_item.done``;
 - text: ``response.output_item.added`` (a message), ``response.content_part.added``,
   ``response.output_text.delta`` per piece, then ``response.output_text.done``,
   ``response.content_part.done``, ``response.output_item.done``;
@@ -14,8 +18,8 @@ counting from 0. The stream opens with ``response.created`` and
 and closes with ``response.completed`` (or ``response.incomplete`` when
 ``max_output_tokens`` cut it short), whose response holds every item. A
 generation that fails midway sends an ``error`` event and ``response.failed``.
-``ResponseEventWriter`` takes the tool parser's events (content strings, call
-starts, argument fragments) and keeps the item bookkeeping.
+``ResponseEventWriter`` takes the output parser's events (thinking, content
+strings, call starts, argument fragments) and keeps the item bookkeeping.
 """
 
 from __future__ import annotations
@@ -23,16 +27,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.responses.output import item_status, message_item, new_item_id
+from gateway.output_parsing import OutputEvent
+from gateway.reasoning import ReasoningText
+from gateway.responses.output import item_status, message_item, new_item_id, reasoning_item
 from gateway.responses.protocol import (
     ItemStatus,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
+    OutputReasoningText,
     OutputText,
     ResponseObject,
 )
-from gateway.tool_call_stream import StreamEvent, ToolCallArguments, ToolCallStart
+from gateway.tool_calling.events import ToolCallArguments, ToolCallStart
+
+OpenItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class ResponseEventWriter:
@@ -41,7 +51,7 @@ class ResponseEventWriter:
     def __init__(self) -> None:
         self._sequence_number = 0
         self.output: list[OutputItem] = []
-        self._open: OutputMessage | OutputFunctionCall | None = None
+        self._open: OpenItem | None = None
 
     def event(self, event_type: str, **fields: Any) -> str:
         payload = {"type": event_type, "sequence_number": self._sequence_number, **fields}
@@ -60,10 +70,12 @@ class ResponseEventWriter:
             event_type, output_index=self._output_index, item=item.model_dump(mode="json")
         )
 
-    def feed(self, events: list[StreamEvent]) -> list[str]:
+    def feed(self, events: list[OutputEvent]) -> list[str]:
         sse: list[str] = []
         for event in events:
-            if isinstance(event, str):
+            if isinstance(event, ReasoningText):
+                sse += self._reasoning(event.text)
+            elif isinstance(event, str):
                 sse += self._text(event)
             elif isinstance(event, ToolCallStart):
                 sse += self._close("completed")
@@ -112,6 +124,39 @@ class ResponseEventWriter:
         )
         return sse
 
+    def _reasoning(self, text: str) -> list[str]:
+        if not text:
+            return []
+        sse: list[str] = []
+        if not isinstance(self._open, OutputReasoning):
+            sse += self._close("completed")
+            item = reasoning_item("", "in_progress")
+            self.output.append(item)
+            self._open = item
+            announced = OutputReasoning(id=item.id, status="in_progress", content=[])
+            sse += [
+                self._item_event("response.output_item.added", announced),
+                self.event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=self._output_index,
+                    content_index=0,
+                    part=OutputReasoningText(text="").model_dump(mode="json"),
+                ),
+            ]
+        assert isinstance(self._open, OutputReasoning)
+        self._open.content[0].text += text
+        sse.append(
+            self.event(
+                "response.reasoning_text.delta",
+                item_id=self._open.id,
+                output_index=self._output_index,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return sse
+
     def _open_message(self) -> list[str]:
         message = message_item("", "in_progress")
         self.output.append(message)
@@ -134,6 +179,20 @@ class ResponseEventWriter:
             return []
         item.status = status
         where = {"item_id": item.id, "output_index": self._output_index}
+        if isinstance(item, OutputReasoning):
+            thinking = item.content[0]
+            return [
+                self.event(
+                    "response.reasoning_text.done", **where, content_index=0, text=thinking.text
+                ),
+                self.event(
+                    "response.content_part.done",
+                    **where,
+                    content_index=0,
+                    part=thinking.model_dump(mode="json"),
+                ),
+                self._item_event("response.output_item.done", item),
+            ]
         if isinstance(item, OutputMessage):
             part = item.content[0]
             return [

@@ -1,8 +1,9 @@
 """The response object: the request's settings echoed, output items, status and usage.
 
-A generation's text becomes output items through the chat path's tool
-parsing: content is one assistant ``message`` item, each call a
-``function_call`` item whose ``call_id`` the client sends back with the
+A generation's text becomes output items through the chat path's output
+parsing (gateway/output_parsing.py): the thinking (with ``--reasoning-parser``)
+is a ``reasoning`` item first, content is one assistant ``message`` item, each
+call a ``function_call`` item whose ``call_id`` the client sends back with the
 call's output. A generation cut short by ``max_output_tokens`` leaves the
 response (and its last item) "incomplete", as OpenAI reports it.
 """
@@ -21,8 +22,11 @@ from gateway.responses.protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
+    OutputReasoningText,
     OutputText,
     OutputTokensDetails,
+    ReasoningConfigOut,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -31,7 +35,7 @@ from gateway.responses.protocol import (
     TextConfigOut,
     TextFormatOut,
 )
-from gateway.tool_call_stream import ParsedOutput
+from gateway.tool_calling.events import ParsedOutput
 
 
 def new_item_id(prefix: str) -> str:
@@ -48,11 +52,22 @@ def message_item(text: str, status: ItemStatus, item_id: str | None = None) -> O
     )
 
 
+def reasoning_item(text: str, status: ItemStatus) -> OutputReasoning:
+    return OutputReasoning(
+        id=new_item_id("rs"), status=status, content=[OutputReasoningText(text=text)]
+    )
+
+
 def output_items(parsed: ParsedOutput, finish_reason: str | None) -> list[OutputItem]:
-    """A finished generation's items: its text (if any, or if there is nothing else), then calls."""
+    """A finished generation's items: its thinking (if any), its text (if any, or if there is
+    nothing else), then calls."""
     status = item_status(finish_reason)
     items: list[OutputItem] = []
-    if parsed.content or not parsed.tool_calls:
+    if parsed.reasoning:
+        # Cut short while thinking: the reasoning item is the one left incomplete.
+        cut_in_thinking = parsed.content is None and not parsed.tool_calls
+        items.append(reasoning_item(parsed.reasoning, status if cut_in_thinking else "completed"))
+    if parsed.content or not (parsed.tool_calls or parsed.reasoning):
         items.append(message_item(parsed.content or "", status))
     items += [
         OutputFunctionCall(
@@ -123,6 +138,11 @@ def response_object(
         temperature=request.temperature,
         top_p=request.top_p,
         text=_text_config(request),
+        reasoning=(
+            None
+            if request.reasoning is None
+            else ReasoningConfigOut.model_validate(request.reasoning.model_dump())
+        ),
         tool_choice=_tool_choice(request),  # type: ignore[arg-type]
         tools=[
             FunctionToolOut.model_validate(tool.model_dump(exclude_none=True))

@@ -81,15 +81,37 @@ def _item_type(item: Any) -> str:
     return getattr(item, "type", None) or "message"
 
 
+class ReasoningTextPart(_Request):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Request):
+    """An earlier response's reasoning item, sent back with the history.
+
+    Accepted so that clients can send a response's output back as input (as
+    OpenAI's guide and vLLM's examples do); chat templates leave the thinking
+    of earlier turns out of the prompt, so it is not rendered.
+    """
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(
         _item_type,
         custom_error_type="input_item_type",
-        custom_error_message="an input item is a message, a function_call or a "
-        "function_call_output (text only)",
+        custom_error_message="an input item is a message, a function_call, a "
+        "function_call_output or a reasoning item (text only)",
     ),
 ]
 
@@ -143,6 +165,23 @@ class TextConfig(_Request):
     )
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ReasoningConfig(_Request):
+    """How much the model should think (reasoning models only).
+
+    As in vLLM, ``effort`` reaches the chat template as ``reasoning_effort``
+    (gpt-oss style templates read it); "none" also sets ``enable_thinking``
+    false, which Qwen3-style templates read to skip the thinking.
+    """
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, description="Accepted and echoed; the thinking comes back whole."
+    )
+
+
 # OpenAI's bounds: 16 pairs, values up to 512 characters.
 Metadata = Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 
@@ -168,6 +207,7 @@ class ResponsesRequest(_Request):
     )
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     max_output_tokens: OutputLength | None = Field(
         default=None, description="With the prompt, at most the model's context length."
     )
@@ -211,7 +251,24 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The thinking (with ``--reasoning-parser``): its text as content, no summary."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: ItemStatus
+
+
+OutputItem = Annotated[
+    OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")
+]
 
 
 class InputTokensDetails(BaseModel):
@@ -270,6 +327,11 @@ class TextConfigOut(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningConfigOut(BaseModel):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponseObject(BaseModel):
     """OpenAI's response object: the request's settings, its output items and usage."""
 
@@ -288,6 +350,7 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfigOut
+    reasoning: ReasoningConfigOut | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoiceOut
     tools: list[FunctionToolOut]
     truncation: Literal["disabled"] = "disabled"

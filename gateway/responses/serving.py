@@ -2,9 +2,11 @@
 
 The request becomes a chat completion request (conversation.py) that goes
 through the chat path's own steps: tool planning, the chat template, prompt and
-sampling validation, the engine fan-out. Its refusals name chat's fields, so
-they are renamed to the Responses fields the client sent (``messages`` ->
-``input``, ``max_completion_tokens`` -> ``max_output_tokens``, ...).
+sampling validation, the engine fan-out, and the server's output parsing
+(gateway/output_parsing.py: ``--reasoning-parser``, ``--tool-call-parser``).
+Its refusals name chat's fields, so they are renamed to the Responses fields
+the client sent (``messages`` -> ``input``, ``max_completion_tokens`` ->
+``max_output_tokens``, ...).
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from gateway.engine_client import EngineClient
 from gateway.generation_stream import MultiGeneration
 from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
-from gateway.responses.conversation import ChatMessageDict, chat_request, input_messages
+from gateway.output_parsing import OutputParser, OutputParsing
+from gateway.responses.conversation import (
+    ChatMessageDict,
+    chat_request,
+    input_messages,
+    unparsed_tools,
+)
 from gateway.responses.events import ResponseEventWriter
 from gateway.responses.output import (
     assistant_message,
@@ -42,7 +50,6 @@ from gateway.responses.protocol import (
     ResponseUsage,
 )
 from gateway.responses.store import ResponseStore, StoredResponse
-from gateway.responses.tool_parsing import parse_output, streaming_parser
 from gateway.served_models import ServedModels
 from gateway.serving_common import (
     Serving,
@@ -51,8 +58,9 @@ from gateway.serving_common import (
     failure_error,
     start_generation,
 )
+from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calling import ToolPlan, plan_tools
+from gateway.tool_calling.plan import ToolPlan, plan_tools
 from gateway.validation import Prompt, chat_prompt
 from services.errors import InvalidRequestError, NotFoundError
 from services.tracing import Tracing
@@ -104,9 +112,11 @@ class ResponsesServing(Serving):
         models: ServedModels,
         store: ResponseStore,
         tracing: Tracing | None = None,
+        output_parsing: OutputParsing | None = None,
     ) -> None:
         super().__init__(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
         self._store = store
+        self._parsing = output_parsing or OutputParsing()
 
     async def create_response(self, request: ResponsesRequest) -> Response:
         lora_request = self._models.resolve(request.model)
@@ -114,9 +124,18 @@ class ResponsesServing(Serving):
         response_id = f"resp_{uuid.uuid4().hex}"
         with _as_responses_fields():
             chat = chat_request(request, history)
-            plan = plan_tools(chat)
+            unparsed = unparsed_tools(request, self._parsing.auto_tool_choice)
+            plan = plan_tools(chat, self._parsing.auto_tool_choice or unparsed)
+            parsed_plan = ToolPlan("none") if unparsed else plan
+            if self._parsing.keeps_special_tokens(parsed_plan):
+                # The format's markers are special tokens, which detokenizing would drop.
+                chat = chat.model_copy(update={"skip_special_tokens": False})
             prompt = await self._tokenize(
                 chat_prompt, chat, self._tokenizer, plan.tools if plan.renders_tools else None
+            )
+            parser = self._parsing.parser(parsed_plan, prompt.text, chat.chat_template_kwargs)
+            constraint = self._parsing.after_reasoning(
+                plan.constraint() or structured_output_spec(chat), parser, self._tokenizer
             )
             engine_requests = build_engine_requests(
                 response_id,
@@ -124,7 +143,7 @@ class ResponsesServing(Serving):
                 chat,
                 self._engine.model_info,
                 self._tokenizer,
-                structured_output=plan.constraint(),
+                structured_output=constraint,
                 lora_request=lora_request,
             )
         logger.info(
@@ -140,10 +159,10 @@ class ResponsesServing(Serving):
         turn = _Turn(request, response_id, request.model or self._model_name, history, prompt)
         if request.stream:
             return StreamingResponse(
-                self._stream(turn, generation, plan), media_type="text/event-stream"
+                self._stream(turn, generation, parser), media_type="text/event-stream"
             )
         try:
-            return await self._respond(turn, generation, plan)
+            return await self._respond(turn, generation, parser)
         finally:
             await generation.close()
 
@@ -166,9 +185,11 @@ class ResponsesServing(Serving):
             raise _not_found(previous_response_id, "previous_response_id")
         return entry.messages
 
-    async def _respond(self, turn: _Turn, generation: MultiGeneration, plan: ToolPlan) -> Response:
+    async def _respond(
+        self, turn: _Turn, generation: MultiGeneration, parser: OutputParser
+    ) -> Response:
         (result,) = await collect_choices(generation, 1)
-        output = output_items(parse_output(plan, result.text), result.finish_reason)
+        output = output_items(parser.parse(result.text), result.finish_reason)
         response = turn.response(
             _status(result.finish_reason),
             output,
@@ -180,10 +201,9 @@ class ResponsesServing(Serving):
         return JSONResponse(response.model_dump(mode="json", by_alias=True))
 
     async def _stream(
-        self, turn: _Turn, generation: MultiGeneration, plan: ToolPlan
+        self, turn: _Turn, generation: MultiGeneration, parser: OutputParser
     ) -> AsyncIterator[str]:
         writer = ResponseEventWriter()
-        parser = streaming_parser(plan)
         try:
             yield writer.response_event("response.created", turn.response("in_progress", []))
             yield writer.response_event("response.in_progress", turn.response("in_progress", []))
