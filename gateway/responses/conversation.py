@@ -37,6 +37,7 @@ from gateway.responses.protocol import (
     MessageItem,
     ResponsesRequest,
 )
+from services.errors import InvalidRequestError
 
 # A chat message as the chat request (and the store) hold it.
 ChatMessageDict = dict[str, Any]
@@ -131,6 +132,11 @@ def chat_request(
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
     messages += history + input_messages(request)
+    if not messages:
+        raise InvalidRequestError(
+            "input has no message or function call items (reasoning items alone are left out)",
+            param="input",
+        )
     body: dict[str, Any] = {
         "messages": messages,
         "model": request.model,

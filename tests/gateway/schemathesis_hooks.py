@@ -88,13 +88,22 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
 
 
 def _responses_rules_hold(body: dict[str, Any]) -> bool:
-    """/v1/responses: tool_choice other than none or auto needs tools and names one of them
-    (a forced call overrides text.format, so the two do not clash), and the prompt fits."""
+    """/v1/responses: tool_choice other than none needs tools and a named one is one of them
+    (a forced call overrides text.format, so the two do not clash); the input holds more
+    than reasoning items; and the prompt fits. ``store`` false is left out: such a
+    response is not kept, which the OpenAPI link from POST to GET / DELETE cannot say."""
+    if body.get("store") is False:
+        return False
     choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
+    if choice not in (None, "none"):
         names = [tool["name"] for tool in body.get("tools") or []]
         if not names or (isinstance(choice, dict) and choice["name"] not in names):
             return False
+    items = body.get("input")
+    if isinstance(items, list) and all(
+        isinstance(item, dict) and item.get("type") == "reasoning" for item in items
+    ):
+        return False
     try:
         request = chat_request(ResponsesRequest.model_validate(body), [])
     except pydantic.ValidationError:

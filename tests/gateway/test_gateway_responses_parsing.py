@@ -412,3 +412,16 @@ async def test_reasoning_items_sent_back_as_input_are_accepted(
     assert second.status == "completed"
     prompt = qwen3_tokenizer.decode(qwen3_engine.requests[-1].prompt_token_ids)
     assert prompt.index("It is 4.") < prompt.index("And 3 + 3?")
+
+
+async def test_reasoning_items_alone_are_a_400_naming_input(
+    openai_client_default: openai.AsyncOpenAI,
+) -> None:
+    reasoning = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hmm"}],
+    }
+    with pytest.raises(openai.BadRequestError) as raised:
+        await openai_client_default.responses.create(model=MODEL_NAME, input=[reasoning])
+    assert raised.value.body["param"] == "input"  # type: ignore[index]
