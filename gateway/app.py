@@ -47,6 +47,9 @@ from gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from gateway.responses.routes import add_responses_routes
+from gateway.responses.serving import ResponsesServing
+from gateway.responses.store import MemoryResponseStore, ResponseStore
 from gateway.served_models import ServedModels
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
@@ -209,6 +212,7 @@ def build_app(
     tracing: Tracing | None = None,
     models: ServedModels | None = None,
     output_parsing: OutputParsing | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The HTTP app; with ``api_key``, /v1 and tokenizer routes require it as a bearer token.
 
@@ -217,8 +221,10 @@ def build_app(
     ``serve_metrics``: False when /metrics lives on a port of its own (or nowhere).
     With ``tracing``, each /v1 call is a server span (gateway/tracing.py). ``models``:
     the LoRA adapters served besides ``served_model_name`` (none by default).
-    ``output_parsing``: the reasoning and tool-call parsers of chat completions
-    (none by default, and tool_choice "auto" refused).
+    ``output_parsing``: the reasoning and tool-call parsers of chat completions and
+    responses (none by default, and tool_choice "auto" refused).
+    ``response_store``: where /v1/responses keeps responses (this process's memory
+    with the config's bounds by default).
     """
     limits = limits or GatewayLimits()
     models = models or ServedModels(served_model_name)
@@ -255,6 +261,17 @@ def build_app(
     chat = ChatServing(
         engine, tokenizer, served_model_name, metrics, limits, models, tracing, output_parsing
     )
+    responses = ResponsesServing(
+        engine,
+        tokenizer,
+        served_model_name,
+        metrics,
+        limits,
+        models,
+        response_store or MemoryResponseStore(),
+        tracing,
+        output_parsing,
+    )
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 
@@ -275,6 +292,10 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await _serve_until_disconnect(raw_request, chat.create_chat_completion(request))
+
+    add_responses_routes(
+        app, responses, generation_errors, _only_auth(errors), _serve_until_disconnect
+    )
 
     @app.get("/v1/models", responses=_only_auth(errors))
     async def list_models() -> ModelList:

@@ -18,6 +18,7 @@ not fit stays content (never an error).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from gateway.tool_calling.forced import NamedCallStream, RequiredCallsStream
 from gateway.tool_calling.plan import ToolPlan
 from gateway.tool_calling.registry import TOOL_PARSERS, ToolParserSpec, detect_tool_parser
 from services.config import GatewayConfig
+from services.sampling_params import StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 OutputEvent = ReasoningText | StreamEvent
@@ -138,6 +140,16 @@ class OutputParsing:
         elif plan.mode == "auto" and self.tool_parser is not None:
             tools = self.tool_parser.stream(plan.functions, make_id)
         return OutputParser(reasoning, tools)
+
+    def after_reasoning(
+        self, spec: StructuredOutputSpec | None, parser: OutputParser, tokenizer: Tokenizer
+    ) -> StructuredOutputSpec | None:
+        """The constraint, applied only after the thinking when the generation starts in it
+        (vLLM's order: reason freely, then answer in the required shape)."""
+        if spec is None or self.reasoning is None or not parser.starts_in_reasoning:
+            return spec
+        end = tuple(tokenizer.encode(self.reasoning.end_tag, add_special_tokens=False))
+        return dataclasses.replace(spec, reasoning_end_token_ids=end)
 
     def keeps_special_tokens(self, plan: ToolPlan) -> bool:
         """Whether the text must keep special tokens for the parsers to see their markers."""

@@ -16,11 +16,14 @@ from gateway.grpc_client import GrpcEngineClient
 from gateway.grpc_public import GenerationServicer
 from gateway.limits import GatewayLimits
 from gateway.output_parsing import resolve_output_parsing
+from gateway.responses.kvstore_store import KVStoreResponseStore
+from gateway.responses.store import MemoryResponseStore, ResponseStore, ResponseStoreConfig
 from gateway.routed_engine_client import RoutedEngineClient
 from gateway.routing.discovery import make_discovery
 from gateway.served_models import ServedModels, read_lora_request
 from gateway.tokenizer import Tokenizer
 from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
+from kvstore.client import KVStoreClient
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import GatewayConfig
 from services.grpc_security import InternalSecurity, PublicTLS
@@ -47,6 +50,16 @@ def served_models(config: GatewayConfig, served_name: str) -> ServedModels:
     for name, path in config.lora_module_paths.items():
         models.add(read_lora_request(name, path))
     return models
+
+
+def _response_store(config: GatewayConfig, security: InternalSecurity) -> ResponseStore:
+    """Where /v1/responses are kept: the kvstore shared by the replicas, or this process."""
+    store_config = ResponseStoreConfig.from_config(config)
+    if config.responses_kvstore_addr:
+        logger.info("responses kept in the kvstore at %s", config.responses_kvstore_addr)
+        client = KVStoreClient(config.responses_kvstore_addr, security=security)
+        return KVStoreResponseStore(client, store_config)
+    return MemoryResponseStore(store_config)
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
@@ -142,12 +155,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     metrics_on_http = config.expose_metrics and not config.gateway_metrics_port
     if config.gateway_metrics_port:
         start_metrics_server(config, config.gateway_metrics_port)
+    response_store = _response_store(config, security)
     app = build_app(
         *surface,
         **surface_options,
         serve_metrics=metrics_on_http,
         models=served_models(config, served_name),
         output_parsing=output_parsing,
+        response_store=response_store,
     )
     http = _EmbeddedUvicorn(
         uvicorn.Config(
@@ -170,5 +185,6 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     await http_task
     await grpc_service.stop(grace=2.0)
     await engine.close()
+    await response_store.close()
     if tracing is not None:
         tracing.shutdown()

@@ -11,7 +11,6 @@ call's id and name first, then its argument fragments.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -59,7 +58,6 @@ from gateway.validation import (
     truncate_prompts,
 )
 from services.errors import InvalidRequestError, UnavailableError
-from services.sampling_params import StructuredOutputSpec
 from services.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -88,17 +86,6 @@ class ChatServing(Serving):
             for _ in range(request.n)
         ]
 
-    def _after_reasoning(
-        self, spec: StructuredOutputSpec | None, parsers: list[OutputParser]
-    ) -> StructuredOutputSpec | None:
-        """The constraint, applied only after the thinking when the generation starts in it
-        (vLLM's order: reason freely, then answer in the required shape)."""
-        reasoning = self._parsing.reasoning
-        if spec is None or reasoning is None or not parsers[0].starts_in_reasoning:
-            return spec
-        end = tuple(self._tokenizer.encode(reasoning.end_tag, add_special_tokens=False))
-        return dataclasses.replace(spec, reasoning_end_token_ids=end)
-
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         lora_request = self._models.resolve(request.model)
         check_unsupported(request)
@@ -119,7 +106,9 @@ class ChatServing(Serving):
                 param="tool_choice",
             )
         parsers = self._parsers(request, plan, prompt)
-        constraint = self._after_reasoning(constraint or structured_output_spec(request), parsers)
+        constraint = self._parsing.after_reasoning(
+            constraint or structured_output_spec(request), parsers[0], self._tokenizer
+        )
         engine_requests = build_engine_requests(
             request_id,
             [prompt],

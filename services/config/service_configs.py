@@ -458,6 +458,20 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
     max_prompts_per_request: int = opt(
         128, "most prompts in one /v1/completions or Generate call", minimum=1
     )
+    responses_max_stored: int = opt(
+        4096,
+        "/v1/responses kept (store true) for GET and previous_response_id, in this gateway's "
+        "memory; past it the least recently used goes",
+        minimum=1,
+    )
+    responses_ttl_s: float = opt(
+        3600.0, "seconds a stored /v1/responses response is kept", minimum=1
+    )
+    responses_kvstore_addr: str = opt(
+        "",
+        "host:port of a kvstore that keeps /v1/responses for every gateway replica, so any "
+        "of them continues a conversation (empty: this gateway's memory)",
+    )
     prefill_scheduler_addr: str = opt(
         "",
         "host:port of a prefill replica's scheduler: each prompt is prefilled there first and "

@@ -231,3 +231,33 @@ def test_a_llama3_json_pair_of_calls_is_parsed_whole_and_streamed(llama3_stack: 
     assert len({c.id for c in whole.message.tool_calls}) == 2
     content, calls, finish = _streamed_calls(client.chat.completions.create(stream=True, **kwargs))
     assert finish == "tool_calls" and content == "" and calls == parsed
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(
+    qwen3_stack: tuple[LocalStack, Path],
+) -> None:
+    """/v1/responses reads the output with the same parser: the greedy thinking chat returns
+    as reasoning_content is the response's reasoning item, whole and streamed."""
+    stack, _ = qwen3_stack
+    client = _client(stack)
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
+    message = chat.choices[0].message
+    reasoning = message.reasoning_content  # type: ignore[attr-defined]
+    kwargs = {"model": MODEL, "input": ASK[0]["content"], "max_output_tokens": 12, "temperature": 0}
+    whole = client.responses.create(**kwargs)  # type: ignore[arg-type]
+    with client.responses.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+    streamed = events[-1].response  # type: ignore[union-attr]
+    for response in (whole, streamed):
+        thinking = [
+            "".join(part.text for part in item.content or [])
+            for item in response.output
+            if item.type == "reasoning"
+        ]
+        assert thinking == ([reasoning] if reasoning else [])
+        assert response.output_text == (message.content or "")
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]  # type: ignore[union-attr]
+    assert "".join(deltas) == (reasoning or "")
+    # reasoning.effort "none" reaches the template as enable_thinking false: no thinking.
+    off = client.responses.create(**kwargs, reasoning={"effort": "none"})  # type: ignore[arg-type]
+    assert [item.type for item in off.output] == ["message"]

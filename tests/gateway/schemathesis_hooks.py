@@ -17,6 +17,8 @@ import pydantic
 import schemathesis
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses.conversation import chat_request
+from gateway.responses.protocol import ResponsesRequest
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calling.plan import plan_tools
 from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
@@ -85,6 +87,34 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
     )
 
 
+def _responses_rules_hold(body: dict[str, Any]) -> bool:
+    """/v1/responses: tool_choice other than none needs tools and a named one is one of them
+    (a forced call overrides text.format, so the two do not clash); the input holds more
+    than reasoning items; and the prompt fits. ``store`` false is left out: such a
+    response is not kept, which the OpenAPI link from POST to GET / DELETE cannot say."""
+    if body.get("store") is False:
+        return False
+    choice = body.get("tool_choice")
+    if choice not in (None, "none"):
+        names = [tool["name"] for tool in body.get("tools") or []]
+        if not names or (isinstance(choice, dict) and choice["name"] not in names):
+            return False
+    items = body.get("input")
+    if isinstance(items, list) and all(
+        isinstance(item, dict) and item.get("type") == "reasoning" for item in items
+    ):
+        return False
+    try:
+        request = chat_request(ResponsesRequest.model_validate(body), [])
+    except pydantic.ValidationError:
+        return True  # refused for a reason of its own, which the run must see
+    lengths = _prompt_lengths(request.model_dump(by_alias=True, exclude_none=True), chat=True)
+    if not lengths:
+        return lengths is None
+    room = MAX_MODEL_LEN - lengths[0]
+    return lengths[0] < MAX_MODEL_LEN and (body.get("max_output_tokens") or room) <= room
+
+
 def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
     """Tokens of each prompt as the gateway counts them (None: not a valid body)."""
     if chat:
@@ -132,6 +162,8 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     """Applied to every phase's cases (filter_body would miss the coverage phase)."""
     body = case.body
     path = case.operation.path
+    if isinstance(body, dict) and path == "/v1/responses":
+        return _responses_rules_hold(body)
     if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions"):
         return True
     chat = path == "/v1/chat/completions"

@@ -82,7 +82,8 @@ def test_schemathesis_checks_all_pass_and_valid_requests_reach_the_engine(
     # Schema-valid generations were accepted and generated (not refused before the engine).
     completions = [r for r in engine.requests if r.request_id.startswith("cmpl-")]
     chats = [r for r in engine.requests if r.request_id.startswith("chatcmpl-")]
-    assert len(completions) >= 20 and len(chats) >= 20
+    responses = [r for r in engine.requests if r.request_id.startswith("resp_")]
+    assert len(completions) >= 20 and len(chats) >= 20 and len(responses) >= 20
 
 
 def _schema(served: str) -> dict:
@@ -141,3 +142,18 @@ def test_decimal_below_matches_exactly_the_integers_under_the_limit(limit: int) 
     for number in numbers:
         assert bool(pattern.match(str(number))) == (number < limit), number
     assert not pattern.match("01") and not pattern.match("") and not pattern.match("-1")
+
+
+def test_schema_covers_the_responses_api(served: str) -> None:
+    schema = _schema(served)
+    assert set(schema["paths"]["/v1/responses"]) == {"post"}
+    assert set(schema["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    create = schema["paths"]["/v1/responses"]["post"]
+    created = create["responses"]["200"]
+    assert set(created["content"]) == {"application/json", "text/event-stream"}
+    assert set(created["links"]) == {"GetResponse", "DeleteResponse"}
+    request = schema["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert request["max_output_tokens"]["anyOf"][0]["maximum"] == MAX_MODEL_LEN - 1
+    wrong = httpx.request("PUT", f"{served}/v1/responses/resp_x")
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "DELETE, GET"
