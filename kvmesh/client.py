@@ -26,6 +26,7 @@ import grpc
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.sampling_params import SamplingParams
 from protos import generation_pb2, generation_pb2_grpc
+from services.grpc_server import public_aio_channel, public_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -101,11 +102,7 @@ class Client:
         timeout: float | None = None,
     ) -> None:
         credentials = _credentials(root_certificates)
-        self._channel = (
-            grpc.secure_channel(target, credentials)
-            if credentials is not None
-            else grpc.insecure_channel(target)
-        )
+        self._channel = public_channel(target, credentials)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout = timeout
@@ -213,11 +210,7 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> None:
         credentials = _credentials(root_certificates)
-        self._channel = (
-            grpc.aio.secure_channel(target, credentials)
-            if credentials is not None
-            else grpc.aio.insecure_channel(target)
-        )
+        self._channel = public_aio_channel(target, credentials)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout = timeout

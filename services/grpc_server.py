@@ -206,6 +206,24 @@ def probe_channel(
     return grpc.secure_channel(address, credentials, options=options)
 
 
+def public_channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    """A blocking channel to a gateway's public gRPC API, as an outside client
+    (``kvmesh.Client``) dials it: TLS with ``credentials``, plaintext without;
+    the API key travels as call metadata, not as a channel interceptor."""
+    if credentials is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
+def public_aio_channel(
+    target: str, credentials: grpc.ChannelCredentials | None
+) -> grpc.aio.Channel:
+    """``public_channel`` for asyncio clients (``kvmesh.AsyncClient``)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
 async def wait_until_serving(
     address: str, timeout: float, security: InternalSecurity, service: str = ""
 ) -> None:
