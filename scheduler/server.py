@@ -18,10 +18,10 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.request_tracing import SchedulerRequestTraces
 from scheduler.service import SchedulerEngine, SchedulerServicer
 from scheduler.worker_client import WorkerClient
-from services.math_utils import cdiv
 from services.config import SchedulerServiceConfig
 from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
+from services.math_utils import cdiv
 from services.metrics import start_metrics_server
 from services.step_deadline import StepDeadline, StepDeadlinePolicy
 from services.tracing import start_tracing
