@@ -154,6 +154,13 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if config.pooling != (request.sampling_params.pooling is not None):
+            raise ValueError(
+                "this server runs a pooling model (embeddings, score, rerank, classify) and "
+                "generates no text"
+                if config.pooling
+                else "this server runs a generation model; pooling requests need a pooling model"
+            )
         # The one length check: SchedulerConfig makes the KV pool hold at least
         # max_model_len tokens, so a prompt within it always fits the pool alone.
         # (A continuation counts the output it resumes with.)

@@ -83,9 +83,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         # because the core's config asks for one that holds max_model_len.
         max_model_len = min(max_model_len, token_budget)
         num_kv_blocks = cdiv(max_model_len, info.block_size)
-        logger.info(
-            "pooling runner: whole inputs of up to %d tokens, no KV blocks", max_model_len
-        )
+        logger.info("pooling runner: whole inputs of up to %d tokens, no KV blocks", max_model_len)
     core_config = SchedulerConfig(
         max_num_batched_tokens=token_budget,
         max_num_seqs=config.max_num_seqs,
@@ -100,6 +98,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         enable_kv_connector=config.kv_offload,
         speculative=speculative,
         max_loras=info.max_loras,
+        pooling=pooling,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None

@@ -25,7 +25,10 @@ def _pooled(step: SchedulerOutput, errors: dict[str, str] | None = None) -> Mode
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_whole_prompts_packed_under_the_budget_without_blocks(async_scheduling: bool) -> None:
     scheduler = make_scheduler(
-        max_num_batched_tokens=64, max_model_len=64, async_scheduling=async_scheduling
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+        pooling=True,
     )
     requests = [make_request(n, pooling=PoolingParams()) for n in (30, 20, 40, 10)]
     for r in requests:
@@ -51,7 +54,7 @@ def test_whole_prompts_packed_under_the_budget_without_blocks(async_scheduling: 
 
 
 def test_worker_failure_fails_the_request_alone() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64)
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64, pooling=True)
     a, b = make_request(5, pooling=PoolingParams()), make_request(6, pooling=PoolingParams())
     scheduler.add_request(a)
     scheduler.add_request(b)
@@ -64,6 +67,15 @@ def test_worker_failure_fails_the_request_alone() -> None:
 
 
 def test_pooling_prompt_over_max_model_len_is_refused() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64)
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64, pooling=True)
     with pytest.raises(ValueError, match="max_model_len"):
         scheduler.add_request(make_request(65, pooling=PoolingParams()))
+
+
+def test_a_runner_takes_only_its_kind_of_request() -> None:
+    pooling = make_scheduler(max_num_batched_tokens=64, max_model_len=64, pooling=True)
+    with pytest.raises(ValueError, match="pooling model"):
+        pooling.add_request(make_request(5))
+    generating = make_scheduler()
+    with pytest.raises(ValueError, match="generation model"):
+        generating.add_request(make_request(5, pooling=PoolingParams()))
