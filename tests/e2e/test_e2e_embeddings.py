@@ -109,3 +109,26 @@ def test_rerank_and_score_equal_the_cross_encoder(reranker) -> None:
     assert [d["num_classes"] for d in classify["data"]] == [1, 1, 1]
     refused = httpx.post(stack.http_url + "/v1/embeddings", json={"input": "x"}, timeout=60)
     assert refused.status_code == 400
+
+
+def test_grpc_embed_equals_http(embedder) -> None:
+    import grpc
+
+    from protos import generation_pb2, generation_pb2_grpc
+
+    stack, folder = embedder
+    http = httpx.post(
+        f"{stack.http_url}/v1/embeddings",
+        json={"input": TEXTS, "encoding_format": "float"},
+        timeout=60,
+    ).json()
+    with grpc.insecure_channel(stack.grpc_addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        out = stub.Embed(generation_pb2.EmbedRequest(texts=TEXTS), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Embed(generation_pb2.EmbedRequest(texts=TEXTS, dimensions=4), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Matryoshka" in refused.value.details()
+    for got, expected in zip(out.embeddings, http["data"], strict=True):
+        np.testing.assert_allclose(list(got.values), expected["embedding"], atol=1e-6)
+    assert out.usage.prompt_tokens == http["usage"]["prompt_tokens"]
