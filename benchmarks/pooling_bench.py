@@ -115,17 +115,19 @@ def main() -> None:
         theirs = run_sentence_transformers(st, prompts, args.batch_size)
         st_s = time.perf_counter() - start
     cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    threads = torch.get_num_threads()
+    print(f"{args.inputs} inputs, {tokens} tokens (16-512 log-uniform), threads {threads}")
     print(
-        f"{args.inputs} inputs, {tokens} tokens (16-512 log-uniform), threads {torch.get_num_threads()}"
+        f"kvmesh pooling runner (packed, {args.step_tokens}-token steps): "
+        f"{args.inputs / kvmesh_s:.2f} inputs/s ({kvmesh_s:.1f} s)"
     )
     print(
-        f"kvmesh pooling runner (packed, {args.step_tokens}-token steps): {args.inputs / kvmesh_s:.2f} inputs/s ({kvmesh_s:.1f} s)"
+        f"sentence-transformers (padded, batch {args.batch_size}): "
+        f"{args.inputs / st_s:.2f} inputs/s ({st_s:.1f} s)"
     )
     print(
-        f"sentence-transformers (padded, batch {args.batch_size}): {args.inputs / st_s:.2f} inputs/s ({st_s:.1f} s)"
-    )
-    print(
-        f"ratio kvmesh / sentence-transformers: {st_s / kvmesh_s:.2f}x; min cosine {cosine.min():.6f}"
+        f"ratio kvmesh / sentence-transformers: {st_s / kvmesh_s:.2f}x; "
+        f"min cosine {cosine.min():.6f}"
     )
 
 
