@@ -116,7 +116,7 @@ def test_grpc_embed_equals_http(embedder) -> None:
 
     from protos import generation_pb2, generation_pb2_grpc
 
-    stack, folder = embedder
+    stack, _ = embedder
     http = httpx.post(
         f"{stack.http_url}/v1/embeddings",
         json={"input": TEXTS, "encoding_format": "float"},
