@@ -193,6 +193,7 @@ class DetokenizerEngine:
                 logprobs=out.logprobs,
                 error=out.error,
                 prompt_logprobs=out.prompt_logprobs,
+                pooled_data=out.pooled_data,
             )
             if out.HasField("stop_token_id"):
                 msg.stop_token_id = out.stop_token_id

@@ -24,7 +24,13 @@ from services.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+# The pooling APIs (gateway/pooling_routes.py) queue engine requests too.
+POOLING_PATHS = frozenset(
+    {"/v1/embeddings", "/pooling", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
+)
+GENERATION_PATHS = (
+    frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"}) | POOLING_PATHS
+)
 
 
 class AdmissionGate:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission import AdmissionGate, AdmissionMiddleware
+from gateway.admission import POOLING_PATHS, AdmissionGate, AdmissionMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import error_response, install_exception_handlers, response_for_exception
@@ -30,6 +30,7 @@ from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
 from gateway.output_parsing import OutputParsing
+from gateway.pooling_routes import add_pooling_routes
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,6 +54,7 @@ from gateway.responses.store import MemoryResponseStore, ResponseStore
 from gateway.served_models import ServedModels
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
+from gateway.serving_pooling import PoolingServing
 from gateway.tokenizer import Tokenizer
 from gateway.tracing import HttpTracingMiddleware
 from gateway.validation import check_token_ids, render_chat
@@ -69,7 +71,12 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 5.0
 # Status logged (never seen by anyone) when a client leaves before its answer.
 _CLIENT_CLOSED_REQUEST = 499
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    *(path for path in POOLING_PATHS if not path.startswith("/v1/")),
+)
 
 
 def _package_version() -> str:
@@ -323,6 +330,9 @@ def build_app(
 
     if models.lora_enabled:
         add_lora_routes(app, models, errors)
+
+    pooling = PoolingServing(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+    add_pooling_routes(app, pooling, generation_errors, _serve_until_disconnect)
 
     @app.get("/health")
     async def health() -> HealthResponse:

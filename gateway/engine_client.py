@@ -89,10 +89,24 @@ class GenerationDelta:
     # On the first delta of a request with prompt_logprobs set: one entry per
     # prompt token, None for the first (nothing precedes it). None otherwise.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's result on its final delta (little-endian float32);
+    # None for generation requests.
+    pooled_data: bytes | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PoolingInfo:
+    """What a pooling model serves (WorkerInfo fields 19-23), for validation."""
+
+    tasks: tuple[str, ...]  # "embed", "classify"
+    embedding_dim: int
+    # Matryoshka sizes `dimensions` may take; (-1,): any up to embedding_dim; (): none.
+    matryoshka_dimensions: tuple[int, ...] = ()
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,8 @@ class ModelInfo:
     dtype_reason: str = ""
     # How the engine holds its weights: "gguf", "int8" (empty: as the checkpoint has them).
     quantization: str = ""
+    # Set when the engine runs a pooling model (embeddings, scores); None: generation.
+    pooling: PoolingInfo | None = None
 
 
 @runtime_checkable

@@ -35,6 +35,7 @@ from gateway.engine_client import (
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
+    PoolingInfo,
     TokenLogprob,
     TopLogprob,
 )
@@ -160,6 +161,16 @@ class GrpcEngineClient:
             dtype=info.dtype,
             dtype_reason=info.dtype_reason,
             quantization=info.quantization,
+            pooling=(
+                PoolingInfo(
+                    tasks=tuple(info.pooling_tasks),
+                    embedding_dim=info.embedding_dim,
+                    matryoshka_dimensions=tuple(info.matryoshka_dimensions),
+                    labels=tuple(info.labels),
+                )
+                if info.runner == "pooling"
+                else None
+            ),
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(
@@ -219,6 +230,7 @@ class GrpcEngineClient:
             logprobs=new.logprobs,
             error=out.error or None,
             prompt_logprobs=prompt_logprobs,
+            pooled_data=out.pooled_data or None,
         )
 
     def _token_logprob(self, lp: common_pb2.TokenLogprobs) -> TokenLogprob:

@@ -26,7 +26,10 @@ from gateway.generation_stream import MultiGeneration
 from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatMessage, CompletionRequest
+from gateway.protocol_pooling import EmbeddingRequest
+from gateway.served_models import ServedModels
 from gateway.serving_common import build_engine_requests, start_generation
+from gateway.serving_pooling import PoolingServing
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_unsupported, completion_prompts, render_chat
 from protos import generation_pb2, generation_pb2_grpc
@@ -153,6 +156,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or GatewayMetrics.for_registry()
         # With --otlp-traces-endpoint: the tokenize span under Generate's server span.
         self.tracing = tracing
+        # Embed answers as the HTTP API's /v1/embeddings does.
+        self.pooling = PoolingServing(
+            engine,
+            tokenizer,
+            model_name,
+            self.metrics,
+            self.limits,
+            ServedModels(model_name),
+            tracing,
+        )
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if self._expected_auth is None:
@@ -260,6 +273,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = await self.tokenizer.offload(self.tokenizer.encode, request.text, add_special)
         return generation_pb2.TokenizeResponse(token_ids=token_ids)
+
+    async def Embed(
+        self, request: generation_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.EmbedResponse:
+        self._check_auth(context)
+        if self.admission is not None and not self.admission.try_enter():
+            raise self.admission.refusal()
+        try:
+            return await self._embed(request)
+        finally:
+            if self.admission is not None:
+                self.admission.leave()
+
+    async def _embed(self, request: generation_pb2.EmbedRequest) -> generation_pb2.EmbedResponse:
+        if request.texts and request.token_ids:
+            raise InvalidRequestError("give texts or token_ids, not both", param="texts")
+        inputs: list[str] | list[list[int]] = (
+            list(request.texts) if request.texts else [list(t.ids) for t in request.token_ids]
+        )
+        try:
+            body = EmbeddingRequest(
+                input=inputs,
+                encoding_format="float",
+                dimensions=request.dimensions if request.HasField("dimensions") else None,
+                normalize=request.normalize if request.HasField("normalize") else None,
+                truncate_prompt_tokens=(
+                    request.truncate_prompt_tokens
+                    if request.HasField("truncate_prompt_tokens")
+                    else None
+                ),
+                priority=request.priority,
+            )
+        except pydantic.ValidationError as exc:
+            raise invalid_request_from_validation(exc.errors()) from None
+        result = await self.pooling.create_embedding(body)
+        return generation_pb2.EmbedResponse(
+            embeddings=[generation_pb2.Embedding(values=d.embedding) for d in result.data],
+            usage=generation_pb2.Usage(
+                prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens
+            ),
+        )
 
     async def GetModelInfo(self, request, context):
         self._check_auth(context)

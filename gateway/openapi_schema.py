@@ -15,10 +15,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from gateway.admission import GENERATION_PATHS, POOLING_PATHS
 from gateway.engine_client import ModelInfo
 
 LIMIT_KEY = "x-kvmesh-limit"
 _FASTAPI_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
+GENERATION_ONLY_PATHS = GENERATION_PATHS - POOLING_PATHS
 
 
 def decimal_below(limit: int) -> str:
@@ -64,7 +66,11 @@ def build_openapi(
     app: FastAPI, served_model_name: str, model: ModelInfo, tokenizer_vocab_size: int
 ) -> dict[str, Any]:
     """The app's schema with this server's limits (token ids must fit model and tokenizer)."""
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    # Only the APIs the served model answers: a generation model has no
+    # pooling routes, a pooling model no completions (their calls are 400s).
+    unserved = POOLING_PATHS if model.pooling is None else GENERATION_ONLY_PATHS
+    routes = [route for route in app.routes if getattr(route, "path", None) not in unserved]
+    schema = get_openapi(title=app.title, version=app.version, routes=routes)
     vocab_size = min(model.vocab_size, tokenizer_vocab_size)
     _apply_limits(schema, served_model_name, vocab_size, model.max_model_len)
     for operations in schema.get("paths", {}).values():

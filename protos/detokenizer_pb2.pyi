@@ -14,7 +14,7 @@ class StreamDetokenizedRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class DetokenizedOutput(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_token_id", "stop_string", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "logprobs", "error", "prompt_logprobs", "replay")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_token_id", "stop_string", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "logprobs", "error", "prompt_logprobs", "replay", "pooled_data")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class DetokenizedOutput(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    POOLED_DATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -41,7 +42,8 @@ class DetokenizedOutput(_message.Message):
     error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     replay: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., replay: _Optional[bool] = ...) -> None: ...
+    pooled_data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., replay: _Optional[bool] = ..., pooled_data: _Optional[bytes] = ...) -> None: ...
 
 class DetokenizedBatch(_message.Message):
     __slots__ = ("step_id", "outputs", "scheduler_lost")

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=protos_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvmesh.v1.Generation/Embed',
+                request_serializer=protos_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -81,6 +86,17 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed texts or token ids with a pooling (embedding) model, as the HTTP
+        API's /v1/embeddings does: one embedding per input, in input order.
+        INVALID_ARGUMENT for a generation model, an empty or oversized input, or
+        `dimensions` on a model without Matryoshka dimensions. Cancelling the
+        call aborts its engine requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +114,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class Generation:
             '/kvmesh.v1.Generation/GetModelInfo',
             protos_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Generation/Embed',
+            protos_dot_generation__pb2.EmbedRequest.SerializeToString,
+            protos_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,7 +105,7 @@ class RequestHeader(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., detokenize_params: _Optional[_Union[_common_pb2.DetokenizeParams, _Mapping]] = ..., client_id: _Optional[str] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "logprobs", "num_prompt_tokens", "num_cached_tokens", "header", "error", "prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "logprobs", "num_prompt_tokens", "num_cached_tokens", "header", "error", "prompt_logprobs", "pooled_data")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RequestOutput(_message.Message):
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_DATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -126,7 +127,8 @@ class RequestOutput(_message.Message):
     header: RequestHeader
     error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., header: _Optional[_Union[RequestHeader, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled_data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., header: _Optional[_Union[RequestHeader, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., pooled_data: _Optional[bytes] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("step_id", "outputs")
@@ -151,7 +153,7 @@ class GetSchedulerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "dtype", "dtype_reason", "quantization")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "dtype", "dtype_reason", "quantization", "runner", "pooling_tasks", "embedding_dim", "matryoshka_dimensions", "labels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,11 @@ class SchedulerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -176,7 +183,12 @@ class SchedulerInfo(_message.Message):
     dtype: str
     dtype_reason: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    runner: str
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_dim: int
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., quantization: _Optional[str] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_dim: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamKVEventsRequest(_message.Message):
     __slots__ = ("from_sequence", "instance_id", "subscriber")

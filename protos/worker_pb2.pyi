@@ -130,7 +130,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., start_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "errors", "execute_seconds", "kv_connector_output", "prompt_logprobs", "logprobs")
+    __slots__ = ("step_id", "req_ids", "sampled_token_ids", "errors", "execute_seconds", "kv_connector_output", "prompt_logprobs", "logprobs", "pooled")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,13 @@ class StepResult(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PooledEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +153,7 @@ class StepResult(_message.Message):
     KV_CONNECTOR_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -154,7 +162,8 @@ class StepResult(_message.Message):
     kv_connector_output: KVConnectorOutput
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobsList]
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ..., kv_connector_output: _Optional[_Union[KVConnectorOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobsList, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.ScalarMap[str, bytes]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., errors: _Optional[_Mapping[str, str]] = ..., execute_seconds: _Optional[float] = ..., kv_connector_output: _Optional[_Union[KVConnectorOutput, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobsList, _Mapping]]] = ..., pooled: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class TokenLogprobsList(_message.Message):
     __slots__ = ("entries",)
@@ -167,7 +176,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget", "runner", "pooling_tasks", "embedding_dim", "matryoshka_dimensions", "labels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +195,11 @@ class WorkerInfo(_message.Message):
     PIPELINE_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -204,4 +218,9 @@ class WorkerInfo(_message.Message):
     pipeline_overlap: bool
     quantization: str
     step_token_budget: int
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ...) -> None: ...
+    runner: str
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_dim: int
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_dim: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -77,6 +77,9 @@ class SchedulerConfig:
     # Distinct LoRA adapters the worker can hold in one step (WorkerInfo.max_loras);
     # 0: the worker serves no adapters.
     max_loras: int = 0
+    # The worker runs a pooling model (WorkerInfo.runner "pooling"): only
+    # pooling requests are accepted, and generation requests only otherwise.
+    pooling: bool = False
 
     def __post_init__(self) -> None:
         positive = {

@@ -29,6 +29,8 @@ class RequestOutput:
     # On the first output of a request with prompt_logprobs set: entry i scores
     # prompt token i + 1 (None only for a position the worker never scored).
     prompt_logprobs: list[Logprobs | None] | None = None
+    # A pooling request's result (little-endian float32) on its final output.
+    pooled_data: bytes = b""
 
     @property
     def finished(self) -> bool:

@@ -154,6 +154,13 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if config.pooling != (request.sampling_params.pooling is not None):
+            raise ValueError(
+                "this server runs a pooling model (embeddings, score, rerank, classify) and "
+                "generates no text"
+                if config.pooling
+                else "this server runs a generation model; pooling requests need a pooling model"
+            )
         # The one length check: SchedulerConfig makes the KV pool hold at least
         # max_model_len tokens, so a prompt within it always fits the pool alone.
         # (A continuation counts the output it resumes with.)
@@ -350,6 +357,10 @@ class Scheduler:
                     continue
                 if num_running_scheduled >= max_running:
                     break
+            if request.sampling_params.pooling is not None:
+                # Its one step is in flight (async mode): it never runs again.
+                index += 1
+                continue
             num_computed_tokens = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
             num_new_tokens = len(request.all_token_ids) + num_placeholders - num_computed_tokens
@@ -449,6 +460,17 @@ class Scheduler:
             if not adapters.admits(request):
                 adapters.skip(waiting.pop())  # its adapter waits for a free slot; others go on
                 continue
+            if request.sampling_params.pooling is not None:
+                # An encoder needs its whole input in one step and keeps no KV:
+                # no cache lookup, no blocks, never chunked (add_request bounds
+                # its length by the budget). Head-of-line when it does not fit.
+                if request.num_tokens > token_budget:
+                    break
+                waiting.pop()
+                new_reqs.append(self._admit(request, 0, request.num_tokens, now))
+                num_scheduled_tokens[request.request_id] = request.num_tokens
+                token_budget -= request.num_tokens
+                continue
             # Prompt logprobs come from the logits of every prompt position, which
             # a cache hit (local, or loaded by the connector) never computes: such
             # a request computes its whole prompt (vLLM's rule).
@@ -539,7 +561,7 @@ class Scheduler:
             num_computed_tokens=num_cached_tokens,
             lora_request=request.lora_request,
         )
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and request.sampling_params.pooling is None:
             self._advance_at_schedule(request, num_new_tokens)
         return new_req
 
@@ -689,6 +711,9 @@ class Scheduler:
                 continue
             if errors and request_id in errors:
                 continue  # _fail_in_worker
+            if request.sampling_params.pooling is not None:
+                self._finish_pooled(request, model_runner_output.pooled, outputs, finished)
+                continue
             token_ids = sampled_by_id.get(request_id)
             request_drafts = drafts.get(request_id) if drafts else None
             if request_drafts:
@@ -744,6 +769,38 @@ class Scheduler:
             outputs.append(output)
             if stopped:
                 finished.append(request)
+
+    def _finish_pooled(
+        self,
+        request: Request,
+        pooled: dict[str, bytes],
+        outputs: list[RequestOutput],
+        finished: list[Request],
+    ) -> None:
+        """A pooling request's one step is done: finish it with its pooled vector."""
+        data = pooled.get(request.request_id)
+        if data is None:
+            # The worker broke its contract (no vector, no error): fail it, not the step.
+            self._fail_in_worker(
+                {request.request_id: "worker returned no pooled output"}, outputs, finished
+            )
+            return
+        request.num_computed_tokens = request.num_tokens
+        request.status = RequestStatus.FINISHED_STOPPED
+        if request.first_token_time is None:
+            request.first_token_time = self.clock()
+        output = RequestOutput(
+            request.request_id,
+            [],
+            request.status.finish_reason,
+            None,
+            None,
+            request.num_prompt_tokens,
+            0,
+        )
+        output.pooled_data = data
+        outputs.append(output)
+        finished.append(request)
 
     def _record_verification(
         self, request_id: str, request_drafts: list[int], token_ids: list[int] | None
@@ -958,7 +1015,9 @@ class Scheduler:
         """Block invariants plus queue invariants; for tests and debug builds."""
         # Only running requests and loads in flight hold blocks.
         loading = list(self.waiting_for_remote_kvs.values())
-        self.kv_cache_manager.check_integrity(holders=[*self.running, *loading])
+        # Pooling requests run without blocks.
+        holders = [r for r in self.running if r.sampling_params.pooling is None]
+        self.kv_cache_manager.check_integrity(holders=[*holders, *loading])
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         loading_ids = list(self.waiting_for_remote_kvs)

@@ -21,6 +21,7 @@ from services.block_hash import get_block_hasher
 from services.config import SchedulerServiceConfig
 from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
+from services.math_utils import cdiv
 from services.metrics import start_metrics_server
 from services.step_deadline import StepDeadline, StepDeadlinePolicy
 from services.tracing import start_tracing
@@ -41,7 +42,12 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     worker = WorkerClient(config.worker_addr, security)
     logger.info("waiting for the worker at %s", config.worker_addr)
     info = await worker.connect(timeout=WORKER_CONNECT_TIMEOUT_S)
-    max_model_len = min(info.max_model_len, info.num_kv_blocks * info.block_size)
+    pooling = info.runner == "pooling"
+    max_model_len = (
+        info.max_model_len
+        if pooling
+        else min(info.max_model_len, info.num_kv_blocks * info.block_size)
+    )
     if max_model_len < info.max_model_len:
         # A sequence longer than the whole pool could never run, not even alone.
         logger.warning(
@@ -69,6 +75,15 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
             info.device,
             info.dtype,
         )
+    num_kv_blocks = info.num_kv_blocks
+    if pooling:
+        # An encoder's input runs whole in one step: longer than the step
+        # budget, it could never run, so the budget bounds its length too.
+        # Pooling requests take no KV blocks; the pool exists, empty, only
+        # because the core's config asks for one that holds max_model_len.
+        max_model_len = min(max_model_len, token_budget)
+        num_kv_blocks = cdiv(max_model_len, info.block_size)
+        logger.info("pooling runner: whole inputs of up to %d tokens, no KV blocks", max_model_len)
     core_config = SchedulerConfig(
         max_num_batched_tokens=token_budget,
         max_num_seqs=config.max_num_seqs,
@@ -76,13 +91,14 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         policy=config.scheduling_policy,
         block_size=info.block_size,
-        num_kv_blocks=info.num_kv_blocks,
-        enable_prefix_caching=config.prefix_caching,
+        num_kv_blocks=num_kv_blocks,
+        enable_prefix_caching=config.prefix_caching and not pooling,
         async_scheduling=async_scheduling,
         num_micro_batches=max(1, num_micro_batches),
         enable_kv_connector=config.kv_offload,
         speculative=speculative,
         max_loras=info.max_loras,
+        pooling=pooling,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None
@@ -118,6 +134,11 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
         quantization=info.quantization,
+        runner=info.runner or "generate",
+        pooling_tasks=info.pooling_tasks,
+        embedding_dim=info.embedding_dim,
+        matryoshka_dimensions=info.matryoshka_dimensions,
+        labels=info.labels,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

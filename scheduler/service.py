@@ -315,6 +315,7 @@ class SchedulerEngine:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             error=out.error or "",
+            pooled_data=out.pooled_data,
         )
         if out.stop_reason is not None:
             msg.stop_token_id = out.stop_reason
@@ -391,7 +392,7 @@ class SchedulerEngine:
                 logger.warning("worker not back yet: %s", e)
                 await asyncio.sleep(1)
                 continue
-            if info.num_kv_blocks != self.config.num_kv_blocks:
+            if info.runner != "pooling" and info.num_kv_blocks != self.config.num_kv_blocks:
                 logger.error(
                     "worker came back with %d KV blocks (had %d); restart the scheduler",
                     info.num_kv_blocks,

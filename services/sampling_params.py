@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.pooling_params import PoolingParams
+
 # Below this temperature sampling is greedy (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -76,6 +78,8 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token is banned
     # where the output ends with the rest of it (one-token words always).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Set: a pooling request (no tokens generated; services/pooling_params.py).
+    pooling: PoolingParams | None = None
 
     @property
     def is_greedy(self) -> bool:

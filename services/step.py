@@ -181,6 +181,10 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step (requests with prompt_logprobs set
     # whose prompt was computed in this step).
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Pooling runner: req_id -> pooled output (little-endian float32) of each
+    # pooling request of the step; such a request is finished by the step and
+    # is not in req_ids.
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> ModelRunnerOutput:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from protos import common_pb2, worker_pb2
 from services.errors import InvalidRequestError
 from services.lora_request import LoRARequest
+from services.pooling_params import PoolingParams
 from services.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
     DetokenizeParams,
@@ -57,7 +58,35 @@ def sampling_params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.structured_output.CopyFrom(structured_output_to_proto(p.structured_output))
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.pooling is not None:
+        msg.pooling.CopyFrom(pooling_params_to_proto(p.pooling))
     return msg
+
+
+def pooling_params_to_proto(p: PoolingParams) -> common_pb2.PoolingParams:
+    msg = common_pb2.PoolingParams(task=p.task)
+    if p.dimensions is not None:
+        msg.dimensions = p.dimensions
+    if p.normalize is not None:
+        msg.normalize = p.normalize
+    if p.first_segment_len is not None:
+        msg.first_segment_len = p.first_segment_len
+    return msg
+
+
+def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """InvalidRequestError for an unknown task or a non-positive dimension."""
+    try:
+        return PoolingParams(
+            task=msg.task,  # type: ignore[arg-type]
+            dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+            normalize=msg.normalize if msg.HasField("normalize") else None,
+            first_segment_len=(
+                msg.first_segment_len if msg.HasField("first_segment_len") else None
+            ),
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
 
 
 def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
@@ -104,6 +133,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words),
+        pooling=pooling_params_from_proto(msg.pooling) if msg.HasField("pooling") else None,
     )
 
 
@@ -318,6 +348,7 @@ def model_runner_output_to_proto(
             else kv_connector_output_to_proto(out.kv_connector_output)
         ),
         prompt_logprobs=[prompt_logprobs_to_proto(run) for run in out.prompt_logprobs],
+        pooled=out.pooled,
     )
 
 
@@ -330,4 +361,5 @@ def model_runner_output_from_proto(msg: worker_pb2.StepResult) -> ModelRunnerOut
         errors=dict(msg.errors),
         kv_connector_output=kv_connector_output_from_proto(msg.kv_connector_output),
         prompt_logprobs=[prompt_logprobs_from_proto(run) for run in msg.prompt_logprobs],
+        pooled=dict(msg.pooled),
     )

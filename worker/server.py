@@ -56,6 +56,7 @@ from worker.parallel.driver import StepBroadcaster
 from worker.parallel.layout import RankLayout
 from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from worker.parallel.replica_kv_connector import ReplicaKVConnector
+from worker.pooling_runner import PoolingRunner, is_pooling_checkpoint
 from worker.request_tracing import WorkerRequestTraces
 from worker.step_budget import preferred_step_tokens
 from worker.step_in_flight import StepInFlight
@@ -93,7 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         # Set by attach() once the weights are loaded; until then every call
         # answers UNAVAILABLE.
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | PoolingRunner | None = None
         self.info: worker_pb2.WorkerInfo | None = None
         # One thread for every torch call of this process (loading too): steps are
         # strictly ordered, the runner is not reentrant, and OpenMP keeps a team of
@@ -118,7 +119,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def attach(
         self,
-        runner: ModelRunner,
+        runner: ModelRunner | PoolingRunner,
         info: worker_pb2.WorkerInfo,
         broadcaster: StepBroadcaster | None = None,
         max_steps_begun: int = 1,
@@ -315,10 +316,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info
 
 
+def build_pooling_runner(
+    config: WorkerConfig, path: Path
+) -> tuple[PoolingRunner, worker_pb2.WorkerInfo]:
+    """An encoder checkpoint: the pooling runner, no KV cache (worker/pooling_runner.py)."""
+    if config.quantization:
+        raise ValueError("--quantization is not implemented for pooling (encoder) models")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        raise ValueError("tensor/pipeline parallelism is not implemented for pooling models")
+    if config.enable_lora:
+        raise ValueError("LoRA is not implemented for pooling models")
+    model_config = ModelConfig.from_pretrained(path, dtype=config.dtype, device=config.device)
+    runner = PoolingRunner(
+        path,
+        dtype=model_config.dtype,
+        max_model_len=config.max_model_len or None,
+        num_threads=config.num_threads or None,
+    )
+    pooling = runner.info
+    info = worker_pb2.WorkerInfo(
+        model_name=config.served_model_name or Path(path).name,
+        num_kv_blocks=0,
+        block_size=config.block_size,
+        max_model_len=pooling.max_model_len,
+        vocab_size=runner.config.vocab_size,
+        attention_backend="sdpa-packed",
+        device=config.device,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        dtype_reason=model_config.dtype_reason,
+        step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
+        runner="pooling",
+        pooling_tasks=list(pooling.tasks),
+        embedding_dim=pooling.embedding_dim,
+        matryoshka_dimensions=list(pooling.matryoshka_dimensions),
+        labels=list(pooling.labels),
+    )
+    return runner, info
+
+
 def build_runner(
     config: WorkerConfig, collectives: Collectives | None = None
-) -> tuple[ModelRunner, worker_pb2.WorkerInfo]:
+) -> tuple[ModelRunner | PoolingRunner, worker_pb2.WorkerInfo]:
     path = resolve_model_path(config.model)
+    if is_pooling_checkpoint(path):
+        return build_pooling_runner(config, Path(path))
     model_config = ModelConfig.from_pretrained(
         path,
         dtype=config.dtype,
@@ -364,6 +407,7 @@ def build_runner(
         dtype_reason=model_config.dtype_reason,
         quantization=model_config.weights_description,
         step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
+        runner="generate",
     )
     return runner, info
 
@@ -461,7 +505,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     )
     store: KVStoreBlocks | None = None
     connector: KVConnectorWorker | None = None
-    if config.kv_offload:
+    if config.kv_offload and isinstance(runner, ModelRunner):
         store, connector = await connect_kv_offload(config, runner, info)
     # Pipeline overlap: one begun step per stage (the scheduler sends as many).
     max_steps_begun = config.pipeline_parallel_size if info.pipeline_overlap else 1

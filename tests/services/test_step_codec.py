@@ -198,3 +198,18 @@ def test_prompt_logprobs_round_trip() -> None:
     ]
     back = model_runner_output_from_proto(model_runner_output_to_proto(out))
     assert back.prompt_logprobs == out.prompt_logprobs
+
+
+def test_pooling_params_and_pooled_outputs_round_trip() -> None:
+    from services.pooling_params import PoolingParams
+
+    params = SamplingParams(
+        max_tokens=1,
+        pooling=PoolingParams(task="classify", normalize=False, first_segment_len=7),
+    )
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    embed = SamplingParams(max_tokens=1, pooling=PoolingParams(dimensions=64))
+    assert sampling_params_from_proto(sampling_params_to_proto(embed)) == embed
+    out = ModelRunnerOutput.make_empty(3)
+    out.pooled = {"a": b"\x00\x00\x80\x3f"}
+    assert model_runner_output_from_proto(model_runner_output_to_proto(out)).pooled == out.pooled

@@ -1,0 +1,134 @@
+"""Pooling models through the whole stack: the OpenAI client's embeddings.create,
+/score, /rerank, /classify, and the 400s a client sees for bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from services.local_stack import LocalStack
+from tests.encoder_checkpoints import build_cross_encoder, build_embedding_model
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("sentence_transformers")
+
+STARTUP_TIMEOUT_S = 300
+TEXTS = ["the quick brown fox", "paris is the capital of france", "a reranker scores documents"]
+
+
+def _start(folder: Path) -> LocalStack:
+    stack = LocalStack(["--dtype", "float32", "--max-num-batched-tokens", "512"], model=folder)
+    stack.wait_ready(STARTUP_TIMEOUT_S)
+    return stack
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, Path]]:
+    folder = build_embedding_model(tmp_path_factory.mktemp("embed") / "st", dense_dim=None)
+    stack = _start(folder)
+    yield stack, folder
+    assert stack.stop() == 0, "".join(stack.log[-50:])
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, Path]]:
+    folder = build_cross_encoder(tmp_path_factory.mktemp("rerank") / "ce")
+    stack = _start(folder)
+    yield stack, folder
+    assert stack.stop() == 0, "".join(stack.log[-50:])
+
+
+def test_openai_client_embeddings_float_and_base64(embedder) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    stack, folder = embedder
+    expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS)
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", timeout=120)
+    floats = client.embeddings.create(model=folder.name, input=TEXTS, encoding_format="float")
+    # The client asks for base64 by default and decodes it itself.
+    packed = client.embeddings.create(model=folder.name, input=TEXTS)
+    for out in (floats, packed):
+        got = np.array([d.embedding for d in out.data], dtype=np.float32)
+        assert [d.index for d in out.data] == [0, 1, 2]
+        cosine = (
+            (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+        )
+        assert cosine.min() >= 0.99999
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(TEXTS)
+    ids = SentenceTransformer(str(folder), device="cpu").tokenizer(TEXTS[0])["input_ids"]
+    by_ids = client.embeddings.create(model=folder.name, input=[ids], encoding_format="float")
+    np.testing.assert_allclose(by_ids.data[0].embedding, floats.data[0].embedding, atol=1e-5)
+
+
+def test_bad_embedding_requests_are_400(embedder) -> None:
+    stack, folder = embedder
+    url = f"{stack.http_url}/v1/embeddings"
+    cases = [
+        {"input": []},
+        {"input": "hello", "dimensions": 8},  # not a Matryoshka model
+        {"input": [[5] * 600]},  # over the model's maximum, no truncation
+        {"input": ["x"] * 100_000},
+    ]
+    for body in cases:
+        response = httpx.post(url, json={"model": folder.name, **body}, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    truncated = httpx.post(
+        url,
+        json={"input": [[5] * 600], "truncate_prompt_tokens": 16, "encoding_format": "float"},
+        timeout=60,
+    )
+    assert truncated.status_code == 200, truncated.text
+    assert truncated.json()["usage"]["prompt_tokens"] == 16
+
+
+def test_rerank_and_score_equal_the_cross_encoder(reranker) -> None:
+    from sentence_transformers import CrossEncoder
+
+    stack, folder = reranker
+    query, docs = "what is the capital of france?", TEXTS
+    expected = CrossEncoder(str(folder), device="cpu").predict([(query, d) for d in docs])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = {"query": query, "documents": docs, "top_n": 2, "return_documents": True}
+        result = httpx.post(stack.http_url + path, json=body, timeout=60).json()["results"]
+        assert len(result) == 2
+        assert [r["index"] for r in result] == list(np.argsort(-expected)[:2])
+        for r in result:
+            assert abs(r["relevance_score"] - expected[r["index"]]) < 1e-4
+            assert r["document"]["text"] == docs[r["index"]]
+    score = httpx.post(
+        stack.http_url + "/score", json={"text_1": query, "text_2": docs}, timeout=60
+    ).json()
+    np.testing.assert_allclose([d["score"] for d in score["data"]], expected, atol=1e-4)
+    classify = httpx.post(stack.http_url + "/classify", json={"input": docs}, timeout=60).json()
+    assert [d["num_classes"] for d in classify["data"]] == [1, 1, 1]
+    refused = httpx.post(stack.http_url + "/v1/embeddings", json={"input": "x"}, timeout=60)
+    assert refused.status_code == 400
+
+
+def test_grpc_embed_equals_http(embedder) -> None:
+    import grpc
+
+    from protos import generation_pb2, generation_pb2_grpc
+
+    stack, _ = embedder
+    http = httpx.post(
+        f"{stack.http_url}/v1/embeddings",
+        json={"input": TEXTS, "encoding_format": "float"},
+        timeout=60,
+    ).json()
+    with grpc.insecure_channel(stack.grpc_addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        out = stub.Embed(generation_pb2.EmbedRequest(texts=TEXTS), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Embed(generation_pb2.EmbedRequest(texts=TEXTS, dimensions=4), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Matryoshka" in refused.value.details()
+    for got, expected in zip(out.embeddings, http["data"], strict=True):
+        np.testing.assert_allclose(list(got.values), expected["embedding"], atol=1e-6)
+    assert out.usage.prompt_tokens == http["usage"]["prompt_tokens"]
