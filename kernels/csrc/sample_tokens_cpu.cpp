@@ -20,11 +20,11 @@
 //   value among their tokens;
 // - top_p keeps a token when the kept mass strictly above it is < top_p times
 //   the kept mass. The top 64, then 512 tokens (found as for top_k) are
-//   sorted (as far as the walk goes) and walked; only when their mass stays below the target does the
-//   exact fallback run over the tokens that can be in the nucleus at all (a
-//   weight w <= (1 - top_p) * total / vocab has at least top_p of the mass
-//   above it): a histogram of their mass over the weights' float bits finds
-//   the boundary bucket, and only that bucket's tokens are sorted.
+//   sorted (as far as the walk goes) and walked; only when their mass stays
+//   below the target does the exact fallback run: a bisection over the
+//   weights' float bits finds the nucleus's last weight (nucleus_by_bisection),
+//   in ~30 vectorized passes over the row's weights, and only the tokens of
+//   exactly that weight are sorted.
 // Greedy rows (temperature <= 0) take the first maximum, as greedy_argmax.
 // A row with a NaN returns its first NaN, a row of -inf returns 0 and a row
 // with +inf its first +inf: the argmax rules, as no distribution exists.
@@ -59,8 +59,6 @@ constexpr int64_t kChunk = 32;  // tokens per chunk maximum (candidate pre-selec
 constexpr int64_t kBlock = 512;  // tokens per partial sum (the inverse-CDF search)
 // top_p's guesses at the nucleus: the top 64 tokens, then the top 512.
 constexpr int64_t kTopPCandidates[] = {64, 512};
-constexpr int kBucketShift = 19;  // weight histogram: 8 exponent + 4 mantissa bits
-constexpr int kBuckets = 1 << (32 - kBucketShift);
 // exp(-87) ~ 1.6e-38 is a normal float; weights below it count as 0.
 constexpr float kExpFloor = -87.f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -105,9 +103,8 @@ struct Scratch {
   std::vector<float> candidate_weights;
   std::vector<float> values;
   std::vector<int32_t> order;
-  std::vector<double> histogram;
-  std::vector<int32_t> bucket_tokens;
-  std::vector<float> bucket_weights;
+  std::vector<int32_t> boundary_tokens;
+  std::vector<float> boundary_weights;
 };
 
 thread_local Scratch scratch;
@@ -295,65 +292,82 @@ int64_t pick_in_row(const float* w, int64_t vocab, const Scratch& s, double r) {
   return 0;
 }
 
-// s.candidates (index order) and their weights: the tokens whose weight is > low.
-void gather_above(const float* w, int64_t vocab, float low, Scratch& s) {
-  s.candidates.clear();
-  s.candidate_weights.clear();
+// The weights' mass strictly above t, in float lanes per block, summed in double.
+double mass_above(const float* w, int64_t vocab, float t) {
+  double total = 0;
   int64_t i = 0;
 #if defined(KVMESH_SAMPLE_VEC16)
-  const Vec16 t = Vec16::splat(low);
-  for (; i + 16 <= vocab; i += 16) {
+  const Vec16 tv = Vec16::splat(t);
+  for (; i + kBlock <= vocab; i += kBlock) {
+    Vec16 acc = Vec16::zero();
+    for (int64_t j = i; j < i + kBlock; j += 16) {
+      const Vec16 e = Vec16::load(w + j);
 #if defined(__AVX512F__)
-    uint32_t lanes = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), t.v, _CMP_GT_OQ);
+      acc = acc + Vec16{_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e.v, tv.v, _CMP_GT_OQ), e.v)};
 #else
-    uint32_t lanes =
-        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + i), t.lo, _CMP_GT_OQ)) |
-        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + i + 8), t.hi, _CMP_GT_OQ)) << 8;
+      acc = acc + Vec16{_mm256_and_ps(e.lo, _mm256_cmp_ps(e.lo, tv.lo, _CMP_GT_OQ)),
+                        _mm256_and_ps(e.hi, _mm256_cmp_ps(e.hi, tv.hi, _CMP_GT_OQ))};
 #endif
-    for (; lanes != 0; lanes &= lanes - 1) {
-      const int64_t j = i + __builtin_ctz(lanes);
-      s.candidates.push_back(static_cast<int32_t>(j));
-      s.candidate_weights.push_back(w[j]);
     }
+    total += acc.reduce_add();
   }
 #endif
-  for (; i < vocab; ++i) {
-    if (w[i] > low) {
-      s.candidates.push_back(static_cast<int32_t>(i));
-      s.candidate_weights.push_back(w[i]);
-    }
-  }
+  for (; i < vocab; ++i) total += w[i] > t ? w[i] : 0.f;
+  return total;
 }
 
 // top_p beyond the candidates: the exact nucleus over the whole row's weights.
-int64_t nucleus_by_histogram(const float* x, const float* w, int64_t vocab, double total,
+// Its last token's weight is the smallest weight v with mass_above(v) < target
+// (every heavier token is in it, every lighter one has >= target above it): a
+// bisection over the weights' float bits (positive floats order as their bits),
+// each step one vectorized pass. Then the tokens of exactly that weight are
+// walked by logit and index, and the token picked in index order.
+int64_t nucleus_by_bisection(const float* x, const float* w, int64_t vocab, double total,
                              double top_p, double u, Scratch& s) {
   const double target = top_p * total;
-  // Slightly under the bound, so rounding never drops a token that may count.
-  gather_above(w, vocab, static_cast<float>((1 - top_p) * total / vocab * 0.999), s);
-  s.histogram.assign(kBuckets, 0.0);
-  for (size_t j = 0; j < s.candidates.size(); ++j) {
-    s.histogram[float_bits(s.candidate_weights[j]) >> kBucketShift] += s.candidate_weights[j];
+  uint32_t lo = 0, hi = float_bits(1.f);  // mass_above(lo) >= target > mass_above(hi)
+  if (mass_above(w, vocab, bits_float(lo)) < target) return pick_in_row(w, vocab, s, u * total);
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    (mass_above(w, vocab, bits_float(mid)) < target ? hi : lo) = mid;
   }
-  double above = 0;
-  int64_t bucket = kBuckets - 1;
-  for (; bucket >= 0; --bucket) {
-    if (above + s.histogram[bucket] >= target) break;
-    above += s.histogram[bucket];
-  }
-  if (bucket < 0) return pick_in_row(w, vocab, s, u * total);  // rounding: all of it
-  s.bucket_tokens.clear();
-  s.bucket_weights.clear();
-  for (size_t j = 0; j < s.candidates.size(); ++j) {
-    if ((float_bits(s.candidate_weights[j]) >> kBucketShift) == static_cast<uint32_t>(bucket)) {
-      s.bucket_tokens.push_back(s.candidates[j]);
-      s.bucket_weights.push_back(s.candidate_weights[j]);
+  const float boundary = bits_float(hi);
+  const double heavier = mass_above(w, vocab, boundary);
+  s.boundary_tokens.clear();
+  s.boundary_weights.clear();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (w[i] == boundary) {
+      s.boundary_tokens.push_back(static_cast<int32_t>(i));
+      s.boundary_weights.push_back(w[i]);
     }
   }
   Cut cut;
   const double mass =
-      above + walk_nucleus(x, s.bucket_tokens, s.bucket_weights, target - above, cut, s);
-  return pick_among(x, s.candidates, s.candidate_weights, cut, u * mass);
+      heavier + walk_nucleus(x, s.boundary_tokens, s.boundary_weights, target - heavier, cut, s);
+  const double r = u * mass;
+  double cumulative = 0;
+  int64_t last = cut.index;
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(vocab, begin + kBlock);
+    // The block's kept mass: heavier tokens, plus the boundary's kept ties.
+    double block = mass_above(w + begin, end - begin, boundary);
+    for (size_t j = 0; j < s.boundary_tokens.size(); ++j) {
+      const int64_t i = s.boundary_tokens[j];
+      if (i >= begin && i < end && cut.keeps(x[i], i)) block += s.boundary_weights[j];
+    }
+    if (block <= 0 || (cumulative + block <= r && b + 1 < blocks)) {
+      cumulative += block;
+      continue;
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      if (!(w[i] > boundary || (w[i] == boundary && cut.keeps(x[i], i)))) continue;
+      cumulative += w[i];
+      last = i;
+      if (cumulative > r) return i;
+    }
+  }
+  return last;
 }
 
 int64_t sample_row(const float* x, int64_t vocab, const RowRequest& rq, Scratch& s) {
@@ -439,7 +453,7 @@ int64_t sample_row(const float* x, int64_t vocab, const RowRequest& rq, Scratch&
     if (mass >= target) return pick_among(x, s.candidates, s.candidate_weights, cut, rq.u * mass);
     if (guess >= chunks) break;
   }
-  return nucleus_by_histogram(x, w, vocab, total, rq.top_p, rq.u, s);
+  return nucleus_by_bisection(x, w, vocab, total, rq.top_p, rq.u, s);
 }
 
 // u in [0, 1) from a key's low 63 bits (torch's random_() fills [0, 2^63)).
