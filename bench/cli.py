@@ -24,6 +24,7 @@ from bench.metrics import compute_metrics
 from bench.plot import require_matplotlib, write_latency_histograms
 from bench.report import build_result, format_report, write_result
 from bench.runner import LoadConfig, run_load, warm_up
+from bench.sampling import GREEDY, SAMPLING_SETTINGS, SamplingSetting
 from services.config.process import OPENAI_API_KEY
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--num-warmups", type=int, default=1, help="untimed requests sent first, one at a time"
     )
-    load.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    load.add_argument(
+        "--sampling",
+        choices=list(SAMPLING_SETTINGS),
+        default=GREEDY.name,
+        help="sampling fields sent: greedy (temperature 0), none-given (no field: the "
+        "server's defaults, as vllm bench serve), t0.7-p0.9 (temperature 0.7, top_p 0.9)",
+    )
+    load.add_argument(
+        "--temperature", type=float, default=None, help="sent instead of --sampling's"
+    )
+    load.add_argument("--top-p", type=float, default=None, help="sent instead of --sampling's")
     load.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -115,6 +126,18 @@ def _percentiles(text: str) -> tuple[float, ...]:
     if not values or not all(0 <= value <= 100 for value in values):
         raise ValueError(f"--percentiles must be numbers in [0, 100], got {text!r}")
     return values
+
+
+def sampling_setting(args: argparse.Namespace) -> SamplingSetting:
+    """--sampling's setting, with --temperature / --top-p in place of its fields."""
+    setting = SAMPLING_SETTINGS[args.sampling]
+    if args.temperature is None and args.top_p is None:
+        return setting
+    return SamplingSetting(
+        name=f"{setting.name}+custom",
+        temperature=args.temperature if args.temperature is not None else setting.temperature,
+        top_p=args.top_p if args.top_p is not None else setting.top_p,
+    )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -144,12 +167,13 @@ async def _run(args: argparse.Namespace) -> int:
     tokenizer = BenchTokenizer.from_path(tokenizer_path)
     requests = sample_random_requests(dataset, tokenizer)
 
+    sampling = sampling_setting(args)
     client_config = ClientConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,
         api_key=args.api_key or OPENAI_API_KEY.get() or None,
         ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
+        sampling=sampling,
         max_connections=args.max_concurrency or args.num_prompts,
         timeout_s=args.request_timeout,
     )
@@ -191,7 +215,8 @@ async def _run(args: argparse.Namespace) -> int:
         "max_concurrency": load.max_concurrency,
         "seed": args.seed,
         "num_warmups": args.num_warmups,
-        "temperature": args.temperature,
+        "sampling": sampling.name,
+        **sampling.fields(),
         "ignore_eos": args.ignore_eos,
     }
     if args.result_file is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from bench.dataset import SampleRequest
+from bench.sampling import GREEDY, SamplingSetting
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class ClientConfig:
     model: str = ""
     api_key: str | None = None
     ignore_eos: bool = True
-    temperature: float = 0.0
+    # The sampling fields each request sends (bench/sampling.py); greedy by default.
+    sampling: SamplingSetting = GREEDY
     # One keep-alive connection per concurrent request; more would only idle.
     max_connections: int = 256
     timeout_s: float = 6 * 60 * 60
@@ -105,7 +107,7 @@ class CompletionsClient:
             "model": self.config.model,
             "prompt": request.prompt,
             "max_tokens": request.output_len,
-            "temperature": self.config.temperature,
+            **self.config.sampling.fields(),
             "ignore_eos": self.config.ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -38,6 +38,7 @@ from bench.client import ClientConfig, CompletionsClient  # noqa: E402
 from bench.dataset import SampleRequest  # noqa: E402
 from bench.metrics import compute_metrics  # noqa: E402
 from bench.runner import LoadConfig, run_load  # noqa: E402
+from bench.sampling import GREEDY, SamplingSetting  # noqa: E402
 from kvmesh.engine import InProcessEngine  # noqa: E402
 from services.local_stack import LocalStack  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
@@ -97,21 +98,26 @@ class HttpRun:
 
 
 async def http_run(
-    url: str, prompts: list[list[int]], output_len: int, concurrency: int
+    url: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    sampling: SamplingSetting = GREEDY,
 ) -> HttpRun:
     """``prompts`` through ``url``'s /v1/completions at ``concurrency`` (after a
-    2-request warm-up), greedy, exactly ``output_len`` tokens each."""
+    2-request warm-up), sending ``sampling``'s fields (greedy unless told),
+    exactly ``output_len`` tokens each."""
     requests = [
         SampleRequest(f"bench-{i}", prompt, len(prompt), output_len)
         for i, prompt in enumerate(prompts)
     ]
-    config = ClientConfig(base_url=url, ignore_eos=True, temperature=0.0)
+    config = ClientConfig(base_url=url, ignore_eos=True, sampling=sampling)
     async with CompletionsClient(config) as client:
         client.config = ClientConfig(
             base_url=url,
             model=await client.first_model_id(),
             ignore_eos=True,
-            temperature=0.0,
+            sampling=sampling,
             max_connections=concurrency,
         )
         # Warm-up: first requests pay for lazy initialisation in every service.

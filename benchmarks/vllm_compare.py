@@ -5,15 +5,19 @@ Usage: .venv/bin/python benchmarks/vllm_compare.py [--vllm-python /tmp/vllm-cpu/
            [--kvmesh-args "..."]
 
 Each workload is INPUTxOUTPUTxPROMPTS: random token-id prompts of INPUT tokens,
-greedy, ``ignore_eos``, exactly OUTPUT tokens each, sent at ``--concurrency``
+``ignore_eos``, exactly OUTPUT tokens each, sent at ``--concurrency``
 through /v1/completions by kvmesh's own load client (the metrics of ``vllm
-bench serve``), after a 2-request warm-up. vLLM runs with ``--dtype bfloat16``
-where the CPU has AMX or AVX512-BF16 (its fast path there) and ``float32``
-elsewhere; kvmesh is ``kvmesh up`` with no flags but ports (its ``--dtype
-auto`` makes the same call by itself).
+bench serve``), after a 2-request warm-up, once per sampling setting
+(``--samplings``, bench/sampling.py): greedy (temperature 0), none given (no
+sampling field: both servers' defaults, temperature 1, what ``vllm bench
+serve`` and most clients send) and temperature 0.7 with top_p 0.9. vLLM
+runs with ``--dtype bfloat16`` where the CPU has AMX or AVX512-BF16 (its
+fast path there) and ``float32`` elsewhere; kvmesh is ``kvmesh up`` with no
+flags but ports (its ``--dtype auto`` makes the same call by itself).
 
 Both servers start first and stay up; the script checks that an idle one
-takes no CPU, then runs ``--rounds`` rounds, each one workload on one server
+takes no CPU, then runs ``--rounds`` rounds, each cell (a workload and a
+sampling setting) on one server
 right after the other, the order flipping every round. On a shared 2-core
 VM the host's speed drifts by tens of % within minutes, so a ratio is only
 worth something between runs made back to back: it prints every run (output
@@ -56,6 +60,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.sampling import SAMPLING_SETTINGS, SamplingSetting  # noqa: E402
 from benchmarks.baselines import HttpRun, http_run, load_average, make_prompts  # noqa: E402
 from services.config import environment_without_options  # noqa: E402
 from services.cpu_features import CpuFeatures  # noqa: E402
@@ -227,12 +232,18 @@ def idle_cpu_share(pids: list[int], seconds: float = 10.0) -> float:
 
 
 def measure(
-    url: str, workload: Workload, prompts: list[list[int]], concurrency: int, label: str
+    url: str,
+    workload: Workload,
+    sampling: SamplingSetting,
+    prompts: list[list[int]],
+    concurrency: int,
+    label: str,
 ) -> HttpRun:
     before = load_average()
-    run = asyncio.run(http_run(url, prompts, workload.output_len, concurrency))
+    run = asyncio.run(http_run(url, prompts, workload.output_len, concurrency, sampling))
     print(
-        f"{label:<28} {workload!s:<24} {run.tokens_per_s:7.1f} output tok/s, {run.detail} "
+        f"{label:<28} {workload!s:<24} {sampling.name:<10} "
+        f"{run.tokens_per_s:7.1f} output tok/s, {run.detail} "
         f"(load {before} -> {load_average()})",
         flush=True,
     )
@@ -245,6 +256,13 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--workloads", nargs="+", default=["128x128x64", "1024x64x32"])
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--samplings",
+        nargs="+",
+        choices=list(SAMPLING_SETTINGS),
+        default=list(SAMPLING_SETTINGS),
+        help="the sampling settings to send (bench/sampling.py)",
+    )
     parser.add_argument("--kvmesh-args", default="", help="extra flags for kvmesh up")
     parser.add_argument("--vllm-dtype", default=None, help="override vLLM's best dtype")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per workload")
@@ -258,6 +276,8 @@ def main() -> None:
     cpu = CpuFeatures.detect()
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size
     workloads = [Workload.parse(text) for text in args.workloads]
+    samplings = [SAMPLING_SETTINGS[name] for name in args.samplings]
+    cells = [(workload, sampling) for workload in workloads for sampling in samplings]
     caps = AVX2_CAPS if args.emulate_avx2 else {}  # for both servers' processes
     vllm_dtype = args.vllm_dtype or ("float32" if args.emulate_avx2 else vllm_best_dtype(cpu))
     kvmesh_args = shlex.split(args.kvmesh_args)
@@ -269,7 +289,7 @@ def main() -> None:
         flush=True,
     )
     labels = (f"vLLM {vllm_dtype}", "kvmesh " + (args.kvmesh_args or "defaults"))
-    runs: dict[tuple[str, Workload], list[HttpRun]] = {}
+    runs: dict[tuple[str, Workload, SamplingSetting], list[HttpRun]] = {}
     with contextlib.ExitStack() as servers:
         python_path = servers.enter_context(avx2_only_python_path()) if args.emulate_avx2 else ""
         vllm_url, vllm_pids = servers.enter_context(
@@ -288,18 +308,24 @@ def main() -> None:
             # Alternate who goes first, so a host that drifts faster or slower
             # within a round favours neither.
             order = labels if round_index % 2 == 0 else labels[::-1]
-            for index, workload in enumerate(workloads):
-                # Fresh prompts for every round and workload, the same for both
+            for index, (workload, sampling) in enumerate(cells):
+                # Fresh prompts for every round and cell, the same for both
                 # servers: a prompt seen before would be a prefix-cache hit
                 # (and prompts drawn from one seed share their first tokens).
-                seed = args.seed + round_index * len(workloads) + index
+                seed = args.seed + round_index * len(cells) + index
                 prompts = make_prompts(workload.num_prompts, workload.input_len, vocab_size, seed)
                 for label in order:
-                    run = measure(urls[label], workload, prompts, args.concurrency, label)
-                    runs.setdefault((label, workload), []).append(run)
+                    run = measure(urls[label], workload, sampling, prompts, args.concurrency, label)
+                    runs.setdefault((label, workload, sampling), []).append(run)
     print("kvmesh / vLLM, per round (same round, back to back), and the median:")
-    for workload in workloads:
-        pairs = list(zip(runs[(labels[1], workload)], runs[(labels[0], workload)], strict=True))
+    for workload, sampling in cells:
+        pairs = list(
+            zip(
+                runs[(labels[1], workload, sampling)],
+                runs[(labels[0], workload, sampling)],
+                strict=True,
+            )
+        )
         for name, ratio in (
             ("output tok/s", lambda a, b: a.tokens_per_s / b.tokens_per_s),
             ("mean TTFT (lower is better)", lambda a, b: a.mean_ttft_ms / b.mean_ttft_ms),
@@ -307,7 +333,8 @@ def main() -> None:
         ):
             values = [ratio(a, b) for a, b in pairs]
             print(
-                f"  {workload!s:<24} {name:<28} median {statistics.median(values):.2f}x  "
+                f"  {workload!s:<24} {sampling.name:<10} {name:<28} "
+                f"median {statistics.median(values):.2f}x  "
                 f"(rounds: {', '.join(f'{v:.2f}' for v in values)})"
             )
 

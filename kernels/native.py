@@ -82,6 +82,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "lora_cpu.cpp": ("-ffp-contract=fast",),
     # Vectorized only under it; finds NaNs from their bits.
     "greedy_argmax_cpu.cpp": FAST_MATH,
+    # Its -inf logits must stay -inf; its loops vectorize by `omp simd`.
+    "sample_tokens_cpu.cpp": (),
+    # Torch's float operations, one by one: no contraction into fused multiply-adds.
+    "penalties_cpu.cpp": ("-ffp-contract=off",),
     "kv_cache_write_cpu.cpp": (),
 }
 # Sources whose every line is under an AMX (AVX2, AVX512-BF16) guard, empty at other

@@ -132,12 +132,13 @@ class InputBatch:
 
     def _seeded_generator(self, seed: int, num_sampled: int) -> torch.Generator:
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        # Replay the draws of tokens sampled before a preemption (one vocab-sized
-        # draw per token, as the sampler makes), so a resumed seeded request
-        # continues the same random stream.
-        scratch = torch.empty(self.vocab_size, device=self.device)
-        for _ in range(num_sampled):
-            scratch.exponential_(generator=generator)
+        # Replay the draws of tokens sampled before a preemption (one int64 key
+        # per token, as the sampler's draw_keys makes; a batch of n draws is n
+        # single ones), so a resumed seeded request continues the same stream.
+        if num_sampled:
+            torch.empty(num_sampled, dtype=torch.int64, device=self.device).random_(
+                generator=generator
+            )
         return generator
 
     def update_request(self, req_id: str, new_block_ids: list[int], num_computed: int) -> None:

@@ -158,7 +158,7 @@ class ModelRunner:
             device=self.device,
         )
         # The C++ ops' argmax where the model runs them (so they are loaded).
-        self.sampler = Sampler(native_argmax=self.model.uses_native_ops)
+        self.sampler = Sampler(native=self.model.uses_native_ops)
         self.structured_output = StructuredOutputManager(
             GrammarCompilerCache(
                 model_config.path, model_config.vocab_size, model_config.eos_token_ids

@@ -9,10 +9,19 @@ A failure while sampling the batch costs only the rows that fail: the batch
 is sampled again row by row, and a row that fails alone is reported in
 ``SamplerOutput.failed_rows`` while every other row gets its token.
 
-Random rows sample with the exponential race (argmax of p / E, E ~ Exp(1)),
-which draws exactly ``vocab_size`` numbers per row per step. A seeded request
-draws them from its own generator, so its tokens do not depend on which other
-requests share the batch.
+Random rows sample by inverse transform: one uniform number u per row per
+step, and the token is the first index whose cumulative probability passes u
+(``draw_keys``: each row's u comes from a 63-bit key). A seeded request draws
+its key from its own generator, so its tokens do not depend on which other
+requests share the batch; the others draw theirs from torch's global one.
+
+With the C++ ops loaded (``native``), a step makes one kernel call for the
+rows' tokens: ``kvmesh::greedy_argmax`` when every row is greedy, else
+``kvmesh::sample_tokens`` (kernels/csrc/sample_tokens_cpu.cpp: temperature,
+min_p, top_k and top_p without a vocabulary sort, greedy rows among them),
+and penalties go to ``kvmesh::apply_penalties_``, which touches only the
+tokens a row has seen. The torch functions below are the same definitions,
+for other devices and as the tests' reference.
 """
 
 from __future__ import annotations
@@ -62,9 +71,29 @@ def apply_min_tokens_and_logit_bias(
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """vLLM's penalties: repetition over prompt + output, presence/frequency over output."""
+def apply_penalties(
+    logits: torch.Tensor, metadata: SamplingMetadata, native: bool = False
+) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output, presence/frequency over output.
+
+    ``native``: in place on float32 CPU logits (``apply_logits_processors``
+    made them a copy) by kvmesh::apply_penalties_, the same floats.
+    """
     if metadata.token_ids is None:
+        return logits
+    if native and _native_rows(logits):
+        assert metadata.prompt_lens is not None and metadata.num_tokens is not None
+        assert metadata.repetition_penalty is not None
+        assert metadata.presence_penalty is not None and metadata.frequency_penalty is not None
+        torch.ops.kvmesh.apply_penalties_(
+            logits,
+            metadata.token_ids,
+            metadata.prompt_lens,
+            metadata.num_tokens,
+            metadata.repetition_penalty,
+            metadata.presence_penalty,
+            metadata.frequency_penalty,
+        )
         return logits
     assert metadata.prompt_lens is not None and metadata.num_tokens is not None
     assert metadata.repetition_penalty is not None
@@ -91,23 +120,27 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits - metadata.presence_penalty.unsqueeze(1) * output_seen
 
 
-def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_logits_processors(
+    logits: torch.Tensor, metadata: SamplingMetadata, native: bool = False
+) -> torch.Tensor:
     """Everything before the greedy/random split, as float32; ``logits`` is never modified.
 
-    The processors that write in place (grammar bitmask, min_tokens, logit_bias)
-    get a copy; the others make new tensors, so without them float32 logits pass
-    through as they are: a decode batch's logits (16 x 49,152 float32) are 3 MB,
-    whose copy took ~0.1-0.2 ms of a ~26-30 ms step (2-core Zen 4 EPYC).
+    The processors that write in place (grammar bitmask, min_tokens, logit_bias,
+    native penalties) get a copy; the others make new tensors, so without them
+    float32 logits pass through as they are: a decode batch's logits (16 x 49,152
+    float32) are 3 MB, whose copy took ~0.1-0.2 ms of a ~26-30 ms step (2-core
+    Zen 4 EPYC).
     """
     in_place = (
         metadata.grammar_bitmask is not None
         or metadata.min_tokens_block is not None
         or metadata.logit_bias is not None
+        or (native and metadata.token_ids is not None)
     )
     logits = logits.to(torch.float32, copy=in_place)
     logits = apply_token_masks(logits, metadata)
     logits = apply_min_tokens_and_logit_bias(logits, metadata)
-    return apply_penalties(logits, metadata)
+    return apply_penalties(logits, metadata, native)
 
 
 def apply_temperature(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -156,6 +189,17 @@ def random_sampling_logits(processed: torch.Tensor, metadata: SamplingMetadata) 
     return apply_top_k_top_p(logits, metadata)
 
 
+def _native_rows(x: torch.Tensor) -> bool:
+    """Whether the C++ ops take ``x``: float32 CPU rows with a unit vocabulary stride."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+    )
+
+
 def row_argmax(x: torch.Tensor, native: bool = False) -> torch.Tensor:
     """Each row's argmax, as ``x.argmax(dim=-1)`` (first maximum; a NaN wins).
 
@@ -164,22 +208,57 @@ def row_argmax(x: torch.Tensor, native: bool = False) -> torch.Tensor:
     17x faster than torch's on a decode batch's logits (16 x 49,152: 74 vs
     1,287 us, 2 threads of the 2-core AMX Xeon); the same indices.
     """
-    fits = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-    if native and fits and x.shape[1] and x.stride(1) == 1:
+    if native and _native_rows(x):
         return torch.ops.kvmesh.greedy_argmax(x)
     return x.argmax(dim=-1)
 
 
-def exponential_race(
-    probs: torch.Tensor, generators: dict[int, torch.Generator], native_argmax: bool = False
-) -> torch.Tensor:
-    """One token per row, distributed as ``probs``; seeded rows use their own generator."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+# A key's low 63 bits, of which the top 53 make u in [0, 1).
+_KEY_MASK = (1 << 63) - 1
+
+
+def draw_keys(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One random key per row ([num_rows] int64 in [0, 2^63), on the CPU): seeded rows
+    from their own generator (one draw per step, so a resumed request replays
+    one per token it sampled), the others from torch's global generator."""
+    keys = torch.empty(num_rows, dtype=torch.int64).random_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return row_argmax(probs.div(noise), native_argmax)
+        keys[row] = torch.empty((), dtype=torch.int64, device=generator.device).random_(
+            generator=generator
+        )
+    return keys
+
+
+def uniforms_from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Each key's u in [0, 1), float64, as kvmesh::sample_tokens makes it."""
+    return ((keys & _KEY_MASK) >> 10).double() * 2.0**-53
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the first index whose cumulative probability passes ``u`` times the row's
+    total: a token distributed as ``probs`` (zero-probability tokens never)."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    tokens = tokens.clamp_(max=probs.shape[1] - 1)
+    # u * total rounded up to the total: the last token that has probability.
+    missed = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0
+    if bool(missed.any()):
+        last = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        tokens = torch.where(missed, last, tokens)
+    return tokens
+
+
+def fused_sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, keys: torch.Tensor
+) -> torch.Tensor:
+    """Every row's token in one kvmesh::sample_tokens call (greedy rows: argmax)."""
+    temperature = torch.where(
+        metadata.is_greedy, torch.zeros_like(metadata.temperature), metadata.temperature
+    )
+    return torch.ops.kvmesh.sample_tokens(
+        logits, temperature, metadata.top_k, metadata.top_p, metadata.min_p, keys
+    )
 
 
 def gather_logprobs(
@@ -208,12 +287,11 @@ def gather_logprobs(
 
 
 class Sampler:
-    """Stateless; one call samples every row of a step. ``native_argmax``: the
-    C++ CPU ops are loaded, and greedy and random rows take their argmax there
-    (``row_argmax``)."""
+    """Stateless; one call samples every row of a step. ``native``: the C++ CPU
+    ops are loaded, and float32 CPU logits are sampled by them (module doc)."""
 
-    def __init__(self, native_argmax: bool = False) -> None:
-        self.native_argmax = native_argmax
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         try:
@@ -223,9 +301,9 @@ class Sampler:
         return self._sample_rows_alone(logits, metadata)
 
     def _sample_rows_alone(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # Random numbers are drawn last (exponential_race), so a batch that
-        # failed earlier left every seeded generator where it was: a seeded
-        # row alone draws what it would have drawn in the batch.
+        # Random keys are drawn last (just before the tokens are chosen), so a
+        # batch that failed earlier left every seeded generator where it was:
+        # a seeded row alone draws what it would have drawn in the batch.
         token_ids = torch.zeros(metadata.num_rows, dtype=torch.int64, device=logits.device)
         logprobs: list[Logprobs | None] = [None] * metadata.num_rows
         failed: dict[int, str] = {}
@@ -247,22 +325,27 @@ class Sampler:
             if metadata.max_num_logprobs is not None
             else None
         )
-        logits = apply_logits_processors(logits, metadata)
-        greedy_tokens = None if metadata.all_random else row_argmax(logits, self.native_argmax)
+        logits = apply_logits_processors(logits, metadata, self.native)
         if metadata.all_greedy:
-            assert greedy_tokens is not None
-            token_ids = greedy_tokens
-        else:
-            probs = torch.softmax(random_sampling_logits(logits, metadata), dim=-1)
-            random_tokens = exponential_race(probs, metadata.generators, self.native_argmax)
-            token_ids = (
-                random_tokens
-                if greedy_tokens is None
-                else torch.where(metadata.is_greedy, greedy_tokens, random_tokens)
+            token_ids = row_argmax(logits, self.native)
+        elif self.native and _native_rows(logits):
+            token_ids = fused_sample(
+                logits, metadata, draw_keys(metadata.num_rows, metadata.generators)
             )
+        else:
+            token_ids = self._sample_with_torch(logits, metadata)
         logprobs = (
             gather_logprobs(raw_logprobs, token_ids, metadata)
             if raw_logprobs is not None
             else [None] * metadata.num_rows
         )
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample_with_torch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = None if metadata.all_random else row_argmax(logits)
+        probs = torch.softmax(random_sampling_logits(logits, metadata), dim=-1)
+        u = uniforms_from_keys(draw_keys(metadata.num_rows, metadata.generators))
+        random_tokens = inverse_transform(probs, u)
+        if greedy_tokens is None:
+            return random_tokens
+        return torch.where(metadata.is_greedy, greedy_tokens, random_tokens)

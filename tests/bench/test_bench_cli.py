@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import main
+from bench.cli import build_parser, main, sampling_setting
 from bench.dataset import BenchTokenizer
 from services.model_prep import default_model_path
 from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
@@ -103,3 +103,17 @@ def test_failed_warm_up_exits_with_a_message(
     assert code == 2
     assert "warm-up request failed: HTTP 404" in capsys.readouterr().err
     assert fake_server.observed.num_requests == 1  # nothing timed was sent
+
+
+@pytest.mark.parametrize(
+    ("flags", "fields"),
+    [
+        ([], {"temperature": 0.0}),
+        (["--sampling=none-given"], {}),
+        (["--sampling=t0.7-p0.9"], {"temperature": 0.7, "top_p": 0.9}),
+        (["--sampling=none-given", "--top-p=0.5"], {"top_p": 0.5}),
+        (["--temperature=1.2"], {"temperature": 1.2}),
+    ],
+)
+def test_sampling_flags_choose_the_fields_sent(flags: list[str], fields: dict) -> None:
+    assert sampling_setting(build_parser().parse_args(flags)).fields() == fields

@@ -6,6 +6,7 @@ import pytest
 
 from bench.client import ClientConfig, CompletionsClient
 from bench.dataset import SampleRequest
+from bench.sampling import CHAT, NONE_GIVEN, SAMPLING_SETTINGS
 from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
 
 REQUEST = SampleRequest(request_id="req-1", prompt=[11, 12, 13], prompt_len=3, output_len=6)
@@ -46,6 +47,20 @@ async def test_request_body_asks_for_a_greedy_stream_of_exact_length(
     headers = fake_server.observed.headers[0]
     assert headers["authorization"] == "Bearer secret"
     assert headers["x-request-id"] == "req-1"
+
+
+async def test_each_sampling_setting_sends_its_fields_and_none_given_sends_none(
+    fake_server: FakeOpenAIServer,
+) -> None:
+    assert set(SAMPLING_SETTINGS) == {"greedy", "none-given", "t0.7-p0.9"}
+    for setting in (NONE_GIVEN, CHAT):
+        async with client_for(fake_server, sampling=setting) as client:
+            await client.send(REQUEST)
+    none_given, chat = fake_server.observed.payloads[-2:]
+    # Nothing sent: the server's defaults (temperature 1), as vllm bench serve.
+    assert "temperature" not in none_given and "top_p" not in none_given
+    assert none_given["ignore_eos"] is True
+    assert (chat["temperature"], chat["top_p"]) == (0.7, 0.9)
 
 
 async def test_without_usage_the_token_events_are_counted(fake_server: FakeOpenAIServer) -> None:

@@ -112,8 +112,8 @@ def test_write_kv_cache_falls_back_for_another_cache_dtype(backend) -> None:
         backend.write_kv_cache(key, value, k_half, v_half, slots)
 
 
-def test_the_sampler_draws_the_same_tokens_with_the_native_argmax(backend) -> None:
-    """Greedy rows and seeded random rows (the exponential race's argmax) alike."""
+def test_the_sampler_draws_the_same_tokens_with_the_native_ops(backend) -> None:
+    """Greedy rows and seeded random rows (one key each, the same inverse transform) alike."""
     vocab = 5000
     params = [
         SamplingParams(temperature=0.0),
@@ -133,6 +133,6 @@ def test_the_sampler_draws_the_same_tokens_with_the_native_argmax(backend) -> No
         metadata = sampling_metadata_from_lists(
             params, [[1, 2]] * len(params), [[]] * len(params), generators, [0], vocab
         )
-        return Sampler(native_argmax=native)(logits.clone(), metadata).token_ids.tolist()
+        return Sampler(native=native)(logits.clone(), metadata).token_ids.tolist()
 
     assert draw(native=True) == draw(native=False)
