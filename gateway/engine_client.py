@@ -114,6 +114,8 @@ class ModelInfo:
     dtype_reason: str = ""
     # How the engine holds its weights: "gguf", "int8" (empty: as the checkpoint has them).
     quantization: str = ""
+    # Bytes of weights resident in the worker (None: unknown), for /v1/models.
+    weight_bytes: int | None = None
 
 
 @runtime_checkable

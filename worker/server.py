@@ -361,6 +361,7 @@ def build_runner(
         dtype_reason=model_config.dtype_reason,
         quantization=model_config.weights_description,
         step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
+        weight_bytes=runner.model.resident_weight_bytes(),
     )
     return runner, info
 
