@@ -90,7 +90,9 @@ class GGMLRows:
         """Rows (``w[rows]``), or whole blocks of columns (``w[:, cols]``)."""
         segment = self._only()
         if not isinstance(key, tuple):
-            return GGMLRows((Segment(segment.kind, segment.blocks[key].contiguous()),), self.in_features)
+            return GGMLRows(
+                (Segment(segment.kind, segment.blocks[key].contiguous()),), self.in_features
+            )
         rows, cols = key
         weights, nbytes = BLOCK_FORMATS[segment.kind]
         start, stop, step = cols.indices(self.in_features)

@@ -33,6 +33,8 @@ def quantize(weight: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     """``weight`` [rows, cols] float32 as uint8 blocks [rows, row bytes]."""
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     rows, cols = weight.shape
+    if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K) and cols % QK_K:
+        raise ValueError(f"{kind.name} needs rows of whole {QK_K}-weight super-blocks, not {cols}")
     if kind in (Q.Q4_K, Q.Q5_K):
         blocks = _quantize_q45k(weight.reshape(-1, QK_K), 5 if kind == Q.Q5_K else 4)
     elif kind == Q.Q6_K:
