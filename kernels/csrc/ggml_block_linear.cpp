@@ -128,9 +128,37 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
       uint32_t qh;
       std::memcpy(&qh, blk + head, sizeof(qh));
       const uint8_t* qs = blk + head + 4;
+#if defined(__AVX2__) && defined(__FMA__)
+      {
+        // Eight weights at a time: nibble of qs, fifth bit (qh >> l) & 1.
+        const __m256i qh_v = _mm256_set1_epi32(static_cast<int>(qh));
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i low4 = _mm256_set1_epi32(0xF), one = _mm256_set1_epi32(1);
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int c = 0; c < 4; ++c) {
+          __m256i n = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * (c & 1))));
+          n = c < 2 ? _mm256_and_si256(n, low4) : _mm256_srli_epi32(n, 4);
+          const __m256i bit = _mm256_and_si256(
+              _mm256_srlv_epi32(qh_v, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * c))), one);
+          const __m256i qi = _mm256_or_si256(n, _mm256_slli_epi32(bit, 4));
+          __m256 w;
+          if (kind == kQ5_0) {
+            w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(qi, _mm256_set1_epi32(16))));
+          } else {
+            w = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(qi)),
+                              _mm256_set1_ps(half_at(blk + 2)));
+          }
+          _mm256_storeu_ps(out + 8 * c, w);
+        }
+        return;
+      }
+#endif
+      uint8_t high[32];
+      for (int l = 0; l < 32; ++l) high[l] = static_cast<uint8_t>(((qh >> l) & 1u) << 4);
       for (int l = 0; l < 16; ++l) {
-        q[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
-        q[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        q[l] = (qs[l] & 0xF) | high[l];
+        q[l + 16] = (qs[l] >> 4) | high[l + 16];
       }
       if (kind == kQ5_0) {
         for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(static_cast<int>(q[l]) - 16);
@@ -175,23 +203,50 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
       return;
     }
     case kQ6_K: {
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = half_at(blk + 208);
-      // Weight p = 128 h + r: low 4 bits in ql[64 h + r % 64] (nibble r / 64),
-      // high 2 bits in qh[32 h + r % 32] (bits 2 (r / 32)); minus 32.
+      // Weight r of half h (128 weights): low 4 bits in ql[64 h + r % 64]
+      // (nibble r / 64), high 2 bits in qh[32 h + r % 32] (bits 2 (r / 32));
+      // minus 32; scale 8 h + r / 16. Byte l feeds r = l, l + 32, l + 64, l + 96.
       for (int h = 0; h < 2; ++h) {
-        for (int r = 0; r < 128; ++r) {
-          const int low = (ql[64 * h + (r & 63)] >> (4 * (r >> 6))) & 0xF;
-          const int high = (qh[32 * h + (r & 31)] >> (2 * (r >> 5))) & 3;
-          q[128 * h + r] = static_cast<uint8_t>(low | (high << 4));
+        const uint8_t* ql = blk + 64 * h;
+        const uint8_t* qh = blk + 128 + 32 * h;
+        const auto* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h);
+        float ds[8];
+        for (int i = 0; i < 8; ++i) ds[i] = d * static_cast<float>(sc[i]);
+        float* y = out + 128 * h;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256i low4 = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3);
+        const __m256i bias = _mm256_set1_epi32(32);
+        const auto load8 = [](const uint8_t* p) {
+          return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        };
+        const auto put = [&](float* dst, float scale, __m256i low, __m256i high) {
+          const __m256i qi =
+              _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), bias);
+          _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(qi)));
+        };
+        for (int l = 0; l < 32; l += 8) {
+          const int is = l / 16;
+          const __m256i a = load8(ql + l), b = load8(ql + l + 32), hh = load8(qh + l);
+          put(y + l, ds[is], _mm256_and_si256(a, low4), _mm256_and_si256(hh, two));
+          put(y + l + 32, ds[is + 2], _mm256_and_si256(b, low4),
+              _mm256_and_si256(_mm256_srli_epi32(hh, 2), two));
+          put(y + l + 64, ds[is + 4], _mm256_srli_epi32(a, 4),
+              _mm256_and_si256(_mm256_srli_epi32(hh, 4), two));
+          put(y + l + 96, ds[is + 6], _mm256_srli_epi32(b, 4), _mm256_srli_epi32(hh, 6));
         }
-      }
-      for (int s = 0; s < 16; ++s) {
-        const float ds = d * static_cast<float>(scales[s]);
-        for (int l = 0; l < 16; ++l) {
-          out[16 * s + l] = ds * static_cast<float>(static_cast<int>(q[16 * s + l]) - 32);
+        continue;
+#endif
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[l] = ds[is] * static_cast<float>(q1);
+          y[l + 32] = ds[is + 2] * static_cast<float>(q2);
+          y[l + 64] = ds[is + 4] * static_cast<float>(q3);
+          y[l + 96] = ds[is + 6] * static_cast<float>(q4);
         }
       }
       return;
