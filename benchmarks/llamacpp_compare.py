@@ -21,6 +21,12 @@ INPUTxOUTPUTxPROMPTS of random token ids, greedy, ``ignore_eos``, through
 ``vllm bench serve``'s metrics), both servers up, the order flipping every
 round; it prints each run and the kvmesh/llama.cpp output tok/s ratio per
 concurrency (median of the rounds) with the mean TTFT and TPOT.
+
+Status: not yet run to the end. On the 2-core box of 2026-12-05 the
+``pip download --no-binary :all:`` step spent 25 minutes building the sdist's
+build dependencies from source (``:all:`` applies to them too, to prepare the
+package's metadata) and was stopped; the cmake build and the comparison after
+it are untested.
 """
 
 from __future__ import annotations

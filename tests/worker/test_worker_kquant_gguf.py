@@ -30,7 +30,7 @@ pytestmark = pytest.mark.model
 
 Q = GGMLQuantizationType
 # Decode-sized (the kernel) and prefill-sized (tiles + GEMM) prompts.
-PROMPT_LENGTHS = (5, 3 * MAX_GGML_KERNEL_ROWS)
+PROMPT_LENGTHS = (5, MAX_GGML_KERNEL_ROWS + 8)
 
 
 def _runner(folder: Path) -> ModelRunner:
@@ -38,7 +38,7 @@ def _runner(folder: Path) -> ModelRunner:
 
     return ModelRunner(
         ModelConfig.from_pretrained(folder, max_model_len=256),
-        CacheConfig(block_size=16, num_kv_blocks=16),
+        CacheConfig(block_size=16, num_kv_blocks=16),  # 256 tokens
         num_threads=1,
     )
 
@@ -58,6 +58,7 @@ def test_kquant_logits_are_the_dequantized_weights(
     reference = _runner(files.reference)
     for length in PROMPT_LENGTHS:
         prompt = (prompts[2] * 4)[:length]
+        assert len(prompt) == length
         want = _our_logits(reference, prompt)
         got = _our_logits(ours, prompt)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -28,8 +28,12 @@ from worker.models.linear import PackedLinear, onednn_available
 
 # Up to this many rows the kernel over the blocks runs the projection; past it,
 # tiles rebuilt into scratch and a GEMM. `benchmarks/decode_bandwidth.py
-# --crossover` on the 2-core Zen 2 EPYC (docs/performance.md, "GGUF K-quants").
-MAX_GGML_KERNEL_ROWS = 16
+# --crossover` on the 2-core Zen 2 EPYC (AVX2; loaded box), the default model's
+# Q4_K_M, all 121 projections, kernel vs tiles ms per pass: 1 row 826 vs 4,953,
+# 16: 2,800 vs 5,469, 32: 3,426 vs 9,858, 128: 6,328 vs 14,789 (the kernel
+# ahead at every size measured; larger batches unmeasured). The same bound as
+# MAX_CODES_ONLY_KERNEL_ROWS for the panel codes.
+MAX_GGML_KERNEL_ROWS = 128
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
