@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         weight_bytes = runner.model.weight_bytes()["projections"]
         step = decode_step_seconds(runner, args.tokens)
         gbs = weight_bytes / step / 1e9
+        # A kquant_files folder is "named": its parent names the mix.
+        label = folder.parent.name if folder.name == "named" else folder.name
         print(
-            f"{folder.name}: {weight_bytes / 1e6:.1f} MB of projection weights per step, "
+            f"{label}: {weight_bytes / 1e6:.1f} MB of projection weights per step, "
             f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s), "
             f"{gbs:.1f} GB/s = {gbs / read_gbs:.0%} of the read probe"
         )
