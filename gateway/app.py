@@ -315,6 +315,7 @@ def build_app(
                 dtype=info.dtype or None,
                 dtype_reason=info.dtype_reason or None,
                 quantization=info.quantization or None,
+                weight_bytes=info.weight_bytes,
             )
         ]
         cards += [

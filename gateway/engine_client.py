@@ -130,6 +130,8 @@ class ModelInfo:
     quantization: str = ""
     # Set when the engine runs a pooling model (embeddings, scores); None: generation.
     pooling: PoolingInfo | None = None
+    # Bytes of weights resident in the worker (None: unknown), for /v1/models.
+    weight_bytes: int | None = None
 
 
 @runtime_checkable

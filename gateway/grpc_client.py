@@ -171,6 +171,7 @@ class GrpcEngineClient:
                 if info.runner == "pooling"
                 else None
             ),
+            weight_bytes=info.weight_bytes or None,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(

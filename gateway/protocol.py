@@ -522,6 +522,8 @@ class ModelCard(BaseModel):
     dtype_reason: str | None = None
     # How the weights are held: "gguf" (block codes from a GGUF file) or "int8".
     quantization: str | None = None
+    # Bytes of weights resident in the worker after loading (the worker's report).
+    weight_bytes: int | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -68,6 +68,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_linear.cpp": (),
     # Exact-rebuild checks: every product rounded before its sum, as torch's.
     "block_code_search.cpp": ("-ffp-contract=off",),
+    # GGUF blocks rebuilt as gguf's dequantization rounds them (product, then sum).
+    "ggml_block_linear.cpp": ("-ffp-contract=off",),
     "int8_linear.cpp": (),
     # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_cpu.cpp": (),

@@ -139,6 +139,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         embedding_dim=info.embedding_dim,
         matryoshka_dimensions=info.matryoshka_dimensions,
         labels=info.labels,
+        weight_bytes=info.weight_bytes,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

@@ -107,6 +107,10 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype = torch.float32
     # Why ``dtype`` (for logs and /v1/models): the flag, or auto's reasoning.
     dtype_reason: str = field(default="", compare=False)
+    # Whether ``dtype`` was asked for by name (--dtype float32, not auto or the
+    # default): a GGUF tensor type without a block kernel may then be
+    # dequantized to dense weights instead of refused (worker/gguf_weights.py).
+    dtype_explicit: bool = field(default=False, compare=False)
     # The GGUF file the weights are read from ('' : the folder's safetensors).
     gguf_file: str = ""
     # --quantization: "int8" quantizes the float projections at load, "w8a8"
@@ -224,6 +228,7 @@ class ModelConfig:
             dtype=compute_dtype,
             checkpoint_dtype=checkpoint_dtype,
             dtype_reason=dtype_reason,
+            dtype_explicit=auto is None and dtype is not None,
             gguf_file="" if gguf_file is None else str(gguf_file),
             quantization=quantization or "",
             num_experts=int(

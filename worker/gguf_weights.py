@@ -10,8 +10,21 @@ which is the kernel's ``code * scale + offset`` with
 * Q4_1: codes 0..15 with offset = the block's minimum.
 
 Each rebuilds exactly the float32 value gguf's (and so transformers') own
-dequantization gives. Every other type (F32, F16, BF16, the K-quants) is
-dequantized by the ``gguf`` package into a dense float32 tensor.
+dequantization gives.
+
+A file with K-quants (Q4_K, Q5_K, Q6_K: Q4_K_M / Q5_K_M / Q6_K files) or
+Q5_0 / Q5_1 (llama.cpp's fallback for rows whose width is no multiple of 256)
+keeps *every* quantized tensor as the file's own blocks, ``GGMLRows``
+(kernels/ggml_blocks.py), which kernels/csrc/ggml_block_linear.cpp multiplies
+directly: resident weights stay the file's size (a fused q/k/v mixing Q5_0
+and Q8_0 is one weight of two segments; a tied embedding and LM head share
+one copy). A file of Q4_0/Q4_1/Q8_0 only reads as ``RowCodes``, as above,
+for the panel kernels' bfloat16, AMX and W8A8 paths.
+
+F32, F16 and BF16 tensors are dense (read in the load dtype). Any other type
+(IQ-quants, Q2_K, Q3_K, ...) is refused with its name, unless the caller
+allows dense weights (an explicit ``--dtype``): then the ``gguf`` package
+dequantizes it to a dense tensor, said so in the log.
 
 llama.cpp's converter permutes the rows of a Llama's q and k projections
 (interleaved rotary halves); transformers' GGUF loader undoes it, and so do we,
@@ -30,11 +43,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kernels.block_codes import BLOCK, RowCodes
+from kernels.ggml_blocks import BLOCK_FORMATS, GGMLRows
 from worker.models.declaration import ModelDeclaration
 
 logger = logging.getLogger(__name__)
 
-GGUFTensor = torch.Tensor | RowCodes
+GGUFTensor = torch.Tensor | RowCodes | GGMLRows
 
 # Tensors llama.cpp adds that the model does not load (rotary factors come from config.json).
 _SKIPPED = ("rope_freqs.weight",)
@@ -47,6 +61,13 @@ _Q8_0, _Q4_0, _Q4_1 = (
 )
 _BLOCK_FIELDS = {_Q8_0: (1, 32), _Q4_0: (1, 16), _Q4_1: (2, 16)}
 CODE_TYPES = tuple(_BLOCK_FIELDS)
+# Read as they are stored in the file (GGMLRows), never as dense floats.
+BLOCK_TYPES = tuple(BLOCK_FORMATS)
+DENSE_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+class UnsupportedGGUFType(ValueError):
+    """A GGUF tensor type kvmesh does not run as blocks, refused by name."""
 
 
 def block_codes(data: np.ndarray, kind: GGMLQuantizationType, rows: int, cols: int) -> RowCodes:
@@ -79,10 +100,17 @@ def iterate_gguf_weights(
     num_heads: int,
     num_kv_heads: int,
     dense_dtype: torch.dtype = torch.float32,
+    allow_dense: bool = False,
 ) -> Iterator[tuple[str, GGUFTensor]]:
-    """(checkpoint name, dense tensor in ``dense_dtype`` or RowCodes) for every
-    weight, named by the family's declaration (``gguf_name``)."""
+    """(checkpoint name, dense tensor in ``dense_dtype``, RowCodes or GGMLRows)
+    for every weight, named by the family's declaration (``gguf_name``).
+    ``allow_dense``: dequantize types without a block kernel (else they are
+    refused with their name: UnsupportedGGUFType)."""
     reader = GGUFReader(str(path))
+    # One representation per file (see the module docstring).
+    as_blocks = any(
+        GGMLQuantizationType(t.tensor_type) not in CODE_TYPES + DENSE_TYPES for t in reader.tensors
+    )
     architecture = str(reader.fields["general.architecture"].contents())
     if architecture not in declaration.gguf_architectures:
         raise ValueError(
@@ -99,9 +127,26 @@ def iterate_gguf_weights(
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne: innermost first
         kind = GGMLQuantizationType(tensor.tensor_type)
         value: GGUFTensor
-        if kind in CODE_TYPES and len(shape) == 2:
+        if kind in CODE_TYPES and len(shape) == 2 and not as_blocks:
             value = block_codes(tensor.data, kind, *shape)
+        elif kind in BLOCK_TYPES and len(shape) == 2:
+            value = GGMLRows.from_file(tensor.data, kind, *shape)
         else:
+            if kind not in DENSE_TYPES:
+                if not allow_dense:
+                    raise UnsupportedGGUFType(
+                        f"{path.name}: tensor {tensor.name!r} is {kind.name}, which kvmesh "
+                        f"does not run as blocks (supported: "
+                        f"{', '.join(k.name for k in BLOCK_TYPES + DENSE_TYPES)}); "
+                        "pass an explicit --dtype to dequantize it to dense weights"
+                    )
+                logger.warning(
+                    "%s: %s is %s: dequantized to dense %s (--dtype)",
+                    path.name,
+                    tensor.name,
+                    kind.name,
+                    dense_dtype,
+                )
             dense = dequantize(tensor.data, kind).reshape(shape)
             value = torch.from_numpy(np.array(dense, dtype=np.float32))  # a writable copy
             value = value.to(dense_dtype)

@@ -75,6 +75,7 @@ def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]
             model_config.num_heads,
             model_config.num_kv_heads,
             model_config.load_dtype,
+            allow_dense=model_config.dtype_explicit,
         )
     return iterate_weights(Path(model_config.path), model_config.load_dtype)
 
@@ -113,6 +114,11 @@ def load_model(
         sizes["codes_only_projections"],
         sizes["embedding_codes"] / 1e6,
         sizes["parameters"] / 1e6,
+    )
+    logger.info(
+        "resident weight bytes: %d (%.1f MB)",
+        model.resident_weight_bytes(),
+        model.resident_weight_bytes() / 1e6,
     )
     logger.info(
         "loaded %s from %s (%s layers, dtype %s%s)",

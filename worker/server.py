@@ -408,6 +408,7 @@ def build_runner(
         quantization=model_config.weights_description,
         step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
         runner="generate",
+        weight_bytes=runner.model.resident_weight_bytes(),
     )
     return runner, info
 

@@ -23,6 +23,7 @@ from torch import nn
 from kernels import native
 from kernels.backend import AttentionBackend, AttentionMetadata
 from kernels.block_codes import RowCodes, quantize_int8
+from kernels.ggml_blocks import GGMLRows
 from worker.config import ModelConfig
 from worker.lora.slots import ProjectionShape, ProjectionSlots
 from worker.lora.step_batch import LoRABatch
@@ -34,9 +35,17 @@ from worker.models.config_checks import (
 )
 from worker.models.declaration import LayerKVSpec, ModelDeclaration, split_keep
 from worker.models.features import Features, RopeSpec
+from worker.models.ggml_linear import GGMLLinear
 from worker.models.linear import PackedLinear
 from worker.models.moe import grouped_experts
-from worker.models.quantized import WeightPiece, assemble, is_placeholder, placeholder, release
+from worker.models.quantized import (
+    CODE_PIECES,
+    WeightPiece,
+    assemble,
+    is_placeholder,
+    placeholder,
+    release,
+)
 from worker.models.rotary import RotaryEmbedding
 from worker.parallel.sharding import ShardPlan, partition_heads
 
@@ -130,14 +139,26 @@ def _pack(
     if piece is None and is_placeholder(weight):
         if previous is None:
             raise ValueError("a projection packed without its weights")
-        if previous.codes_only:
+        if isinstance(previous, GGMLLinear):
+            piece = previous.rows
+        elif previous.codes_only:
             return PackedLinear.from_codes(
                 previous.codes, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8
             )
-        # Packed before and its parameter released: start from what it kept.
-        weight.data = previous.dense_weight()
+        else:
+            # Packed before and its parameter released: start from what it kept.
+            weight.data = previous.dense_weight()
     if isinstance(piece, torch.Tensor):  # dense pieces of a placeholder
         weight.data = piece.to(weight.dtype)
+    if isinstance(piece, GGMLRows):
+        # A GGUF file's K-quant (or mixed) blocks: run as they are. --quantization
+        # asks for codes of a dense weight, and these are codes already.
+        if w8a8:
+            raise ValueError(
+                "--quantization w8a8 runs Q8_0/Q4_0/Q4_1 weights; this GGUF holds "
+                f"{'/'.join(sorted({k.name for k in piece.kinds}))} blocks"
+            )
+        return GGMLLinear(piece, bias, dtype, use_block_codes, use_onednn)
     if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
         piece = quantize_int8(weight)
     if isinstance(piece, RowCodes):
@@ -508,7 +529,7 @@ class DecoderForCausalLM(nn.Module):
             )
         self._packed_lm_head: PackedLinear | None = None
         # A GGUF file's quantized embedding: rows rebuilt per lookup, no dense table.
-        self._embed_codes: RowCodes | None = None
+        self._embed_codes: RowCodes | GGMLRows | None = None
         # A GGUF file's tensors for placeholder parameters, by parameter name and first row.
         self._pieces: dict[str, dict[int, WeightPiece]] = {}
         self._native_ops = False
@@ -706,7 +727,7 @@ class DecoderForCausalLM(nn.Module):
         lookup rebuilds rows, the head runs like any projection); dense pieces
         fill their parameters. --quantization leaves both as they are."""
         embed = pieces.get("embed_tokens")
-        if isinstance(embed, RowCodes):
+        if isinstance(embed, CODE_PIECES):
             self._embed_codes = embed
         elif embed is not None:
             self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
@@ -763,9 +784,24 @@ class DecoderForCausalLM(nn.Module):
         return {
             "projections": sum(p.resident_bytes for p in self._all_packed()),
             "codes_only_projections": sum(p.codes_only for p in self._all_packed()),
-            "embedding_codes": 0 if self._embed_codes is None else self._embed_codes.nbytes,
+            "embedding_codes": self._embedding_code_bytes(),
             "parameters": params,
         }
+
+    def _embedding_code_bytes(self) -> int:
+        """The embedding's codes, unless the tied LM head holds the same blocks
+        (GGMLRows: one copy serves both, counted with the projections)."""
+        head = self._packed_lm_head if self.has_head else None
+        if self._embed_codes is None:
+            return 0
+        if isinstance(head, GGMLLinear) and head.rows is self._embed_codes:
+            return 0
+        return self._embed_codes.nbytes
+
+    def resident_weight_bytes(self) -> int:
+        """All bytes of weights this model keeps (``weight_bytes``' byte counts)."""
+        sizes = self.weight_bytes()
+        return sizes["projections"] + sizes["embedding_codes"] + sizes["parameters"]
 
     # -- loading -------------------------------------------------------------
 
@@ -830,7 +866,7 @@ class DecoderForCausalLM(nn.Module):
             if is_placeholder(target):
                 self._pieces.setdefault(param_name, {})[row] = tensor  # packed later
             else:
-                if isinstance(tensor, RowCodes):
+                if isinstance(tensor, CODE_PIECES):
                     tensor = tensor.dequantize()
                 target[row : row + tensor.shape[0]].copy_(tensor)
             # Elements, not rows: an expert's matrix fills one slice of its stack.

@@ -1,6 +1,7 @@
 """Projections whose weights arrive (or end up) as 8-bit block codes.
 
-A GGUF file's Q4_0/Q4_1/Q8_0 tensors load as ``RowCodes`` (worker/gguf_weights.py)
+A GGUF file's quantized tensors load as ``RowCodes`` (a file of Q4_0/Q4_1/Q8_0
+only) or ``GGMLRows`` (a file with K-quants or Q5_0/Q5_1; worker/gguf_weights.py)
 and must never become a dense float32 tensor: the model holds a weightless
 *placeholder* parameter for such a projection (its shape, for the loader's checks
 and anyone asking for sizes, on a zero-stride view of one element) and collects
@@ -19,9 +20,12 @@ import torch
 from torch import nn
 
 from kernels.block_codes import RowCodes
+from kernels.ggml_blocks import GGMLRows
 
 # A checkpoint tensor as the loader hands it over: dense, or codes.
-WeightPiece = torch.Tensor | RowCodes
+WeightPiece = torch.Tensor | RowCodes | GGMLRows
+# The pieces that are codes of some kind (never a dense tensor).
+CODE_PIECES = (RowCodes, GGMLRows)
 
 
 def placeholder(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
@@ -45,4 +49,7 @@ def assemble(pieces: dict[int, WeightPiece], rows: int) -> WeightPiece:
         raise ValueError(f"pieces cover {sum(p.shape[0] for p in ordered)} of {rows} rows")
     if all(isinstance(p, RowCodes) for p in ordered):
         return RowCodes.cat(ordered)  # type: ignore[arg-type]
-    return torch.cat([p.dequantize() if isinstance(p, RowCodes) else p for p in ordered])
+    if all(isinstance(p, GGMLRows) for p in ordered):
+        # The file's blocks, types mixed by segment (a Q4_K_M file's q/k/v).
+        return GGMLRows.cat(ordered)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, CODE_PIECES) else p for p in ordered])

