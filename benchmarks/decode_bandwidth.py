@@ -6,7 +6,7 @@ memory bandwidth / weight bytes. This prints, in one run:
 * a bandwidth probe: a ``memcpy``-style copy of a buffer far larger than the
   caches (bytes read + written per second) and a read-only sum over one;
 * for each model given (a checkpoint folder or a GGUF folder, e.g. the files of
-  benchmarks/kquant_files.py): the weight bytes one decode step reads (its
+  tests/worker/kquant_files.py): the weight bytes one decode step reads (its
   projections' resident bytes: codes, blocks or dense), the mean time of a
   batch-1 decode step (engine steps through LocalDriver, prefill excluded),
   and the weight GB/s that makes, as a fraction of the probe's read GB/s;
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kquant_files import MIXES, write_mix
 from services.cpu_features import CpuFeatures
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
+from tests.worker.kquant_files import MIXES, write_mix
 from worker.config import CacheConfig, ModelConfig
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner

@@ -1,6 +1,6 @@
 """What llama.cpp's K-quant mixes cost the default model in accuracy.
 
-For the float32 checkpoint and each GGUF file of benchmarks/kquant_files.py
+For the float32 checkpoint and each GGUF file of tests/worker/kquant_files.py
 (Q4_K_M, Q5_K_M, Q6_K, Q8_0), loaded by kvmesh from its blocks, this prints on
 ``FIXED_TEXT`` (benchmarks/quant_accuracy.py):
 
@@ -20,11 +20,11 @@ import math
 import os
 from pathlib import Path
 
-from benchmarks.kquant_files import MIXES, write_mix
 from benchmarks.quant_accuracy import FIXED_TEXT, make_runner
 from services.cpu_features import CpuFeatures
 from services.model_prep import default_model_path
 from services.sampling_params import SamplingParams
+from tests.worker.kquant_files import MIXES, write_mix
 from worker.local_driver import LocalDriver
 from worker.model_runner import ModelRunner
 

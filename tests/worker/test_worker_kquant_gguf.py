@@ -1,6 +1,6 @@
 """The default model in llama.cpp's K-quant mixes, loaded from the GGUF blocks.
 
-Files written by benchmarks/kquant_files.py (cached in the model cache after
+Files written by tests/worker/kquant_files.py (cached in the model cache after
 the first run): each must give the logits of a float32 checkpoint holding the
 ``gguf`` package's dequantization of its weights, within float32 rounding, on a
 decode-sized prompt (the kernel over the blocks) and a prefill-sized one (tiles
@@ -18,11 +18,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from benchmarks.kquant_files import MIXES, MixFiles, write_mix
 from kernels.ggml_blocks import GGMLRows
+from tests.worker.kquant_files import MIXES, MixFiles, write_mix
 from worker.gguf_weights import UnsupportedGGUFType, iterate_gguf_weights
 from worker.model_runner import ModelRunner
 from worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
+from worker.models.llama import LlamaForCausalLM
 
 from .test_worker_model_loader import _our_logits
 
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.model
 Q = GGMLQuantizationType
 # Decode-sized (the kernel) and prefill-sized (tiles + GEMM) prompts.
 PROMPT_LENGTHS = (5, MAX_GGML_KERNEL_ROWS + 8)
+
+LLAMA = LlamaForCausalLM.declaration  # the default model's family: its GGUF names
 
 
 def _runner(folder: Path) -> ModelRunner:
@@ -81,7 +84,7 @@ def test_kquant_logits_are_the_dequantized_weights(
 def test_q4_k_m_file_keeps_k_quant_super_blocks(model_path: Path) -> None:
     files = write_mix(model_path, "Q4_K_M")
     kinds: set[GGMLQuantizationType] = set()
-    for _, tensor in iterate_gguf_weights(files.gguf, 9, 3):
+    for _, tensor in iterate_gguf_weights(files.gguf, LLAMA, 9, 3):
         if isinstance(tensor, GGMLRows):
             kinds.update(tensor.kinds)
     # SmolLM2's 576-wide rows fall back to Q5_0 (and Q8_0 for Q6_K), as in
@@ -100,7 +103,7 @@ def test_unsupported_type_is_refused_by_name_unless_dense_is_asked(tmp_path: Pat
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(UnsupportedGGUFType, match="Q2_K"):
-        list(iterate_gguf_weights(path, 2, 2))
-    [(name, dense)] = list(iterate_gguf_weights(path, 2, 2, allow_dense=True))
+        list(iterate_gguf_weights(path, LLAMA, 2, 2))
+    [(name, dense)] = list(iterate_gguf_weights(path, LLAMA, 2, 2, allow_dense=True))
     assert name == "model.layers.0.self_attn.q_proj.weight"
     assert isinstance(dense, torch.Tensor) and dense.shape == (4, 256)

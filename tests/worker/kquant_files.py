@@ -21,7 +21,7 @@ GGUF; ``reference`` is a float32 checkpoint of exactly the weights the
 ``gguf`` package dequantizes from the file (the accuracy oracle). Files live in
 the model cache (``MODEL_CACHE/kquant/<checkpoint>-<mix>``) and are reused.
 
-    python -m benchmarks.kquant_files [--mix Q4_K_M ...]
+    python -m tests.worker.kquant_files [--mix Q4_K_M ...]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from gguf.quants import dequantize
 from kernels.ggml_quantize import quantize
 from services.config.process import MODEL_CACHE
 from services.model_prep import GGUF_MARKER, default_model_path
-from worker.gguf_weights import LAYER_NAMES
+from worker.models.llama import LlamaForCausalLM
 
 Q = GGMLQuantizationType
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
@@ -140,7 +140,7 @@ def write_mix(
     if not tied:
         add("output.weight", "lm_head.weight", head_kind)
     for layer in range(layers):
-        for part, hf_part in LAYER_NAMES.items():
+        for part, hf_part in LlamaForCausalLM.declaration.gguf_layer_names.items():
             name = f"model.layers.{layer}.{hf_part}.weight"
             cols = state[name].shape[-1]
             kind = Q.F32 if state[name].dim() == 1 else tensor_type(mix, part, layer, layers, cols)
