@@ -26,6 +26,7 @@ from gateway.generation_stream import MultiGeneration
 from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import CompletionRequest
+from gateway.request_cost import check_n
 from gateway.serving_common import build_engine_requests, start_generation
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_unsupported, completion_prompts
@@ -143,6 +144,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             completion = completion_request_from_proto(request)
             check_unsupported(completion)
+            check_n(completion, self.limits)  # before the prompts are tokenized
             with span_or_nothing(self.tracing, "tokenize"):
                 prompts = await self.tokenizer.offload(
                     completion_prompts,
@@ -151,7 +153,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.limits.max_prompts_per_request,
                 )
             engine_requests = build_engine_requests(
-                request_id, prompts, completion, self.engine.model_info, self.tokenizer
+                request_id,
+                prompts,
+                completion,
+                self.engine.model_info,
+                self.tokenizer,
+                self.limits,
             )
             if completion.n == 1:
                 # A single sample keeps the caller's id end to end.

@@ -29,6 +29,7 @@ from gateway.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from gateway.request_cost import check_n
 from gateway.serving_common import (
     SSE_DONE,
     Serving,
@@ -57,6 +58,7 @@ class ChatServing(Serving):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         lora_request = self._models.resolve(request.model)
         check_unsupported(request)
+        check_n(request, self._limits)  # before the chat is rendered
         plan = plan_tools(request)
         prompt = await self._tokenize(
             chat_prompt, request, self._tokenizer, plan.tools if plan.renders_tools else None
@@ -76,6 +78,7 @@ class ChatServing(Serving):
             request,
             self._engine.model_info,
             self._tokenizer,
+            self._limits,
             structured_output=constraint,
             lora_request=lora_request,
         )

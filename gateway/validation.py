@@ -232,7 +232,10 @@ def _max_tokens(
     prompt_len: int,
     max_model_len: int,
     prompt_param: str,
+    limit: int = 0,
 ) -> int:
+    """The choice's max_tokens: as asked, or the default capped by ``limit``
+    (``--max-tokens-limit``, 0: none) and the room the prompt leaves."""
     if prompt_len >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens, "
@@ -241,9 +244,18 @@ def _max_tokens(
         )
     room = max_model_len - prompt_len
     if requested is None:
+        # Not asked for: --max-tokens-limit caps the default quietly (vLLM caps its
+        # default by the generation config's max_new_tokens the same way).
         if default is None:
-            return room
-        requested = default
+            return min(room, limit) if limit else room
+        requested = min(default, limit) if limit else default
+    elif limit and requested > limit:
+        raise InvalidRequestError(
+            f"{param}={requested} is past this server's limit of {limit} tokens per choice "
+            "(--max-tokens-limit)",
+            param=param,
+            code="max_tokens_limit_exceeded",
+        )
     if requested > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -325,15 +337,23 @@ def sampling_params(
     prompt_len: int,
     model: ModelInfo,
     tokenizer: Tokenizer,
+    max_tokens_limit: int = 0,
 ) -> SamplingParams:
-    """The engine's sampling parameters for one prompt of ``request``."""
+    """The engine's sampling parameters for one prompt of ``request``
+    (``max_tokens_limit``: ``--max-tokens-limit``, 0 for none)."""
     if isinstance(request, ChatCompletionRequest):
         requested = request.max_completion_tokens
         param = "max_completion_tokens"
         if requested is None:
             requested, param = request.max_tokens, "max_tokens"
         max_tokens = _max_tokens(
-            requested, param, None, prompt_len, model.max_model_len, prompt_param="messages"
+            requested,
+            param,
+            None,
+            prompt_len,
+            model.max_model_len,
+            prompt_param="messages",
+            limit=max_tokens_limit,
         )
     else:
         max_tokens = _max_tokens(
@@ -343,6 +363,7 @@ def sampling_params(
             prompt_len,
             model.max_model_len,
             prompt_param="prompt",
+            limit=max_tokens_limit,
         )
     if request.min_tokens > max_tokens:
         raise InvalidRequestError(

@@ -456,6 +456,27 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
     max_prompts_per_request: int = opt(
         128, "most prompts in one /v1/completions or Generate call", minimum=1
     )
+    # What one call may cost the engine (gateway/request_cost.py). The defaults
+    # compose: n at most 16 of full 2,048-token contexts fits 32,768 tokens.
+    max_n: int = opt(
+        16,
+        "most choices per prompt one call may ask for (n, best_of); 400 past it (vLLM has no "
+        "bound, OpenAI's is 128)",
+        minimum=1,
+        maximum=128,
+    )
+    max_tokens_limit: int = opt(
+        0,
+        "largest max_tokens (max_completion_tokens) a choice may ask for, and the most a chat "
+        "choice that names none gets; 400 past it (0: only --max-model-len bounds it)",
+        minimum=0,
+    )
+    max_tokens_per_request: int = opt(
+        32768,
+        "most tokens one call may occupy in the engine: over its prompts x n choices, prompt "
+        "tokens + max_tokens; 400 past it (bounds what one call holds of a batch)",
+        minimum=1,
+    )
     prefill_scheduler_addr: str = opt(
         "",
         "host:port of a prefill replica's scheduler: each prompt is prefilled there first and "

@@ -6,11 +6,14 @@ fields, and this hook keeps schemathesis from generating "valid" requests that
 break one, so that its positive_data_acceptance check holds the server to the
 rest. Each rule is written here independently of the server's code, except the
 chat prompt's token count, which uses the gateway's own rendering of a chat.
+The server's limits (context length, --max-tokens-per-request) are read from
+the schema it serves, so one hook file serves the fake engine and a real stack.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -22,7 +25,6 @@ from gateway.tool_calling import plan_tools
 from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
 from services.errors import KvmeshError
 from services.model_prep import default_model_path
-from tests.gateway.helpers import MAX_MODEL_LEN
 
 _TOKENIZER = Tokenizer.from_pretrained(default_model_path())
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -85,7 +87,26 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
     )
 
 
-def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
+@dataclass(frozen=True)
+class _Served:
+    """What the served schema says of this server's bounds."""
+
+    max_model_len: int
+    # The most max_tokens may be: --max-tokens-limit, which also caps the defaults.
+    max_output_len: int
+    max_tokens_per_request: int
+
+
+def _served(case: schemathesis.Case) -> _Served:
+    request = case.operation.schema.raw_schema["components"]["schemas"]["CompletionRequest"]
+    truncate = request["properties"]["truncate_prompt_tokens"]["anyOf"]
+    max_tokens = request["properties"]["max_tokens"]["anyOf"]
+    (max_model_len,) = [item["maximum"] for item in truncate if "maximum" in item]
+    (max_output_len,) = [item["maximum"] for item in max_tokens if "maximum" in item]
+    return _Served(max_model_len, max_output_len, request["x-max-tokens-per-request"])
+
+
+def _prompt_lengths(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int] | None:
     """Tokens of each prompt as the gateway counts them (None: not a valid body)."""
     if chat:
         try:
@@ -107,24 +128,34 @@ def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
         ]
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None:
-        keep = MAX_MODEL_LEN if truncate == -1 else truncate
+        keep = max_model_len if truncate == -1 else truncate
         lengths = [min(length, keep) for length in lengths]
     return lengths
 
 
-def _fits_the_context(body: dict[str, Any], chat: bool) -> bool:
-    """Each prompt has a token, prompt + max_tokens <= max_model_len, min_tokens <= max_tokens."""
-    lengths = _prompt_lengths(body, chat)
+def _fits_the_context(body: dict[str, Any], chat: bool, served: _Served) -> bool:
+    """Each prompt has a token, prompt + max_tokens <= max_model_len, min_tokens <= max_tokens,
+    and over all choices prompt + max_tokens <= --max-tokens-per-request."""
+    lengths = _prompt_lengths(body, chat, served.max_model_len)
     if not lengths:
         return lengths is None
-    if min(lengths) == 0 or max(lengths) >= MAX_MODEL_LEN:
+    if min(lengths) == 0 or max(lengths) >= served.max_model_len:
         return False
-    room = MAX_MODEL_LEN - max(lengths)
+    room = served.max_model_len - max(lengths)
     if chat:
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        # The default is the room left (each prompt's own; chat has one).
+        default = min(room, served.max_output_len)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default
     else:
-        max_tokens = body.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
-    return max_tokens <= room and (body.get("min_tokens") or 0) <= max_tokens
+        default = min(DEFAULT_COMPLETION_MAX_TOKENS, served.max_output_len)
+        max_tokens = body.get("max_tokens") or default
+    n = body.get("n") or 1
+    held = n * sum(length + max_tokens for length in lengths)
+    return (
+        max_tokens <= room
+        and (body.get("min_tokens") or 0) <= max_tokens
+        and held <= served.max_tokens_per_request
+    )
 
 
 @schemathesis.hook
@@ -135,4 +166,4 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions"):
         return True
     chat = path == "/v1/chat/completions"
-    return _cross_field_rules_hold(body, chat) and _fits_the_context(body, chat)
+    return _cross_field_rules_hold(body, chat) and _fits_the_context(body, chat, _served(case))
