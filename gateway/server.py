@@ -88,6 +88,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.routing_overlap_weight,
         security,
         tracing,
+        wait_for_replica_s=config.migration_timeout_s,
     )
     logger.info(
         "engine replicas by %s discovery, routed by policy %s%s",

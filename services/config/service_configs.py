@@ -220,7 +220,8 @@ class MigrationOptions(CommonConfig):
     migration_timeout_s: float = opt(
         60.0,
         "seconds a request waits for a lost stage to come back (scheduler: a detokenizer "
-        "to subscribe; gateway: a detokenizer or scheduler to answer) before it fails",
+        "to subscribe; gateway: a detokenizer or scheduler to answer, and a new request "
+        "for an engine replica to route to) before it fails",
         minimum=0.1,
     )
 
