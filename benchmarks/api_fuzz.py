@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from services.config import environment_without_options
 from services.local_stack import REPO_ROOT, LocalStack
 
@@ -28,10 +30,22 @@ from services.local_stack import REPO_ROOT, LocalStack
 # what keeps each generated generation under a second on 2 cores.
 FUZZ_STACK_ARGS = [
     *("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256"),
-    *("--max-n", "2", "--max-tokens-limit", "16", "--max-tokens-per-request", "1024"),
+    *("--max-n", "2", "--max-tokens-limit", "8", "--max-tokens-per-request", "1024"),
     *("--max-prompts-per-request", "4"),
 ]
 HOOKS_MODULE = "tests.gateway.schemathesis_hooks"
+MAX_RESPONSE_TIME_S = 60
+
+
+def warm_up(base_url: str) -> None:
+    """One completion and one chat first: a cold worker's first steps are its slowest,
+    and the run's response-time check is about the requests, not the start-up."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+        ("/v1/chat/completions", chat),
+    ):
+        httpx.post(base_url + path, json=body, timeout=300).raise_for_status()
 
 
 @dataclass(frozen=True)
@@ -42,9 +56,11 @@ class FuzzRun:
 
     @property
     def summary(self) -> str:
-        """schemathesis's closing summary (from its SUMMARY banner on)."""
+        """schemathesis's closing report: its failures (with the requests that
+        reproduce them) and its summary."""
         lines = self.output.splitlines()
-        start = next((i for i, line in enumerate(lines) if "SUMMARY" in line), len(lines) - 40)
+        banners = [i for i, line in enumerate(lines) if "FAILURES" in line or "SUMMARY" in line]
+        start = banners[0] if banners else len(lines) - 40
         return "\n".join(lines[max(0, start) :])
 
 
@@ -61,8 +77,12 @@ def run_schemathesis(
         *(sys.executable, "-m", "schemathesis.cli", "run", f"{base_url}/openapi.json"),
         *("--checks", "all", "--max-examples", str(max_examples), "--seed", str(seed)),
         *("--workers", "1", "--no-color", "--generation-database", "none"),
-        # A generation that took this long would be the bug this run looks for.
-        *("--request-timeout", "60"),
+        # schemathesis's own default is 10 s; on 2 cores shared with six other
+        # jobs (load average 12) 16-token generations took 13-30 s. A request
+        # slower than this is still a failure: the run looks for requests that
+        # hold the server.
+        *("--max-response-time", str(MAX_RESPONSE_TIME_S)),
+        *("--request-timeout", str(2 * MAX_RESPONSE_TIME_S)),
     ]
     started = time.monotonic()
     done = subprocess.run(
@@ -79,6 +99,7 @@ def main() -> None:
     stack = LocalStack(FUZZ_STACK_ARGS)
     try:
         stack.wait_ready(600)
+        warm_up(stack.http_url)
         run = run_schemathesis(stack.http_url, args.max_examples, args.seed)
     finally:
         code = stack.stop()

@@ -188,7 +188,9 @@ class _SamplingFields(_Request):
         default=None, description="Above 0 only without stream."
     )
     return_tokens_as_token_ids: bool = False
-    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        default=None, description="Not with a structured output (guided_*, response_format)."
+    )
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     truncate_prompt_tokens: (
         Literal[-1] | json_int(ge=1, json_schema_extra=_limit("context")) | None

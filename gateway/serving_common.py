@@ -30,7 +30,13 @@ from gateway.protocol import (
 from gateway.request_cost import check_request_tokens
 from gateway.served_models import ServedModels
 from gateway.tokenizer import Tokenizer
-from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
+from gateway.validation import (
+    Prompt,
+    check_allowed_tokens_unconstrained,
+    check_cache_salt,
+    detokenize_params,
+    sampling_params,
+)
 from services.errors import UnavailableError
 from services.lora_request import LoRARequest
 from services.sampling_params import StructuredOutputSpec
@@ -112,6 +118,9 @@ def build_engine_requests(
         limits,
     )
     engine_requests = []
+    check_allowed_tokens_unconstrained(
+        request, structured_output is not None or per_prompt[0].structured_output is not None
+    )
     for prompt_index, (prompt, params) in enumerate(zip(prompts, per_prompt, strict=True)):
         if structured_output is not None:
             params = dataclasses.replace(params, structured_output=structured_output)

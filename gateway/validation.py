@@ -316,6 +316,24 @@ def _allowed_token_ids(
     return tuple(request.allowed_token_ids)
 
 
+def check_allowed_tokens_unconstrained(
+    request: CompletionRequest | ChatCompletionRequest, structured: bool
+) -> None:
+    """Refuse allowed_token_ids together with a structured output (``structured``).
+
+    Which tokens a grammar allows next is known only to the worker's grammar
+    compiler, so the gateway cannot check that the two sets meet; when they do
+    not, every token is masked and the request failed mid-generation with a
+    503 (found by schemathesis against a real stack, issue 43). A 400 says why.
+    """
+    if structured and request.allowed_token_ids:
+        raise InvalidRequestError(
+            "allowed_token_ids cannot be combined with a structured output "
+            "(guided_*, response_format, structured_outputs or a forced tool call)",
+            param="allowed_token_ids",
+        )
+
+
 def bad_words_token_ids(
     words: list[str] | None, tokenizer: Tokenizer
 ) -> tuple[tuple[int, ...], ...]:

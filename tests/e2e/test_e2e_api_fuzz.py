@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.api_fuzz import FUZZ_STACK_ARGS, run_schemathesis
+from benchmarks.api_fuzz import FUZZ_STACK_ARGS, run_schemathesis, warm_up
 from tests.e2e.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.e2e
@@ -23,6 +23,7 @@ MAX_EXAMPLES = 10
 def test_schemathesis_checks_all_pass_against_a_real_stack() -> None:
     stack = start_stack(FUZZ_STACK_ARGS)
     try:
+        warm_up(stack.http_url)
         run = run_schemathesis(stack.http_url, MAX_EXAMPLES, timeout_s=600)
     finally:
         code = stop_stack(stack)

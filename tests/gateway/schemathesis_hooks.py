@@ -79,6 +79,7 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
         or (body.get("prompt_logprobs") and body.get("stream"))
         or (chat and body.get("top_logprobs") and not body.get("logprobs"))
         or len(sources) > 1
+        or (body.get("allowed_token_ids") and (sources or forced_tool))
         or (body.get("ignore_eos") and (sources or forced_tool))
         or not _json_texts_valid(body)
         or (not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1))
