@@ -28,6 +28,20 @@ from services.sampling_params import DetokenizeParams, SamplingParams
 
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# The smallest normal float32: sampling parameters travel as float32.
+_FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def _positive_float32(value: float) -> float:
+    """A parameter that must stay above 0 once it is a float32 on the wire.
+
+    JSON allows 5e-324 for ``top_p`` ("> 0"), which is 0.0 as a float32 and was
+    refused by the worker mid-request with a 503 (schemathesis, issue 43). Every
+    value below the smallest float32 means the same there: for top_p the top
+    token alone (its probability is at least 1/vocab), for repetition_penalty a
+    ban of repeats.
+    """
+    return max(value, _FLOAT32_TINY)
 
 
 @dataclass(frozen=True)
@@ -393,7 +407,7 @@ def sampling_params(
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        top_p=1.0 if request.top_p is None else _positive_float32(request.top_p),
         top_k=request.top_k or 0,
         min_p=request.min_p or 0.0,
         seed=request.seed,
@@ -401,7 +415,7 @@ def sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0
         if request.repetition_penalty is None
-        else request.repetition_penalty,
+        else _positive_float32(request.repetition_penalty),
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         stop_token_ids=stop_token_ids,
