@@ -157,6 +157,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             # The C parser (a pinned dependency), never a silent fall-back to h11.
             http="httptools",
             timeout_graceful_shutdown=5,
+            # A burst past the accept queue is not refused but left to the
+            # clients' SYN retries (issue 43: 429s up to 143 s late).
+            backlog=config.http_backlog,
             **public_tls.uvicorn_options(),
         )
     )

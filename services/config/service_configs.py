@@ -449,6 +449,13 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
         "the body is read (0: what the engine holds, max_num_seqs + max_waiting_requests)",
         minimum=0,
     )
+    http_backlog: int = opt(
+        16384,
+        "connections the HTTP port's accept queue holds (uvicorn's --backlog, default 2048 "
+        "there; the kernel caps it at net.core.somaxconn): past it, new connections wait "
+        "for SYN retries, 1 s, 3 s, 7 s... before the gateway can even refuse them",
+        minimum=1,
+    )
     max_request_body_bytes: int = opt(
         8 << 20,
         "largest HTTP request body (413 past it) and public gRPC message accepted",

@@ -5,7 +5,9 @@ tie fields together or need the tokenizer; the schema describes each on its
 fields, and this hook keeps schemathesis from generating "valid" requests that
 break one, so that its positive_data_acceptance check holds the server to the
 rest. Each rule is written here independently of the server's code, except the
-chat prompt's token count, which uses the gateway's own rendering of a chat.
+chat prompt's token count, which uses the gateway's own rendering of a chat,
+and which constraint a body asks for (the gateway's own reading), whose grammar,
+regex or JSON schema must then parse with xgrammar, as the worker's does.
 The server's limits (context length, --max-tokens-per-request) are read from
 the schema it serves, so one hook file serves the fake engine and a real stack.
 """
@@ -18,8 +20,10 @@ from typing import Any
 
 import pydantic
 import schemathesis
+import xgrammar as xgr
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calling import plan_tools
 from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
@@ -86,6 +90,31 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
         or (chat and body.get("continue_final_message") and body.get("add_generation_prompt", True))
         or (chat and not _tool_rules_hold(body))
     )
+
+
+_PARSERS = {
+    "grammar": xgr.Grammar.from_ebnf,
+    "regex": xgr.Grammar.from_regex,
+    "json": xgr.Grammar.from_json_schema,
+}
+
+
+def _constraint_parses(body: dict[str, Any], chat: bool) -> bool:
+    """A grammar, regex or JSON schema the body constrains the output with parses (no
+    JSON Schema keyword can say "valid EBNF"; the fake engine never compiles one)."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        spec = structured_output_spec(model.model_validate(body))
+    except (pydantic.ValidationError, KvmeshError):
+        return True  # refused for a reason of its own, which the run must see
+    parse = _PARSERS.get(spec.kind) if spec is not None else None
+    if parse is None:
+        return True
+    try:
+        parse(spec.value)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -167,4 +196,8 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions"):
         return True
     chat = path == "/v1/chat/completions"
-    return _cross_field_rules_hold(body, chat) and _fits_the_context(body, chat, _served(case))
+    return (
+        _cross_field_rules_hold(body, chat)
+        and _constraint_parses(body, chat)
+        and _fits_the_context(body, chat, _served(case))
+    )
