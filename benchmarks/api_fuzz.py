@@ -85,9 +85,14 @@ def run_schemathesis(
         *("--request-timeout", str(2 * MAX_RESPONSE_TIME_S)),
     ]
     started = time.monotonic()
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
+    try:
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as late:
+        # What it had found so far says which phase it was in and why it was slow.
+        partial = late.stdout.decode() if isinstance(late.stdout, bytes) else late.stdout or ""
+        return FuzzRun(-1, partial + f"\n(timed out after {timeout_s:.0f} s)", timeout_s)
     return FuzzRun(done.returncode, done.stdout + done.stderr, time.monotonic() - started)
 
 
