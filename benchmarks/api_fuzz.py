@@ -30,8 +30,10 @@ from services.local_stack import REPO_ROOT, LocalStack
 # what keeps each generated generation under a second on 2 cores.
 FUZZ_STACK_ARGS = [
     *("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256"),
+    # --max-tokens-per-request also bounds the prompts per call (it is in the
+    # schema); --max-prompts-per-request is not stated there yet, so it keeps
+    # its default (128) rather than a value a schema-valid call could pass.
     *("--max-n", "2", "--max-tokens-limit", "8", "--max-tokens-per-request", "1024"),
-    *("--max-prompts-per-request", "4"),
 ]
 HOOKS_MODULE = "tests.gateway.schemathesis_hooks"
 MAX_RESPONSE_TIME_S = 60
