@@ -243,7 +243,9 @@ def build_app(
         # Built on first use: the engine's model facts are known only once it started.
         if not schema:
             schema.update(
-                build_openapi(app, served_model_name, engine.model_info, tokenizer.vocab_size)
+                build_openapi(
+                    app, served_model_name, engine.model_info, tokenizer.vocab_size, limits
+                )
             )
         return schema
 

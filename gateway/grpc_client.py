@@ -137,6 +137,13 @@ class GrpcEngineClient:
         # Fire-and-forget aborts, referenced until done.
         self._background: set[asyncio.Future[None]] = set()
         self._admissions = asyncio.Semaphore(_MAX_ADMISSIONS_IN_FLIGHT)
+        # Told False when the detokenizer stream breaks or the scheduler is lost,
+        # True when the stream is back (the router re-probes at once; None: nobody).
+        self.on_connection_change: Callable[[bool], None] | None = None
+
+    def _connection_changed(self, up: bool) -> None:
+        if self.on_connection_change is not None:
+            self.on_connection_change(up)
 
     async def start(self, timeout: float = 600.0) -> None:
         """Fetch model info from the scheduler and subscribe to the detokenizer."""
@@ -329,6 +336,7 @@ class GrpcEngineClient:
                     )
                     await stream.wait_for_connection()
                     self._subscribed.set()
+                    self._connection_changed(True)
                     logger.info(
                         "subscribed to detokenizer %s as %s", self.detokenizer_addr, self.client_id
                     )
@@ -340,12 +348,15 @@ class GrpcEngineClient:
                     async for batch in stream:
                         if batch.scheduler_lost:
                             logger.warning("the scheduler was lost; resuming live requests")
+                            self._connection_changed(False)
                             self._resubmit_all("scheduler lost")
                         for out in batch.outputs:
                             self._deliver(out)
             except grpc.aio.AioRpcError as e:
                 log = logger.warning if self._subscribed.is_set() else logger.debug
                 log("detokenizer stream broke: %s %s", e.code().name, e.details())
+            if self._subscribed.is_set():
+                self._connection_changed(False)
             self._subscribed.clear()
             # Live requests wait (paused) for a detokenizer, for a while.
             if lost_since is None:

@@ -27,6 +27,7 @@ from gateway.limits import GatewayLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatMessage, CompletionRequest
 from gateway.protocol_pooling import EmbeddingRequest
+from gateway.request_cost import check_n
 from gateway.served_models import ServedModels
 from gateway.serving_common import build_engine_requests, start_generation
 from gateway.serving_pooling import PoolingServing
@@ -203,6 +204,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     )
             completion = completion_request_from_proto(request, chat_token_ids)
             check_unsupported(completion)
+            check_n(completion, self.limits)  # before the prompts are tokenized
             with span_or_nothing(self.tracing, "tokenize"):
                 prompts = await self.tokenizer.offload(
                     completion_prompts,
@@ -211,7 +213,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.limits.max_prompts_per_request,
                 )
             engine_requests = build_engine_requests(
-                request_id, prompts, completion, self.engine.model_info, self.tokenizer
+                request_id,
+                prompts,
+                completion,
+                self.engine.model_info,
+                self.tokenizer,
+                self.limits,
             )
             if completion.n == 1:
                 # A single sample keeps the caller's id end to end.

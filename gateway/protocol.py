@@ -5,9 +5,11 @@ types, ranges (int32 where the value travels as one), enums, non-empty
 strings and lists. FastAPI enforces them (a refusal is a 400 naming the
 field) and publishes them in /openapi.json, so the schema says what the server
 accepts. What depends on the served model (its name, vocabulary size and
-context length) is marked with ``x-kvmesh-limit`` and filled in per server by
-gateway/openapi_schema.py; rules that tie several fields together live in
-``gateway/validation.py`` and are described on the fields they involve.
+context length) and on the server's cost bounds (``--max-n``,
+``--max-tokens-limit``, ``--max-tokens-per-request``) is marked with
+``x-kvmesh-limit`` and filled in per server by gateway/openapi_schema.py;
+rules that tie several fields together live in ``gateway/validation.py`` and
+are described on the fields they involve.
 Unknown fields are ignored, as OpenAI does. The models are strict, so ``true``
 or ``"12"`` is refused instead of silently becoming a number (``json_int`` takes
 2.0 for 2, as JSON Schema's integer does).
@@ -24,6 +26,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # Seeds are int64, up to the largest one a JSON double holds exactly: a client
 # (or a test generator) that passes numbers through floats stays in range.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1024
+# The most any server accepts; each serves at most its --max-n.
 MAX_N = 128
 MAX_LOGPROBS = 20
 
@@ -68,7 +71,8 @@ def json_int(**constraints: Any) -> Any:
 
 
 def _limit(kind: str) -> dict[str, str]:
-    """Marks a schema whose bound depends on the served model (gateway/openapi_schema.py)."""
+    """Marks a schema whose bound depends on the served model or the server's limits
+    (gateway/openapi_schema.py)."""
     return {"x-kvmesh-limit": kind}
 
 
@@ -135,11 +139,16 @@ class StructuredOutputsParams(_Request):
 class _SamplingFields(_Request):
     """Parameters shared by completions and chat completions."""
 
+    # The schema states the server's --max-tokens-per-request as x-max-tokens-per-request.
+    model_config = ConfigDict(json_schema_extra=_limit("request_tokens"))
+
     model: ModelName | None = None
-    n: json_int(ge=1, le=MAX_N) = 1
+    n: json_int(ge=1, le=MAX_N, json_schema_extra=_limit("n")) = 1
     max_tokens: OutputLength | None = Field(
         default=None,
-        description="With the prompt, at most the model's context length (max_model_len).",
+        description="With the prompt, at most the model's context length (max_model_len). "
+        "Over all prompts x n choices, prompt tokens + max_tokens at most the server's "
+        "x-max-tokens-per-request.",
     )
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -179,7 +188,9 @@ class _SamplingFields(_Request):
         default=None, description="Above 0 only without stream."
     )
     return_tokens_as_token_ids: bool = False
-    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        default=None, description="Not with a structured output (guided_*, response_format)."
+    )
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     truncate_prompt_tokens: (
         Literal[-1] | json_int(ge=1, json_schema_extra=_limit("context")) | None
@@ -209,7 +220,9 @@ class CompletionRequest(_SamplingFields):
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         default=None, description="Not supported: only empty."
     )
-    best_of: json_int(ge=1, le=MAX_N) | None = Field(default=None, description="Only equal to n.")
+    best_of: json_int(ge=1, le=MAX_N, json_schema_extra=_limit("n")) | None = Field(
+        default=None, description="Only equal to n."
+    )
 
 
 class TextContentPart(_Request):

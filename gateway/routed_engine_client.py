@@ -11,7 +11,17 @@ requests stay exactly what they are with one replica. On top:
   or slow probe takes the replica out of the picks at once, a good one puts it
   back (``Router.set_routable``). Its requests in flight are left to it: a
   replica whose scheduler dies has its detokenizer fail them, one whose worker
-  dies has its scheduler fail (or migrate) them, so neither waits for a probe;
+  dies has its scheduler fail (or migrate) them, so neither waits for a probe.
+  An unroutable replica is probed every ``FAST_PROBE_PERIOD_S`` instead, and at
+  once when it refuses a request or its detokenizer stream comes back, so a
+  restarted stage is routable again within ~50 ms of being ready, not at the
+  next poll (issue 43: about 2 s, in which every new request got 503);
+- waiting, not refusing: a request that finds no routable replica (a stage
+  restarting, the router not yet told) waits for one, at most
+  ``wait_for_replica_s`` (the gateway's ``--migration-timeout-s``), the same
+  patience a migrated request gets. ``check_ready`` (the HTTP ``/ready``) asks
+  the routable replicas themselves, so it answers 200 only when a request
+  would be routed now;
 - the prefix index and loads from each replica's KV event stream, followed
   while there are two or more replicas to choose between: with one, every
   request goes to it whatever the index says, and not following spares its
@@ -37,7 +47,12 @@ from gateway.grpc_client import GrpcEngineClient
 from gateway.routing.config import RouterConfig
 from gateway.routing.discovery import ReplicaDiscovery, ReplicaSet
 from gateway.routing.kv_event_subscriber import follow_kv_events
-from gateway.routing.metrics import ROUTABLE_REPLICAS, ROUTER_DECISIONS
+from gateway.routing.metrics import (
+    REPLICA_WAIT_SECONDS,
+    REPLICA_WAITS,
+    ROUTABLE_REPLICAS,
+    ROUTER_DECISIONS,
+)
 from gateway.routing.router import Router, RoutingDecision
 from protos import scheduler_pb2_grpc
 from services.errors import UnavailableError
@@ -50,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 # A readiness probe slower than this counts as failed.
 PROBE_TIMEOUT_S = 3.0
+# How often an unroutable replica is probed: how soon its return is seen. A
+# probe is one small unary call, and only replicas that are down get these.
+FAST_PROBE_PERIOD_S = 0.05
 
 
 @dataclass(eq=False)
@@ -61,6 +79,8 @@ class ReplicaHandle:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # Following its KV events (only while the router has a choice to make).
     events: asyncio.Task[None] | None = None
+    # Set to have its prober look now (a refusal, a stream back).
+    probe_now: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def name(self) -> str:
@@ -77,8 +97,14 @@ class RoutedEngineClient:
         overlap_weight: float = 1.0,
         security: InternalSecurity = NO_INTERNAL_AUTH,
         tracing: Tracing | None = None,
+        wait_for_replica_s: float = 0.0,
     ) -> None:
+        """``wait_for_replica_s``: how long a request waits for a routable replica
+        before it is refused with UNAVAILABLE (0: refused at once)."""
         self._discovery = discovery
+        self._wait_for_replica_s = wait_for_replica_s
+        # Set while at least one replica is routable; requests wait on it.
+        self._any_routable = asyncio.Event()
         # What the KV event streams present to the schedulers (the stack's token).
         self._security = security
         # Each pick is a ``route`` span of the request's trace (None: tracing off).
@@ -177,6 +203,9 @@ class RoutedEngineClient:
             await client.close()
             return
         handle = ReplicaHandle(address, client)
+        # The replica's own news (its detokenizer stream broke or came back, its
+        # scheduler was lost) reaches the router now rather than at the next probe.
+        client.on_connection_change = lambda up: self._connection_changed(handle, up)
         self._replicas[address.name] = handle
         self.router.add_replica(address.name)
         self.router.set_routable(address.name, False)  # until its first probe passes
@@ -223,7 +252,7 @@ class RoutedEngineClient:
             handle.events.cancel()
         if self.router is not None:
             self.router.remove_replica(name)
-            ROUTABLE_REPLICAS.set(self.router.num_routable)
+            self._routable_count_changed()
             self._follow_kv_events_while_choosing()
         handle.client.fail_in_flight(f"engine replica {name} is gone: {reason}")
         logger.warning("replica %s left: %s", name, reason)
@@ -232,30 +261,92 @@ class RoutedEngineClient:
 
     # ---- readiness -------------------------------------------------------------
 
-    async def _probe_forever(self, handle: ReplicaHandle) -> None:
+    async def _probe(self, handle: ReplicaHandle) -> bool:
+        """Ask the replica whether it takes requests; route to it (or not) by the answer."""
         assert self.router is not None
+        ready = True
+        try:
+            await asyncio.wait_for(handle.client.check_ready(), PROBE_TIMEOUT_S)
+        except (UnavailableError, TimeoutError) as error:
+            ready = False
+            if self.router.has_replica(handle.name) and self.router.replica(handle.name).routable:
+                logger.warning("replica %s not ready: %s", handle.name, error)
+        self._set_routable(handle.name, ready)
+        if ready:
+            self._first_ready.set()
+        return ready
+
+    async def _probe_forever(self, handle: ReplicaHandle) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            ready = True
-            try:
-                await asyncio.wait_for(handle.client.check_ready(), PROBE_TIMEOUT_S)
-            except (UnavailableError, TimeoutError) as error:
-                ready = False
-                if self.router.replica(handle.name).routable:
-                    logger.warning("replica %s not ready: %s", handle.name, error)
-            self._set_routable(handle.name, ready)
-            if ready:
-                self._first_ready.set()
-            await asyncio.sleep(self._probe_period_s)
+            handle.probe_now.clear()
+            started = loop.time()
+            ready = await self._probe(handle)
+            # A replica that is down is looked at often: its return is what
+            # waiting requests wait for.
+            period = (
+                self._probe_period_s if ready else min(self._probe_period_s, FAST_PROBE_PERIOD_S)
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.probe_now.wait(), period)
+            # Never faster than the fast period: a replica that passes probes but
+            # refuses requests must not spin a probe-refuse loop.
+            await asyncio.sleep(max(0.0, started + FAST_PROBE_PERIOD_S / 2 - loop.time()))
+
+    def _connection_changed(self, handle: ReplicaHandle, up: bool) -> None:
+        """The replica's client saw its streams break (``up`` False) or come back."""
+        if not up and self.router is not None and self.router.has_replica(handle.name):
+            self._set_routable(handle.name, False)
+        handle.probe_now.set()
 
     def _set_routable(self, name: str, routable: bool) -> None:
         assert self.router is not None
         if self.router.has_replica(name):
             self.router.set_routable(name, routable)
+        self._routable_count_changed()
+
+    def _routable_count_changed(self) -> None:
+        assert self.router is not None
         ROUTABLE_REPLICAS.set(self.router.num_routable)
+        if self.router.num_routable:
+            self._any_routable.set()
+        else:
+            self._any_routable.clear()
 
     async def check_ready(self) -> None:
-        if self.router is None or not self.router.num_routable:
+        """Ready when a routable replica says so now: a request sent next is routed.
+
+        The replicas are asked, not the router's last probe, which may predate a
+        stage's death by a poll period; one that fails leaves the picks.
+        """
+        if self.router is None:
             raise UnavailableError("no engine replica is ready")
+        routable = [
+            handle for name, handle in self._replicas.items() if self.router.replica(name).routable
+        ]
+        for handle in routable:
+            if await self._probe(handle):
+                return
+            handle.probe_now.set()  # down: its prober switches to the fast period now
+        raise UnavailableError("no engine replica is ready")
+
+    async def _wait_for_routable(self, deadline: float) -> None:
+        """Wait until a replica is routable or ``deadline`` (loop time) passes
+        (then UnavailableError)."""
+        loop = asyncio.get_running_loop()
+        while self.router is None or not self.router.num_routable:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise UnavailableError(
+                    "no engine replica is ready"
+                    + (
+                        f" (waited {self._wait_for_replica_s:g}s, --migration-timeout-s)"
+                        if self._wait_for_replica_s
+                        else ""
+                    )
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._any_routable.wait(), left)
 
     # ---- requests --------------------------------------------------------------
 
@@ -277,8 +368,20 @@ class RoutedEngineClient:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         rid = request.request_id
-        # Each refusal takes one replica out of the picks, so this ends.
-        for _ in range(len(self._replicas) + 1):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_for_replica_s
+        # When it first found no replica to take it (None: it never waited).
+        waiting_since: float | None = None
+        # Each refusal takes one replica out of the picks until a probe after
+        # it passes; with none left, the request waits for one until the deadline.
+        while True:
+            if self.router is None or not self.router.num_routable:
+                waiting_since = waiting_since or loop.time()
+                try:
+                    await self._wait_for_routable(deadline)
+                except BaseException:
+                    self._count_wait(loop.time() - waiting_since)
+                    raise
             handle, decision = self._route(request)
             stream = handle.client.generate(request)
             self._owner[rid] = handle
@@ -288,11 +391,14 @@ class RoutedEngineClient:
                 self._owner.pop(rid, None)
                 logger.warning("request %s: replica %s refused it (%s)", rid, handle.name, error)
                 self._set_routable(handle.name, False)
+                handle.probe_now.set()
                 continue
             except BaseException:
                 self._owner.pop(rid, None)
                 await stream.aclose()
                 raise
+            if waiting_since is not None:
+                self._count_wait(loop.time() - waiting_since)
             logger.debug(
                 "request %s -> %s (%s, %d/%d blocks cached)",
                 rid,
@@ -309,7 +415,11 @@ class RoutedEngineClient:
                 self._owner.pop(rid, None)
                 await stream.aclose()
             return
-        raise UnavailableError("every engine replica refused the request")
+
+    @staticmethod
+    def _count_wait(seconds: float) -> None:
+        REPLICA_WAITS.inc()
+        REPLICA_WAIT_SECONDS.observe(seconds)
 
     async def abort(self, request_id: str) -> None:
         handle = self._owner.get(request_id)

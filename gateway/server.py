@@ -103,6 +103,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.routing_overlap_weight,
         security,
         tracing,
+        wait_for_replica_s=config.migration_timeout_s,
     )
     logger.info(
         "engine replicas by %s discovery, routed by policy %s%s",
@@ -174,6 +175,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             # The C parser (a pinned dependency), never a silent fall-back to h11.
             http="httptools",
             timeout_graceful_shutdown=5,
+            # A burst past the accept queue is not refused but left to the
+            # clients' SYN retries (issue 43: 429s up to 143 s late).
+            backlog=config.http_backlog,
             **public_tls.uvicorn_options(),
         )
     )

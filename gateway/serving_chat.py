@@ -36,6 +36,7 @@ from gateway.protocol import (
     DeltaMessage,
 )
 from gateway.reasoning import ReasoningText
+from gateway.request_cost import check_n
 from gateway.served_models import ServedModels
 from gateway.serving_common import (
     SSE_DONE,
@@ -89,6 +90,7 @@ class ChatServing(Serving):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         lora_request = self._models.resolve(request.model)
         check_unsupported(request)
+        check_n(request, self._limits)  # before the chat is rendered
         plan = plan_tools(request, self._parsing.auto_tool_choice)
         if self._parsing.keeps_special_tokens(plan) and request.skip_special_tokens:
             # The format's markers are special tokens (vLLM's adjust_request does the same).
@@ -115,6 +117,7 @@ class ChatServing(Serving):
             request,
             self._engine.model_info,
             self._tokenizer,
+            self._limits,
             structured_output=constraint,
             lora_request=lora_request,
         )

@@ -27,9 +27,16 @@ from gateway.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from gateway.request_cost import check_request_tokens
 from gateway.served_models import ServedModels
 from gateway.tokenizer import Tokenizer
-from gateway.validation import Prompt, check_cache_salt, detokenize_params, sampling_params
+from gateway.validation import (
+    Prompt,
+    check_allowed_tokens_unconstrained,
+    check_cache_salt,
+    detokenize_params,
+    sampling_params,
+)
 from services.errors import UnavailableError
 from services.lora_request import LoRARequest
 from services.sampling_params import StructuredOutputSpec
@@ -86,6 +93,7 @@ def build_engine_requests(
     request: CompletionRequest | ChatCompletionRequest,
     model: ModelInfo,
     tokenizer: Tokenizer,
+    limits: GatewayLimits,
     structured_output: StructuredOutputSpec | None = None,
     lora_request: LoRARequest | None = None,
 ) -> list[GenerationRequest]:
@@ -94,12 +102,26 @@ def build_engine_requests(
     Siblings carry the same prompt and one ``parallel_group``, so the scheduler
     computes the prompt's blocks once and shares them through its prefix cache.
     ``structured_output`` replaces the request's own constraint (forced tool calls).
+    Refused (400) past ``limits``' token bounds before anything reaches the engine
+    (callers check ``n`` before tokenizing).
     """
     check_cache_salt(request.cache_salt)
     detokenize = detokenize_params(request)
+    per_prompt = [
+        sampling_params(request, len(prompt.token_ids), model, tokenizer, limits.max_tokens_limit)
+        for prompt in prompts
+    ]
+    check_request_tokens(
+        [len(prompt.token_ids) for prompt in prompts],
+        [params.max_tokens for params in per_prompt],
+        request.n,
+        limits,
+    )
     engine_requests = []
-    for prompt_index, prompt in enumerate(prompts):
-        params = sampling_params(request, len(prompt.token_ids), model, tokenizer)
+    check_allowed_tokens_unconstrained(
+        request, structured_output is not None or per_prompt[0].structured_output is not None
+    )
+    for prompt_index, (prompt, params) in enumerate(zip(prompts, per_prompt, strict=True)):
         if structured_output is not None:
             params = dataclasses.replace(params, structured_output=structured_output)
         group = f"{request_id}-p{prompt_index}" if request.n > 1 else None

@@ -28,6 +28,7 @@ from gateway.protocol import (
     CompletionStreamResponse,
     PromptLogprobs,
 )
+from gateway.request_cost import check_n
 from gateway.serving_common import (
     SSE_DONE,
     Serving,
@@ -72,13 +73,20 @@ class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
         lora_request = self._models.resolve(request.model)
         check_unsupported(request)
+        check_n(request, self._limits)  # before the prompts are tokenized
         model_info = self._engine.model_info
         prompts = await self._tokenize(
             _tokenized_prompts, request, self._tokenizer, self._limits, model_info.max_model_len
         )
         request_id = new_request_id("cmpl")
         engine_requests = build_engine_requests(
-            request_id, prompts, request, model_info, self._tokenizer, lora_request=lora_request
+            request_id,
+            prompts,
+            request,
+            model_info,
+            self._tokenizer,
+            self._limits,
+            lora_request=lora_request,
         )
         logger.info(
             "request %s: %d prompt(s) x n=%d, stream=%s",

@@ -28,6 +28,20 @@ from services.sampling_params import DetokenizeParams, SamplingParams
 
 # OpenAI's default for /v1/completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# The smallest normal float32: sampling parameters travel as float32.
+_FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def _positive_float32(value: float) -> float:
+    """A parameter that must stay above 0 once it is a float32 on the wire.
+
+    JSON allows 5e-324 for ``top_p`` ("> 0"), which is 0.0 as a float32 and was
+    refused by the worker mid-request with a 503 (schemathesis, issue 43). Every
+    value below the smallest float32 means the same there: for top_p the top
+    token alone (its probability is at least 1/vocab), for repetition_penalty a
+    ban of repeats.
+    """
+    return max(value, _FLOAT32_TINY)
 
 
 @dataclass(frozen=True)
@@ -232,7 +246,10 @@ def _max_tokens(
     prompt_len: int,
     max_model_len: int,
     prompt_param: str,
+    limit: int = 0,
 ) -> int:
+    """The choice's max_tokens: as asked, or the default capped by ``limit``
+    (``--max-tokens-limit``, 0: none) and the room the prompt leaves."""
     if prompt_len >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens, "
@@ -241,9 +258,18 @@ def _max_tokens(
         )
     room = max_model_len - prompt_len
     if requested is None:
+        # Not asked for: --max-tokens-limit caps the default quietly (vLLM caps its
+        # default by the generation config's max_new_tokens the same way).
         if default is None:
-            return room
-        requested = default
+            return min(room, limit) if limit else room
+        requested = min(default, limit) if limit else default
+    elif limit and requested > limit:
+        raise InvalidRequestError(
+            f"{param}={requested} is past this server's limit of {limit} tokens per choice "
+            "(--max-tokens-limit)",
+            param=param,
+            code="max_tokens_limit_exceeded",
+        )
     if requested > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -304,6 +330,24 @@ def _allowed_token_ids(
     return tuple(request.allowed_token_ids)
 
 
+def check_allowed_tokens_unconstrained(
+    request: CompletionRequest | ChatCompletionRequest, structured: bool
+) -> None:
+    """Refuse allowed_token_ids together with a structured output (``structured``).
+
+    Which tokens a grammar allows next is known only to the worker's grammar
+    compiler, so the gateway cannot check that the two sets meet; when they do
+    not, every token is masked and the request failed mid-generation with a
+    503 (found by schemathesis against a real stack, issue 43). A 400 says why.
+    """
+    if structured and request.allowed_token_ids:
+        raise InvalidRequestError(
+            "allowed_token_ids cannot be combined with a structured output "
+            "(guided_*, response_format, structured_outputs or a forced tool call)",
+            param="allowed_token_ids",
+        )
+
+
 def bad_words_token_ids(
     words: list[str] | None, tokenizer: Tokenizer
 ) -> tuple[tuple[int, ...], ...]:
@@ -325,15 +369,23 @@ def sampling_params(
     prompt_len: int,
     model: ModelInfo,
     tokenizer: Tokenizer,
+    max_tokens_limit: int = 0,
 ) -> SamplingParams:
-    """The engine's sampling parameters for one prompt of ``request``."""
+    """The engine's sampling parameters for one prompt of ``request``
+    (``max_tokens_limit``: ``--max-tokens-limit``, 0 for none)."""
     if isinstance(request, ChatCompletionRequest):
         requested = request.max_completion_tokens
         param = "max_completion_tokens"
         if requested is None:
             requested, param = request.max_tokens, "max_tokens"
         max_tokens = _max_tokens(
-            requested, param, None, prompt_len, model.max_model_len, prompt_param="messages"
+            requested,
+            param,
+            None,
+            prompt_len,
+            model.max_model_len,
+            prompt_param="messages",
+            limit=max_tokens_limit,
         )
     else:
         max_tokens = _max_tokens(
@@ -343,6 +395,7 @@ def sampling_params(
             prompt_len,
             model.max_model_len,
             prompt_param="prompt",
+            limit=max_tokens_limit,
         )
     if request.min_tokens > max_tokens:
         raise InvalidRequestError(
@@ -354,7 +407,7 @@ def sampling_params(
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        top_p=1.0 if request.top_p is None else _positive_float32(request.top_p),
         top_k=request.top_k or 0,
         min_p=request.min_p or 0.0,
         seed=request.seed,
@@ -362,7 +415,7 @@ def sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0
         if request.repetition_penalty is None
-        else request.repetition_penalty,
+        else _positive_float32(request.repetition_penalty),
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         stop_token_ids=stop_token_ids,

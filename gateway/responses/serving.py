@@ -143,6 +143,7 @@ class ResponsesServing(Serving):
                 chat,
                 self._engine.model_info,
                 self._tokenizer,
+                self._limits,
                 structured_output=constraint,
                 lora_request=lora_request,
             )

@@ -222,7 +222,8 @@ class MigrationOptions(CommonConfig):
     migration_timeout_s: float = opt(
         60.0,
         "seconds a request waits for a lost stage to come back (scheduler: a detokenizer "
-        "to subscribe; gateway: a detokenizer or scheduler to answer) before it fails",
+        "to subscribe; gateway: a detokenizer or scheduler to answer, and a new request "
+        "for an engine replica to route to) before it fails",
         minimum=0.1,
     )
 
@@ -450,6 +451,13 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
         "the body is read (0: what the engine holds, max_num_seqs + max_waiting_requests)",
         minimum=0,
     )
+    http_backlog: int = opt(
+        16384,
+        "connections the HTTP port's accept queue holds (uvicorn's --backlog, default 2048 "
+        "there; the kernel caps it at net.core.somaxconn): past it, new connections wait "
+        "for SYN retries, 1 s, 3 s, 7 s... before the gateway can even refuse them",
+        minimum=1,
+    )
     max_request_body_bytes: int = opt(
         8 << 20,
         "largest HTTP request body (413 past it) and public gRPC message accepted",
@@ -471,6 +479,27 @@ class GatewayConfig(MigrationOptions, LoRAOptions):
         "",
         "host:port of a kvstore that keeps /v1/responses for every gateway replica, so any "
         "of them continues a conversation (empty: this gateway's memory)",
+    )
+    # What one call may cost the engine (gateway/request_cost.py). The defaults
+    # compose: n at most 16 of full 2,048-token contexts fits 32,768 tokens.
+    max_n: int = opt(
+        16,
+        "most choices per prompt one call may ask for (n, best_of); 400 past it (vLLM has no "
+        "bound, OpenAI's is 128)",
+        minimum=1,
+        maximum=128,
+    )
+    max_tokens_limit: int = opt(
+        0,
+        "largest max_tokens (max_completion_tokens) a choice may ask for, and the most a chat "
+        "choice that names none gets; 400 past it (0: only --max-model-len bounds it)",
+        minimum=0,
+    )
+    max_tokens_per_request: int = opt(
+        32768,
+        "most tokens one call may occupy in the engine: over its prompts x n choices, prompt "
+        "tokens + max_tokens; 400 past it (bounds what one call holds of a batch)",
+        minimum=1,
     )
     prefill_scheduler_addr: str = opt(
         "",

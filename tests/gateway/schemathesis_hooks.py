@@ -5,26 +5,32 @@ tie fields together or need the tokenizer; the schema describes each on its
 fields, and this hook keeps schemathesis from generating "valid" requests that
 break one, so that its positive_data_acceptance check holds the server to the
 rest. Each rule is written here independently of the server's code, except the
-chat prompt's token count, which uses the gateway's own rendering of a chat.
+chat prompt's token count, which uses the gateway's own rendering of a chat,
+and which constraint a body asks for (the gateway's own reading), whose grammar,
+regex or JSON schema must then parse with xgrammar, as the worker's does.
+The server's limits (context length, --max-tokens-per-request) are read from
+the schema it serves, so one hook file serves the fake engine and a real stack.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
 import schemathesis
+import xgrammar as xgr
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses.conversation import chat_request
 from gateway.responses.protocol import ResponsesRequest
+from gateway.structured_outputs import structured_output_spec
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calling.plan import plan_tools
 from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
 from services.errors import KvmeshError
 from services.model_prep import default_model_path
-from tests.gateway.helpers import MAX_MODEL_LEN
 
 _TOKENIZER = Tokenizer.from_pretrained(default_model_path())
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -79,6 +85,7 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
         or (body.get("prompt_logprobs") and body.get("stream"))
         or (chat and body.get("top_logprobs") and not body.get("logprobs"))
         or len(sources) > 1
+        or (body.get("allowed_token_ids") and (sources or forced_tool))
         or (body.get("ignore_eos") and (sources or forced_tool))
         or not _json_texts_valid(body)
         or (not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1))
@@ -87,7 +94,51 @@ def _cross_field_rules_hold(body: dict[str, Any], chat: bool) -> bool:
     )
 
 
-def _responses_rules_hold(body: dict[str, Any]) -> bool:
+_PARSERS = {
+    "grammar": xgr.Grammar.from_ebnf,
+    "regex": xgr.Grammar.from_regex,
+    "json": xgr.Grammar.from_json_schema,
+}
+
+
+def _constraint_parses(body: dict[str, Any], chat: bool) -> bool:
+    """A grammar, regex or JSON schema the body constrains the output with parses (no
+    JSON Schema keyword can say "valid EBNF"; the fake engine never compiles one)."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        spec = structured_output_spec(model.model_validate(body))
+    except (pydantic.ValidationError, KvmeshError):
+        return True  # refused for a reason of its own, which the run must see
+    parse = _PARSERS.get(spec.kind) if spec is not None else None
+    if parse is None:
+        return True
+    try:
+        parse(spec.value)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What the served schema says of this server's bounds."""
+
+    max_model_len: int
+    # The most max_tokens may be: --max-tokens-limit, which also caps the defaults.
+    max_output_len: int
+    max_tokens_per_request: int
+
+
+def _served(case: schemathesis.Case) -> _Served:
+    request = case.operation.schema.raw_schema["components"]["schemas"]["CompletionRequest"]
+    truncate = request["properties"]["truncate_prompt_tokens"]["anyOf"]
+    max_tokens = request["properties"]["max_tokens"]["anyOf"]
+    (max_model_len,) = [item["maximum"] for item in truncate if "maximum" in item]
+    (max_output_len,) = [item["maximum"] for item in max_tokens if "maximum" in item]
+    return _Served(max_model_len, max_output_len, request["x-max-tokens-per-request"])
+
+
+def _responses_rules_hold(body: dict[str, Any], served: _Served) -> bool:
     """/v1/responses: tool_choice other than none needs tools and a named one is one of them
     (a forced call overrides text.format, so the two do not clash); the input holds more
     than reasoning items; and the prompt fits. ``store`` false is left out: such a
@@ -108,14 +159,16 @@ def _responses_rules_hold(body: dict[str, Any]) -> bool:
         request = chat_request(ResponsesRequest.model_validate(body), [])
     except pydantic.ValidationError:
         return True  # refused for a reason of its own, which the run must see
-    lengths = _prompt_lengths(request.model_dump(by_alias=True, exclude_none=True), chat=True)
+    lengths = _prompt_lengths(
+        request.model_dump(by_alias=True, exclude_none=True), True, served.max_model_len
+    )
     if not lengths:
         return lengths is None
-    room = MAX_MODEL_LEN - lengths[0]
-    return lengths[0] < MAX_MODEL_LEN and (body.get("max_output_tokens") or room) <= room
+    room = min(served.max_model_len - lengths[0], served.max_output_len)
+    return lengths[0] < served.max_model_len and (body.get("max_output_tokens") or room) <= room
 
 
-def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
+def _prompt_lengths(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int] | None:
     """Tokens of each prompt as the gateway counts them (None: not a valid body)."""
     if chat:
         try:
@@ -137,24 +190,34 @@ def _prompt_lengths(body: dict[str, Any], chat: bool) -> list[int] | None:
         ]
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None:
-        keep = MAX_MODEL_LEN if truncate == -1 else truncate
+        keep = max_model_len if truncate == -1 else truncate
         lengths = [min(length, keep) for length in lengths]
     return lengths
 
 
-def _fits_the_context(body: dict[str, Any], chat: bool) -> bool:
-    """Each prompt has a token, prompt + max_tokens <= max_model_len, min_tokens <= max_tokens."""
-    lengths = _prompt_lengths(body, chat)
+def _fits_the_context(body: dict[str, Any], chat: bool, served: _Served) -> bool:
+    """Each prompt has a token, prompt + max_tokens <= max_model_len, min_tokens <= max_tokens,
+    and over all choices prompt + max_tokens <= --max-tokens-per-request."""
+    lengths = _prompt_lengths(body, chat, served.max_model_len)
     if not lengths:
         return lengths is None
-    if min(lengths) == 0 or max(lengths) >= MAX_MODEL_LEN:
+    if min(lengths) == 0 or max(lengths) >= served.max_model_len:
         return False
-    room = MAX_MODEL_LEN - max(lengths)
+    room = served.max_model_len - max(lengths)
     if chat:
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        # The default is the room left (each prompt's own; chat has one).
+        default = min(room, served.max_output_len)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default
     else:
-        max_tokens = body.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
-    return max_tokens <= room and (body.get("min_tokens") or 0) <= max_tokens
+        default = min(DEFAULT_COMPLETION_MAX_TOKENS, served.max_output_len)
+        max_tokens = body.get("max_tokens") or default
+    n = body.get("n") or 1
+    held = n * sum(length + max_tokens for length in lengths)
+    return (
+        max_tokens <= room
+        and (body.get("min_tokens") or 0) <= max_tokens
+        and held <= served.max_tokens_per_request
+    )
 
 
 @schemathesis.hook
@@ -163,14 +226,15 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     body = case.body
     path = case.operation.path
     if isinstance(body, dict) and path == "/v1/responses":
-        return _responses_rules_hold(body)
+        return _seed_in_range(body) and _responses_rules_hold(body, _served(case))
     if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions"):
         return True
     chat = path == "/v1/chat/completions"
     return (
         _seed_in_range(body)
         and _cross_field_rules_hold(body, chat)
-        and _fits_the_context(body, chat)
+        and _constraint_parses(body, chat)
+        and _fits_the_context(body, chat, _served(case))
     )
 
 

@@ -193,3 +193,86 @@ async def test_an_unlisted_replica_fails_its_requests_in_flight(replicas) -> Non
         assert replicas["b"].in_flight_failures and not replicas["a"].in_flight_failures
         discovery.push("a", "b")
         await wait_for(lambda: engine.router.has_replica("b") and engine.router.num_routable == 2)
+
+
+@contextlib.asynccontextmanager
+async def slow_polling(
+    replicas: dict[str, FakeReplica], wait_for_replica_s: float, names: str = "a"
+) -> AsyncIterator[RoutedEngineClient]:
+    """Probes every 30 s: whatever the router learns sooner, it learned another way."""
+    engine = RoutedEngineClient(
+        PushedDiscovery(*names),
+        lambda a: replicas[a.name],
+        "round-robin",
+        30.0,
+        wait_for_replica_s=wait_for_replica_s,
+    )
+    await engine.start(timeout=5)
+    try:
+        await wait_for(lambda: engine.router.num_routable == len(names))
+        yield engine
+    finally:
+        await engine.close()
+
+
+def waits() -> tuple[float, float]:
+    count = REGISTRY.get_sample_value("kvmesh_router_replica_waits_total") or 0.0
+    seconds = REGISTRY.get_sample_value("kvmesh_router_replica_wait_seconds_sum") or 0.0
+    return count, seconds
+
+
+async def test_a_request_finding_no_routable_replica_waits_for_one(replicas) -> None:
+    async with slow_polling(replicas, wait_for_replica_s=10.0) as engine:
+        count, seconds = waits()
+        # The replica's client sees its streams break: out of the picks now.
+        replicas["a"].ready = False
+        replicas["a"].on_connection_change(False)
+        assert engine.router.num_routable == 0
+        with pytest.raises(UnavailableError):
+            await engine.check_ready()
+        waiting = asyncio.ensure_future(run(engine, make_request("w", [1, 2])))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and not replicas["a"].requests
+        # Back: found by the fast probe of an unroutable replica, not the 30 s poll.
+        back_at = asyncio.get_running_loop().time()
+        replicas["a"].ready = True
+        assert (await waiting)[-1] == "length"
+        assert asyncio.get_running_loop().time() - back_at < 0.1
+        await engine.check_ready()
+        new_count, new_seconds = waits()
+        assert new_count == count + 1
+        assert 0.3 < new_seconds - seconds < 1.0
+
+
+async def test_the_wait_is_bounded_and_then_refused(replicas) -> None:
+    async with slow_polling(replicas, wait_for_replica_s=0.3) as engine:
+        count, _ = waits()
+        replicas["a"].ready = False
+        replicas["a"].fail_with = UnavailableError("scheduler unreachable")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UnavailableError, match="--migration-timeout-s"):
+            await run(engine, make_request("late", [1, 2]))
+        assert 0.3 <= asyncio.get_running_loop().time() - started < 1.0
+        assert waits()[0] == count + 1
+
+
+async def test_ready_asks_the_replica_rather_than_the_last_probe(replicas) -> None:
+    async with slow_polling(replicas, wait_for_replica_s=5.0) as engine:
+        replicas["a"].ready = False  # dead since the last probe, 30 s ago
+        with pytest.raises(UnavailableError):
+            await engine.check_ready()
+        assert engine.router.num_routable == 0  # and it left the picks
+        replicas["a"].ready = True
+        await wait_for(lambda: engine.router.num_routable == 1, timeout_s=0.5)
+        await engine.check_ready()
+
+
+async def test_a_stream_back_is_probed_at_once(replicas) -> None:
+    async with slow_polling(replicas, wait_for_replica_s=5.0, names="ab") as engine:
+        replicas["b"].ready = False
+        replicas["b"].on_connection_change(False)
+        assert not engine.router.replica("b").routable
+        await asyncio.sleep(0.2)
+        replicas["b"].ready = True
+        replicas["b"].on_connection_change(True)
+        await wait_for(lambda: engine.router.replica("b").routable, timeout_s=0.1)

@@ -83,6 +83,13 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
     (COMPLETIONS, {"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
     (COMPLETIONS, {"guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
+    # Every token could be masked: found failing with 503 by schemathesis (issue 43).
+    (COMPLETIONS, {"guided_choice": ["0"], "allowed_token_ids": [15]}, "allowed_token_ids"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_object"}, "allowed_token_ids": [1]},
+        "allowed_token_ids",
+    ),
     (COMPLETIONS, {"stream_options": {"include_usage": True}}, "stream"),
     (COMPLETIONS, {"cache_salt": ""}, "cache_salt"),
     (CHAT, {"messages": []}, "messages"),

@@ -10,8 +10,10 @@ from transformers import AutoTokenizer
 
 from gateway.tokenizer import Tokenizer
 from services.model_prep import default_model_path
+from services.step_codec import sampling_params_from_proto, sampling_params_to_proto
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN
+from worker.sampling_metadata import validate_sampling_params
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -99,3 +101,17 @@ async def test_continue_final_message_leaves_the_last_message_open(
     both = await client.post(CHAT, json={**body, "add_generation_prompt": True})
     assert both.status_code == 400
     assert both.json()["error"]["param"] == "continue_final_message"
+
+
+async def test_positive_parameters_stay_positive_as_float32(
+    client: httpx.AsyncClient, engine: FakeEngineClient
+) -> None:
+    """5e-324 is a valid top_p ("> 0") but 0.0 as a float32: the worker refused it
+    mid-request with a 503 (schemathesis against a real stack, issue 43)."""
+    body = {"prompt": PROMPT, "max_tokens": 1, "top_p": 5e-324, "repetition_penalty": 5e-324}
+    assert (await client.post(COMPLETIONS, json=body)).status_code == 200
+    on_the_wire = sampling_params_from_proto(
+        sampling_params_to_proto(engine.requests[0].sampling_params)
+    )
+    validate_sampling_params(on_the_wire, vocab_size=49152)  # what the worker checks
+    assert 0 < on_the_wire.top_p < 1e-37 and 0 < on_the_wire.repetition_penalty < 1e-37
