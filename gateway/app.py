@@ -30,6 +30,7 @@ from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openapi_schema import build_openapi
 from gateway.protocol import (
+    BATCH_INVARIANT_COST,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -281,6 +282,8 @@ def build_app(
                 dtype=info.dtype or None,
                 dtype_reason=info.dtype_reason or None,
                 quantization=info.quantization or None,
+                batch_invariant=info.batch_invariant or None,
+                batch_invariant_cost=BATCH_INVARIANT_COST if info.batch_invariant else None,
             )
         ]
         cards += [

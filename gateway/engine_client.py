@@ -114,6 +114,8 @@ class ModelInfo:
     dtype_reason: str = ""
     # How the engine holds its weights: "gguf", "int8" (empty: as the checkpoint has them).
     quantization: str = ""
+    # Whether the engine runs in batch-invariant mode (--batch-invariant).
+    batch_invariant: bool = False
 
 
 @runtime_checkable

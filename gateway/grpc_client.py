@@ -167,6 +167,7 @@ class GrpcEngineClient:
             dtype=info.dtype,
             dtype_reason=info.dtype_reason,
             quantization=info.quantization,
+            batch_invariant=info.batch_invariant,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(

@@ -502,6 +502,11 @@ class VersionResponse(BaseModel):
     version: str
 
 
+# What batch-invariant mode costs, as measured (docs/performance.md, "Batch
+# invariance"), for /v1/models where the engine runs in it.
+BATCH_INVARIANT_COST = "TBD"
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -516,6 +521,10 @@ class ModelCard(BaseModel):
     dtype_reason: str | None = None
     # How the weights are held: "gguf" (block codes from a GGUF file) or "int8".
     quantization: str | None = None
+    # Batch-invariant mode (--batch-invariant): a request's logits do not
+    # depend on its batch; with its measured cost, in words (None: off).
+    batch_invariant: bool | None = None
+    batch_invariant_cost: str | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

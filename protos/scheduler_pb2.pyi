@@ -151,7 +151,7 @@ class GetSchedulerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "dtype", "dtype_reason", "quantization")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "dtype", "dtype_reason", "quantization", "batch_invariant")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class SchedulerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -176,7 +177,8 @@ class SchedulerInfo(_message.Message):
     dtype: str
     dtype_reason: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., quantization: _Optional[str] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class StreamKVEventsRequest(_message.Message):
     __slots__ = ("from_sequence", "instance_id", "subscriber")

@@ -167,7 +167,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget", "batch_invariant")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class WorkerInfo(_message.Message):
     PIPELINE_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -204,4 +205,5 @@ class WorkerInfo(_message.Message):
     pipeline_overlap: bool
     quantization: str
     step_token_budget: int
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...

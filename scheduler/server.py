@@ -118,6 +118,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
         quantization=info.quantization,
+        batch_invariant=info.batch_invariant,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(
