@@ -7,6 +7,8 @@ import torch
 
 from kernels import batch_invariant, native
 from kernels.registry import select_attention_backend
+from services.config import WorkerConfig
+from services.config.process import BATCH_INVARIANT
 from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
 
 from .paged_batch import PagedBatch, make_paged_batch
@@ -135,3 +137,12 @@ def test_tiled_rows_pads_the_last_tile_and_keeps_every_row() -> None:
     assert torch.equal(batch_invariant.tiled_rows(x, kernel), x * 2)
     assert seen == [batch_invariant.ROW_TILE] * 3
     assert batch_invariant.tiled_rows(x[:0], kernel).shape == (0, 8)
+
+
+def test_the_mode_runs_on_cpu_only_and_is_read_from_vllm_batch_invariant() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        batch_invariant.enable(True, "cuda")
+    assert not batch_invariant.enabled()
+    assert BATCH_INVARIANT.get({"VLLM_BATCH_INVARIANT": "1"}) is True
+    assert BATCH_INVARIANT.get({}) is False
+    assert WorkerConfig(batch_invariant=True).batch_invariant
