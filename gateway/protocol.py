@@ -505,8 +505,8 @@ class VersionResponse(BaseModel):
 # What batch-invariant mode costs, as measured (docs/performance.md, "Batch
 # invariance"), for /v1/models where the engine runs in it.
 BATCH_INVARIANT_COST = (
-    "output tok/s x0.93 and TTFT x1.34 at 128 in / 128 out, concurrency 16 (float32, 2-core "
-    "AMD EPYC Zen 2, AVX2; CPU-time clock); decode steps cost the same, prefill more: "
+    "output tok/s x0.93 at 128 in / 128 out and x0.80 at 1,024 in / 64 out, median TTFT "
+    "x1.34, concurrency 16 (float32, 2-core AMD EPYC Zen 2, AVX2; CPU-time clock): "
     "docs/performance.md, 'Batch invariance'"
 )
 
