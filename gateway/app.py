@@ -32,6 +32,7 @@ from gateway.openapi_schema import build_openapi
 from gateway.output_parsing import OutputParsing
 from gateway.pooling_routes import add_pooling_routes
 from gateway.protocol import (
+    BATCH_INVARIANT_COST,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -318,6 +319,8 @@ def build_app(
                 dtype_reason=info.dtype_reason or None,
                 quantization=info.quantization or None,
                 weight_bytes=info.weight_bytes,
+                batch_invariant=info.batch_invariant or None,
+                batch_invariant_cost=BATCH_INVARIANT_COST if info.batch_invariant else None,
             )
         ]
         cards += [

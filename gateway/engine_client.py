@@ -132,6 +132,8 @@ class ModelInfo:
     pooling: PoolingInfo | None = None
     # Bytes of weights resident in the worker (None: unknown), for /v1/models.
     weight_bytes: int | None = None
+    # Whether the engine runs in batch-invariant mode (--batch-invariant).
+    batch_invariant: bool = False
 
 
 @runtime_checkable

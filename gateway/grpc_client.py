@@ -179,6 +179,7 @@ class GrpcEngineClient:
                 else None
             ),
             weight_bytes=info.weight_bytes or None,
+            batch_invariant=info.batch_invariant,
         )
         self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="detok-dispatch")
         await asyncio.wait_for(

@@ -521,6 +521,15 @@ class VersionResponse(BaseModel):
     version: str
 
 
+# What batch-invariant mode costs, as measured (docs/performance.md, "Batch
+# invariance"), for /v1/models where the engine runs in it.
+BATCH_INVARIANT_COST = (
+    "output tok/s x0.93 at 128 in / 128 out and x0.80 at 1,024 in / 64 out, median TTFT "
+    "x1.34, concurrency 16 (float32, 2-core AMD EPYC Zen 2, AVX2; CPU-time clock): "
+    "docs/performance.md, 'Batch invariance'"
+)
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -537,6 +546,10 @@ class ModelCard(BaseModel):
     quantization: str | None = None
     # Bytes of weights resident in the worker after loading (the worker's report).
     weight_bytes: int | None = None
+    # Batch-invariant mode (--batch-invariant): a request's logits do not
+    # depend on its batch; with its measured cost, in words (None: off).
+    batch_invariant: bool | None = None
+    batch_invariant_cost: str | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

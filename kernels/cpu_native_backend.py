@@ -24,6 +24,10 @@ online softmax, instead of one torch SDPA per chunk over gathered K/V (whose
 bfloat16 matmuls run off AMX and off vdpbf16ps). Other dtypes, levels and
 head sizes take the torch path.
 
+In batch-invariant mode (kernels/batch_invariant.py) every query row, of
+prompt chunks and decodes alike, runs ``paged_decode_attention`` over its own
+context with fixed-length runs (kernels/invariant_attention.py).
+
 New K/V rows go into the cache with one ``write_kv_cache`` call per layer
 (kernels/csrc/kv_cache_write_cpu.cpp) instead of a negative-slot check and
 two ``index_copy_``; a cache of another dtype or layout takes the torch path.
@@ -35,8 +39,10 @@ from typing import ClassVar
 
 import torch
 
-from kernels import native
-from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan
+from kernels import batch_invariant, native
+from kernels.backend import AttentionMetadata
+from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan, build_cpu_plan
+from kernels.invariant_attention import EveryRowPlan, attend_every_row, every_row_plan
 
 # paged_prefill_attention's head sizes: whole 32-dim operand rows (an AMX tile
 # row, 16 bfloat16 pairs), at most 256.
@@ -56,6 +62,27 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             return f"C++ kernels run on CPU tensors only, not {device.type}"
         reason = native.unavailable_reason()
         return None if reason is None else f"C++ kernels unavailable: {reason}"
+
+    @classmethod
+    def build_plan(cls, metadata: AttentionMetadata) -> object:
+        if batch_invariant.enabled():
+            return every_row_plan(metadata)
+        return build_cpu_plan(metadata)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not batch_invariant.enabled():
+            return super().forward(query, k_cache, v_cache, metadata, scale)
+        plan = metadata.plan
+        if not isinstance(plan, EveryRowPlan):
+            plan = every_row_plan(metadata)
+        return attend_every_row(query, k_cache, v_cache, plan, scale)
 
     def write_kv_cache(
         self,

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from kernels import batch_invariant
 from kernels.backend import AttentionBackend
 from kernels.cpu_attention import CpuAttentionBackend
 from kernels.cpu_native_backend import NativeCpuAttentionBackend
@@ -29,6 +30,9 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def _default_order(device: torch.device) -> list[str]:
+    if batch_invariant.enabled():
+        # The one backend with a fixed reduction order per row (kernels/batch_invariant.py).
+        return [NativeCpuAttentionBackend.name]
     if device.type == "cuda":
         return ["triton", "cpu", "torch_reference"]
     return ["cpu_native", "cpu", "torch_reference"]
@@ -73,6 +77,11 @@ def select_attention_backend(
 ) -> AttentionBackend:
     """The backend to use on ``device``; ``preferred`` forces one by name or raises why not."""
     device = _as_device(device)
+    if batch_invariant.enabled() and preferred not in (None, NativeCpuAttentionBackend.name):
+        raise ValueError(
+            f"attention backend {preferred!r} is not batch-invariant: batch-invariant mode "
+            f"runs {NativeCpuAttentionBackend.name!r} (or leave the backend unset)"
+        )
     lines = explain_backend_choice(device, preferred)
     for line in lines:
         logger.info("attention backend: %s", line)

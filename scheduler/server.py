@@ -140,6 +140,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         matryoshka_dimensions=info.matryoshka_dimensions,
         labels=info.labels,
         weight_bytes=info.weight_bytes,
+        batch_invariant=info.batch_invariant,
     )
     services = scheduler_pb2.DESCRIPTOR.services_by_name
     service = GrpcService(

@@ -28,10 +28,12 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from kernels import batch_invariant
 from kvstore.client import KVStoreClient
 from kvstore.layout import KVLayout
 from protos import worker_pb2, worker_pb2_grpc
 from services.config import WorkerConfig
+from services.config.process import BATCH_INVARIANT
 from services.errors import InvalidRequestError, UnavailableError
 from services.grpc_security import InternalSecurity
 from services.grpc_server import GrpcService
@@ -376,6 +378,8 @@ def build_runner(
         num_kv_blocks=config.num_kv_blocks or None,
         kv_cache_memory_bytes=None if config.num_kv_blocks else config.kv_cache_memory,
     )
+    # Before the runner: its attention backend is chosen by the mode.
+    batch_invariant.enable(config.batch_invariant or BATCH_INVARIANT.get(), config.device)
     runner = ModelRunner(
         model_config,
         cache_config,
@@ -409,6 +413,7 @@ def build_runner(
         step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
         runner="generate",
         weight_bytes=runner.model.resident_weight_bytes(),
+        batch_invariant=batch_invariant.enabled(),
     )
     return runner, info
 

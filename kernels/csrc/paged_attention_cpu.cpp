@@ -504,7 +504,12 @@ RunFn<T, HEAD_DIM> run_for(int64_t group) {
 
 // Tokens per run: whole blocks, long enough that a run's merge and prefetch
 // start-up are noise, short enough that the batch makes a few runs per thread.
-inline int64_t run_length(const int64_t* lens, int64_t num_decodes, int64_t block_size) {
+// `fixed` > 0 (batch-invariant mode, kernels/batch_invariant.py): that many
+// tokens (rounded up to whole blocks) whatever the batch and thread count, so
+// a row's sums split the same way in every batch.
+inline int64_t run_length(const int64_t* lens, int64_t num_decodes, int64_t block_size,
+                          int64_t fixed) {
+  if (fixed > 0) return (fixed + block_size - 1) / block_size * block_size;
   constexpr int64_t kMinRun = 256;
   constexpr int64_t kRunsPerThread = 4;
   int64_t total = 0;
@@ -521,11 +526,11 @@ bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_
                      const int64_t* tables, const int64_t* lens, const int64_t* row_ids,
                      int64_t num_decodes, int64_t num_kv_heads, int64_t group, int64_t max_blocks,
                      int64_t block_size, int64_t q_tok, int64_t q_head, int64_t o_tok,
-                     int64_t o_head, float scale) {
+                     int64_t o_head, float scale, int64_t fixed_run) {
   const RunFn<T, HEAD_DIM> fn = run_for<T, HEAD_DIM>(group);
   if (fn == nullptr) return false;
   const int64_t num_heads = num_kv_heads * group;
-  const int64_t run = run_length(lens, num_decodes, block_size);
+  const int64_t run = run_length(lens, num_decodes, block_size, fixed_run);
   // Run i covers tokens [(i - first_run[seq]) * run, ...) of its sequence.
   std::vector<int64_t> first_run(num_decodes + 1, 0);
   for (int64_t i = 0; i < num_decodes; ++i) {
@@ -635,9 +640,15 @@ void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
 //   block_tables: [num_decodes, max_blocks_per_seq] int64
 //   context_lens: [num_decodes] int64 (>= 1)
 //   rows:         [num_decodes] int64, query/out row of each decode
+//   run_tokens:   0: split long contexts into runs sized from the batch and
+//                 thread count; > 0: runs of this many tokens (whole blocks)
+//                 from token 0, whatever the batch (batch-invariant mode: a
+//                 row's result then depends on its context only). The
+//                 per-(sequence, KV head) path never splits.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, const at::Tensor& rows, double scale) {
+                            const at::Tensor& context_lens, const at::Tensor& rows, double scale,
+                            int64_t run_tokens) {
   const char* op = "paged_decode_attention";
   kvmesh::check_same_dtype(query, out, op, "query", "out");
   kvmesh::check_same_dtype(query, key_cache, op, "query", "key_cache");
@@ -701,7 +712,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
       done = fn(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
                 value_cache.data_ptr<T>(), tables, lens, row_ids, num_decodes, num_kv_heads,
                 group, max_blocks, block_size, query.stride(0), query.stride(1), out.stride(0),
-                out.stride(1), scale_f);
+                out.stride(1), scale_f, run_tokens);
     };
     if (head_dim == 64) runs(&attend_all_runs<T, 64>);
     if (head_dim == 128) runs(&attend_all_runs<T, 128>);
@@ -722,7 +733,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor context_lens, Tensor rows, float scale) -> ()");
+      "Tensor block_tables, Tensor context_lens, Tensor rows, float scale, int run_tokens=0) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

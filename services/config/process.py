@@ -84,6 +84,14 @@ AMX_LINEAR = EnvSetting(
     "0 packs dense bfloat16 projections for oneDNN instead of running small batches on "
     "kernels/csrc/amx_linear.cpp over the plain weight (AMX level only): an A/B switch",
 )
+BATCH_INVARIANT = EnvSetting(
+    "VLLM_BATCH_INVARIANT",
+    bool,
+    "0",
+    "1 turns the worker's batch-invariant mode on, as --batch-invariant does (vLLM's name, "
+    "which its users already set): a request's logits do not depend on its batch "
+    "(kernels/batch_invariant.py)",
+)
 CXX = EnvSetting(
     "CXX", str, "", "C++ compiler for the native kernels (default: g++, then c++, on PATH)"
 )
@@ -112,6 +120,7 @@ PROCESS_SETTINGS: tuple[EnvSetting[Any], ...] = (
     CPU_ISA,
     DENSE_LINEAR,
     AMX_LINEAR,
+    BATCH_INVARIANT,
     CXX,
     TRITON_INTERPRET,
 )

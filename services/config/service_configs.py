@@ -305,6 +305,13 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
     attention_backend: str = opt(
         "", "force an attention backend ('': choose by device)", choices=ATTENTION_BACKENDS
     )
+    batch_invariant: bool = opt(
+        False,
+        "batch-invariant mode (also VLLM_BATCH_INVARIANT=1): a request's logits, and so its "
+        "greedy and seeded tokens, do not depend on the batch, chunking, prefix-cache hits or "
+        "preemption; CPU with the C++ kernels only; costs throughput (docs/performance.md, "
+        "'Batch invariance')",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.api_fuzz import FUZZ_STACK_ARGS, run_schemathesis, warm_up
+from tests.e2e.api_fuzz import FUZZ_STACK_ARGS, run_schemathesis, warm_up
 from tests.e2e.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.e2e

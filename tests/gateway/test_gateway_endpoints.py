@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from gateway.app import build_app
+from gateway.protocol import BATCH_INVARIANT_COST
 from gateway.tokenizer import Tokenizer
 from services.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
@@ -38,6 +39,21 @@ async def test_models_reports_how_the_weights_are_held(
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         (card,) = (await http.get("/v1/models")).json()["data"]
     assert card["quantization"] == "gguf"
+
+
+async def test_models_reports_batch_invariant_mode_and_its_cost(
+    client: httpx.AsyncClient, engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    (card,) = (await client.get("/v1/models")).json()["data"]
+    assert card["batch_invariant"] is None and card["batch_invariant_cost"] is None
+    engine.info = dataclasses.replace(engine.info, batch_invariant=True)
+    app = build_app(engine, tokenizer, MODEL_NAME, metrics_registry=CollectorRegistry())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        (card,) = (await http.get("/v1/models")).json()["data"]
+    assert card["batch_invariant"] is True
+    assert card["batch_invariant_cost"] == BATCH_INVARIANT_COST
+    assert "tok/s" in card["batch_invariant_cost"]
 
 
 async def test_health_and_version(client: httpx.AsyncClient) -> None:

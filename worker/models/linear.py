@@ -56,7 +56,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import batch_invariant, native
 from kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
 from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 from services.config.process import AMX_LINEAR
@@ -367,6 +367,8 @@ class PackedLinear:
         return transposed.t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.enabled() and x.dim() == 2:
+            return self._batch_invariant(x)
         if self._int8_activations and _w8a8_fits(x):
             return self._w8a8(x)
         codes = self._codes
@@ -388,15 +390,35 @@ class PackedLinear:
         else:
             max_rows = MAX_BLOCK_CODE_ROWS_BF16
         if self._kernel and codes is not None and x.dim() == 2 and x.shape[0] <= max_rows:
-            # bfloat16 rows go in as they are where the kernel multiplies them
-            # natively (bf16 out), else as float32 (float32 out, rounded once).
-            x_in = x if self._codes_take_bf16 else x.float()
-            y = torch.ops.kvmesh.block_code_linear(
-                x_in.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
-            )
-            if y.dtype != x.dtype:
-                y = y.to(x.dtype)
-            return y if self._bias is None else y.add_(self._bias)
+            return self._block_codes(x)
+        return self._without_codes(x)
+
+    def _block_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The block-code kernel (any number of rows)."""
+        codes = self._codes
+        assert codes is not None
+        # bfloat16 rows go in as they are where the kernel multiplies them
+        # natively (bf16 out), else as float32 (float32 out, rounded once).
+        x_in = x if self._codes_take_bf16 else x.float()
+        y = torch.ops.kvmesh.block_code_linear(
+            x_in.contiguous(), codes.codes, codes.scales, codes.offsets, codes.out_features
+        )
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self._bias is None else y.add_(self._bias)
+
+    def _batch_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant mode (kernels/batch_invariant.py): kernels whose
+        per-row sums do not change with the number of rows."""
+        if self._int8_activations:
+            return self._w8a8(x)  # per-token int8, exact integer sums: any batch
+        if self._kernel and self._codes is not None:
+            return self._block_codes(x)
+        return batch_invariant.tiled_rows(x.contiguous(), self._without_codes)
+
+    def _without_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The paths past the codes kernel: oneDNN, amx_linear, F.linear."""
+        codes = self._codes
         if self._packed is None and self.weight is None:
             assert codes is not None
             weight = _dequantize(codes)
