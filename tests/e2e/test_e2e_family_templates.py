@@ -27,7 +27,7 @@ import transformers
 from services.local_stack import LocalStack
 from services.model_prep import default_model_path, is_prepared
 from tests.e2e.conftest import STARTUP_TIMEOUT_S
-from tests.family_templates import LLAMA3_JSON, QWEN3
+from tests.family_templates import FAMILY_TEMPLATES, LLAMA3_JSON, QWEN3
 from tests.worker.conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -261,3 +261,59 @@ def test_responses_carry_the_thinking_as_a_reasoning_item(
     # reasoning.effort "none" reaches the template as enable_thinking false: no thinking.
     off = client.responses.create(**kwargs, reasoning={"effort": "none"})  # type: ignore[arg-type]
     assert [item.type for item in off.output] == ["message"]
+
+
+# Two parallel calls in each remaining family's format, as its model writes them
+# (tests/gateway/test_gateway_tool_call_formats.py has the recorded-style samples;
+# here the text is forced so that the real detokenizer's deltas carry it).
+PARALLEL_CALLS = {
+    "pythonic": '[get_weather(city="Paris"), get_weather(city="Paris")]',
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    ),
+    "qwen3_coder": (
+        "<tool_call><function=get_weather><parameter=city>Paris</parameter></function>"
+        "</tool_call><tool_call><function=get_weather><parameter=city>Paris</parameter>"
+        "</function></tool_call>"
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PARALLEL_CALLS))
+def test_each_remaining_format_parses_two_calls_whole_and_streamed(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Pythonic (Llama 3.2/4), Mistral and Qwen3-Coder templates: the parser is the
+    template's, and two forced calls come back as two tool calls, whole and streamed."""
+    folder = _tiny_family_checkpoint(
+        tmp_path_factory.mktemp(f"tiny-{family}"), FAMILY_TEMPLATES[family]
+    )
+    stack = _start(folder, "--served-model-name", MODEL, "--enable-auto-tool-choice")
+    try:
+        assert any(
+            f"tool-call parser from the chat template: {family}" in line for line in stack.log
+        ), "".join(stack.log[-30:])
+        client = _client(stack)
+        kwargs = {
+            "model": MODEL,
+            "messages": ASK,
+            "tools": [WEATHER],
+            "max_tokens": 400,
+            "temperature": 0,
+            "extra_body": {"guided_regex": _forced(PARALLEL_CALLS[family])},
+        }
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        parsed = [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+        ]
+        assert [name for name, _ in parsed] == ["get_weather", "get_weather"]
+        assert all(arguments["city"] in ("Paris", "Rome") for _, arguments in parsed)
+        assert len({c.id for c in whole.message.tool_calls}) == 2
+        content, calls, finish = _streamed_calls(
+            client.chat.completions.create(stream=True, **kwargs)
+        )
+        assert finish == "tool_calls" and not content and calls == parsed
+    finally:
+        assert stack.stop() == 0, "".join(stack.log[-50:])
