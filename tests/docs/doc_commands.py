@@ -48,6 +48,7 @@ OTHER_TOOLS_FLAGS: dict[str, str] = {
     "--out": "benchmarks/dense_checkpoint.py",
     "--stack": "benchmarks/spec_decode_bench.py",
     "--lora-kernel": "benchmarks/lora_bench.py",
+    "--timeout-s": "benchmarks/burst.py",
     "--no-deps": "pip",
     "--no-build-isolation": "pip",
 }
