@@ -132,9 +132,13 @@ class PoolingServing(Serving):
     def _encode_pair(self, first: str, second: str, truncate: int | None) -> _Input:
         hf = self._tokenizer._hf
         kwargs = {} if truncate is None else {"truncation": "only_second", "max_length": truncate}
-        ids = list(hf(first, second, **kwargs)["input_ids"])
-        first_len = len(hf(first)["input_ids"])
-        return _Input(ids, first_len)
+        encoded = hf(first, second, **kwargs)
+        # Segment ids as the tokenizer gives them to transformers: a BERT tokenizer marks
+        # the second text with type 1; one that returns no token_type_ids (XLM-R, or a
+        # tokenizer that does not list them) leaves every token at type 0.
+        types = list(encoded.get("token_type_ids") or [])
+        first_len = types.index(1) if 1 in types else None
+        return _Input(list(encoded["input_ids"]), first_len)
 
     async def _texts_or_ids(
         self, raw: str | list, truncate: int | None, param: str

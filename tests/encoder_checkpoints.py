@@ -23,8 +23,11 @@ CORPUS = [
 ]
 
 
-def wordpiece_tokenizer(vocab_size: int = 300):
-    """A BERT-style fast tokenizer ([CLS] a [SEP] b [SEP]) trained on CORPUS."""
+def wordpiece_tokenizer(vocab_size: int = 300, segment_ids: bool = True):
+    """A BERT-style fast tokenizer ([CLS] a [SEP] b [SEP]) trained on CORPUS.
+
+    ``segment_ids``: return token_type_ids as BertTokenizerFast does (a pair's second
+    text gets type 1); False as XLM-R's tokenizer, which returns none."""
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -48,6 +51,11 @@ def wordpiece_tokenizer(vocab_size: int = 300):
         sep_token="[SEP]",
         mask_token="[MASK]",
         model_max_length=512,
+        model_input_names=(
+            ["input_ids", "token_type_ids", "attention_mask"]
+            if segment_ids
+            else ["input_ids", "attention_mask"]
+        ),
     )
 
 
@@ -86,7 +94,7 @@ def build_embedding_model(
     from sentence_transformers.sentence_transformer import modules as st_models
     from transformers import BertModel, XLMRobertaModel
 
-    tokenizer = wordpiece_tokenizer()
+    tokenizer = wordpiece_tokenizer(segment_ids=family == "bert")
     config = _hf_config(family, len(tokenizer), hidden, layers, heads)
     torch.manual_seed(seed)
     model = (BertModel if family == "bert" else XLMRobertaModel)(config)
@@ -105,14 +113,28 @@ def build_embedding_model(
     return folder
 
 
+RERANKER_INIT_RANGE = 0.3
+
+
 def build_cross_encoder(
     folder: Path, family: str = "bert", hidden: int = 32, layers: int = 2, heads: int = 4
 ) -> Path:
     """A one-label cross-encoder (reranker) folder; returns it."""
     from transformers import BertForSequenceClassification, XLMRobertaForSequenceClassification
 
-    tokenizer = wordpiece_tokenizer()
-    config = _hf_config(family, len(tokenizer), hidden, layers, heads, num_labels=1)
+    tokenizer = wordpiece_tokenizer(segment_ids=family == "bert")
+    # At the default 0.02 init the [CLS] state barely depends on the other tokens, so every
+    # pair scored within 1e-5 of 0.5 and the ranking was float noise (it differed between
+    # CPUs). A wider init makes the scores, and so the ranking tests, mean something.
+    config = _hf_config(
+        family,
+        len(tokenizer),
+        hidden,
+        layers,
+        heads,
+        num_labels=1,
+        initializer_range=RERANKER_INIT_RANGE,
+    )
     torch.manual_seed(1)
     cls = BertForSequenceClassification if family == "bert" else XLMRobertaForSequenceClassification
     model = cls(config)

@@ -100,7 +100,8 @@ def test_rerank_scores_match_cross_encoder(tmp_path: Path, family: str) -> None:
     for d in docs:
         enc = tokenizer(query, d)
         prompts.append(enc["input_ids"])
-        first = len(tokenizer(query)["input_ids"])
+        types = enc.get("token_type_ids") or []
+        first = types.index(1) if 1 in types else None
         params.append(PoolingParams(task="classify", first_segment_len=first))
     got = _run(PoolingRunner(folder), prompts, params)
     scores = [float(torch.sigmoid(torch.tensor(g[0]))) for g in got]
