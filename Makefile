@@ -12,11 +12,11 @@ DEPS_STAMP := $(VENV)/.deps-installed
 
 install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
-	@$(BIN)/python -m services.model_prep >/dev/null
+	@$(BIN)/python -m kvmesh.services.cli.model_prep >/dev/null
 	@# Compiles the C++ CPU kernels once per source/torch, for each instruction-set
 	@# level this CPU runs (kernels/native.py, kernels/cpu_isa.py).
 	@# Without a compiler the stack still runs (torch CPU path); the tests fail.
-	@$(BIN)/python -m kernels.native build >/dev/null \
+	@$(BIN)/python -m kvmesh.kernels.native build >/dev/null \
 		|| echo "kvmesh: C++ kernels not built (reason above); serving falls back to the torch CPU path"
 	@# The kvstore's Redis tier tests run a real redis-server; install it where we may.
 	@if ! command -v redis-server >/dev/null; then \
@@ -60,7 +60,7 @@ format: install
 	$(BIN)/ruff format .
 
 protos: $(DEPS_STAMP)
-	$(BIN)/python -m protos.build
+	$(BIN)/python -m kvmesh.protos.build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
 from tests.e2e.api_fuzz import FUZZ_STACK_ARGS, run_schemathesis, warm_up  # noqa: E402
 
 

@@ -33,12 +33,12 @@ import torch
 # that a checkout's own packages win over an editable install's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import native
-from kernels.backend import AttentionBackend
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.torch_reference_backend import TorchReferenceBackend
-from services.math_utils import cdiv
+from kvmesh.kernels import native
+from kvmesh.kernels.backend import AttentionBackend
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.services.contracts.math_utils import cdiv
 from tests.kernels.paged_batch import make_paged_batch
 
 

@@ -34,15 +34,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.client import ClientConfig, CompletionsClient  # noqa: E402
-from bench.dataset import SampleRequest  # noqa: E402
-from bench.metrics import compute_metrics  # noqa: E402
-from bench.runner import LoadConfig, run_load  # noqa: E402
-from bench.sampling import GREEDY, SamplingSetting  # noqa: E402
 from kvmesh.engine import InProcessEngine  # noqa: E402
-from services.local_stack import LocalStack  # noqa: E402
-from services.model_prep import default_model_path  # noqa: E402
-from services.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.services.cli.bench.client import ClientConfig, CompletionsClient  # noqa: E402
+from kvmesh.services.cli.bench.dataset import SampleRequest  # noqa: E402
+from kvmesh.services.cli.bench.metrics import compute_metrics  # noqa: E402
+from kvmesh.services.cli.bench.runner import LoadConfig, run_load  # noqa: E402
+from kvmesh.services.cli.bench.sampling import GREEDY, SamplingSetting  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.contracts.sampling_params import SamplingParams  # noqa: E402
 
 
 @dataclass
@@ -186,9 +186,9 @@ def measure_inprocess(
     """The engine as the stack's worker and scheduler would run it: the same
     ``--dtype`` resolution (``auto``: by the CPU) and the step token budget the
     worker asks the scheduler for on this hardware."""
-    from worker.config import CacheConfig, ModelConfig
-    from worker.model_runner import ModelRunner
-    from worker.step_budget import preferred_step_tokens
+    from kvmesh.worker.config import CacheConfig, ModelConfig
+    from kvmesh.worker.model_runner import ModelRunner
+    from kvmesh.worker.step_budget import preferred_step_tokens
 
     model_config = ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=2048)
     runner = ModelRunner(
@@ -276,7 +276,7 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=[], choices=["a", "b", "c"])
     args = parser.parse_args()
     model = args.model or default_model_path()
-    from worker.config import ModelConfig
+    from kvmesh.worker.config import ModelConfig
 
     vocab_size = ModelConfig.from_pretrained(model, dtype="float32").vocab_size
     prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)

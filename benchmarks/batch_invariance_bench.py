@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels import batch_invariant
 from kvmesh import engine as inprocess_engine
 from kvmesh.engine import GenerationResult, InProcessEngine
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
+from kvmesh.kernels import batch_invariant
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)

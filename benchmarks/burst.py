@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 
 SERVICES = ("gateway", "scheduler", "detokenizer", "worker", "kvstore")
 

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from services.cpu_features import CpuFeatures
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models import ggml_linear
+from kvmesh.worker.models.ggml_linear import GGMLLinear
 from tests.worker.kquant_files import MIXES, write_mix
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.models import ggml_linear
-from worker.models.ggml_linear import GGMLLinear
 
 PROBE_BYTES = 512 * 2**20
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from services.math_utils import cdiv
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner, StepTimings
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
 

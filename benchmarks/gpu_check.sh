@@ -14,8 +14,8 @@ PYTHON="${PYTHON:-}"
 if [[ -z "$PYTHON" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-# Read through the config registry (services/config/process.py), like every setting.
-ALLOW_CPU=$("$PYTHON" -m services.config get KVMESH_GPU_CHECK_ALLOW_CPU)
+# Read through the config registry (services/runtime/config/process.py), like every setting.
+ALLOW_CPU=$("$PYTHON" -m kvmesh.services.runtime.config get KVMESH_GPU_CHECK_ALLOW_CPU)
 
 echo "== environment"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.triton_backend import TritonAttentionBackend
-from services.math_utils import cdiv
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.triton_backend import TritonAttentionBackend
+from kvmesh.services.contracts.math_utils import cdiv
 
 on_gpu = torch.cuda.is_available()
 device = torch.device("cuda" if on_gpu else "cpu")

@@ -27,7 +27,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
 
 STACK_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "1024"]
 

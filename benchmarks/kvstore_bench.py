@@ -34,13 +34,13 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.block import crc32
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
-from kvstore.tiered import TieredStore
-from services.grpc_security import InternalSecurity
-from services.grpc_server import wait_until_serving
-from services.local_stack import free_ports
+from kvmesh.kvstore.block import crc32
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.grpc_server import wait_until_serving
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVLayout("bench-model", "bfloat16", 16, 1)
@@ -94,7 +94,7 @@ async def bench_grpc(total_mib: int) -> None:
     port, metrics_port = free_ports(2)
     address = f"127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "kvstore",
+        [sys.executable, "-m", "kvmesh.services.cli.main", "serve", "kvstore",
          "--kvstore-port", str(port), "--kvstore-metrics-port", str(metrics_port),
          "--kvstore-capacity-bytes", str(2 * total_mib << 20), "--log-level", "WARNING"],
         cwd=REPO_ROOT,

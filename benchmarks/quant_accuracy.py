@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvmesh.worker.dtype_choice import CpuFeatures
 from tests.worker.quant_accuracy import (
     FIXED_TEXT,
     agreement,
@@ -26,11 +27,10 @@ from tests.worker.quant_accuracy import (
     make_runner,
     perplexity,
 )
-from worker.dtype_choice import CpuFeatures
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.model_prep import _find_gguf, default_model_path
+    from kvmesh.services.cli.model_prep import _find_gguf, default_model_path
     from tests.e2e import hf_oracle
     from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
 

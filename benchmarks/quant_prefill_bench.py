@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import native
-from services.model_prep import _find_gguf, default_model_path
-from worker.config import ModelConfig
-from worker.dtype_choice import CpuFeatures
-from worker.model_loader import load_model
-from worker.models.linear import PackedLinear, _dequantize
+from kvmesh.kernels import native
+from kvmesh.services.cli.model_prep import _find_gguf, default_model_path
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.dtype_choice import CpuFeatures
+from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.models.linear import PackedLinear, _dequantize
 
 
 def decoder_projections(path: Path, dtype: str | None = None) -> list[PackedLinear]:
@@ -64,7 +64,7 @@ def forced_ms(
     repeats: int = 3,
 ) -> float:
     """``pass_ms`` with codes-only projections forced onto the kernel or off it."""
-    import worker.models.linear as linear_module
+    import kvmesh.worker.models.linear as linear_module
 
     names = ("MAX_CODES_ONLY_KERNEL_ROWS", "MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX")
     saved = [getattr(linear_module, name) for name in names]

@@ -41,11 +41,11 @@ import random
 import statistics
 import time
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.prefix_index import block_key
-from gateway.routing.router import Router
-from protos import scheduler_pb2
-from services.config import RoutingPolicyName
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.prefix_index import block_key
+from kvmesh.gateway.routing.router import Router
+from kvmesh.protos import scheduler_pb2
+from kvmesh.services.runtime.config import RoutingPolicyName
 
 BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 32

@@ -39,8 +39,8 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.config import RoutingPolicyName  # noqa: E402
-from services.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.runtime.config import RoutingPolicyName  # noqa: E402
 
 BLOCK_SIZE = 16
 QUESTION_LEN = 16

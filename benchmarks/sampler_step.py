@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from benchmarks.engine_bench import CONTEXT_LEN, runner_decode_rate
-from services.math_utils import cdiv
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
-from worker.sampler import SamplerOutput
-from worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.sampler import SamplerOutput
+from kvmesh.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 BATCH_SIZES = (1, 16, 64)
 SETTINGS: dict[str, SamplingParams] = {

@@ -45,7 +45,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from services.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
 
 STACK_ARGS = ["--num-kv-blocks", "1024", "--max-model-len", "1024"]
 SPECULATIVE = {
@@ -223,7 +223,7 @@ def _inprocess_cell(
     runner: object, config: str, prompts: list[list[int]], concurrency: int, params: object
 ) -> dict[str, float]:
     from kvmesh.engine import InProcessEngine
-    from services.config import SpeculativeConfig
+    from kvmesh.services.runtime.config import SpeculativeConfig
 
     spec = SPECULATIVE[config]
     engine = InProcessEngine(
@@ -259,10 +259,10 @@ def measure_inprocess(
 
     from tokenizers import Tokenizer
 
-    from services.model_prep import default_model_path
-    from services.sampling_params import SamplingParams
-    from worker.config import CacheConfig, ModelConfig
-    from worker.model_runner import ModelRunner
+    from kvmesh.services.cli.model_prep import default_model_path
+    from kvmesh.services.contracts.sampling_params import SamplingParams
+    from kvmesh.worker.config import CacheConfig, ModelConfig
+    from kvmesh.worker.model_runner import ModelRunner
 
     path = default_model_path()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -25,16 +25,16 @@ import time
 import torch
 
 from kvmesh.engine import InProcessEngine
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.parallel.collectives import Collectives
-from worker.parallel.driver import lead_or_follow
-from worker.parallel.layout import RankLayout
-from worker.parallel.local_replica import run_local_replica
-from worker.parallel.rank_service import rank_device
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.driver import lead_or_follow
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.local_replica import run_local_replica
+from kvmesh.worker.parallel.rank_service import rank_device
 
 
 def _decode_tokens_per_s(runner, batch: int, prompt_len: int, new_tokens: int) -> float:

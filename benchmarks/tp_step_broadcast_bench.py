@@ -29,12 +29,12 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from protos import worker_pb2
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData, SchedulerOutput
-from services.step_codec import scheduler_output_to_proto
-from worker.parallel.collectives import Collectives
-from worker.parallel.layout import RankLayout
+from kvmesh.protos import worker_pb2
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData, SchedulerOutput
+from kvmesh.services.contracts.step_codec import scheduler_output_to_proto
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.layout import RankLayout
 
 ROUNDS = 400
 _METHOD = "/bench.Echo/Step"
@@ -132,7 +132,7 @@ async def _grpc_client(port: int, payloads: list[bytes]) -> list[float]:
 
 
 def main() -> None:
-    from services.local_stack import free_ports
+    from kvmesh.services.cli.local_stack import free_ports
 
     cases = {
         "decode, 64 running": decode_step(64),

@@ -8,7 +8,7 @@ Each workload is INPUTxOUTPUTxPROMPTS: random token-id prompts of INPUT tokens,
 ``ignore_eos``, exactly OUTPUT tokens each, sent at ``--concurrency``
 through /v1/completions by kvmesh's own load client (the metrics of ``vllm
 bench serve``), after a 2-request warm-up, once per sampling setting
-(``--samplings``, bench/sampling.py): greedy (temperature 0), none given (no
+(``--samplings``, services/cli/bench/sampling.py): greedy (temperature 0), none given (no
 sampling field: both servers' defaults, temperature 1, what ``vllm bench
 serve`` and most clients send) and temperature 0.7 with top_p 0.9. vLLM
 runs with ``--dtype bfloat16`` where the CPU has AMX or AVX512-BF16 (its
@@ -60,13 +60,13 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.sampling import SAMPLING_SETTINGS, SamplingSetting  # noqa: E402
 from benchmarks.baselines import HttpRun, http_run, load_average, make_prompts  # noqa: E402
-from services.config import environment_without_options  # noqa: E402
-from services.cpu_features import CpuFeatures  # noqa: E402
-from services.local_stack import LocalStack  # noqa: E402
-from services.model_prep import default_model_path  # noqa: E402
-from worker.config import ModelConfig  # noqa: E402
+from kvmesh.services.cli.bench.sampling import SAMPLING_SETTINGS, SamplingSetting  # noqa: E402
+from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
+from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.runtime.config import environment_without_options  # noqa: E402
+from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
+from kvmesh.worker.config import ModelConfig  # noqa: E402
 
 VLLM_LAUNCHER = REPO_ROOT / "benchmarks" / "vllm_cpu_launcher.py"
 
@@ -261,7 +261,7 @@ def main() -> None:
         nargs="+",
         choices=list(SAMPLING_SETTINGS),
         default=list(SAMPLING_SETTINGS),
-        help="the sampling settings to send (bench/sampling.py)",
+        help="the sampling settings to send (services/cli/bench/sampling.py)",
     )
     parser.add_argument("--kvmesh-args", default="", help="extra flags for kvmesh up")
     parser.add_argument("--vllm-dtype", default=None, help="override vLLM's best dtype")

@@ -53,9 +53,9 @@ def _serve_jobs(run_job) -> None:  # type: ignore[no-untyped-def]
 def kvmesh_child(model: Path, dtype: str) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from kvmesh.engine import InProcessEngine
-    from services.sampling_params import SamplingParams
-    from worker.config import CacheConfig, ModelConfig
-    from worker.model_runner import ModelRunner
+    from kvmesh.services.contracts.sampling_params import SamplingParams
+    from kvmesh.worker.config import CacheConfig, ModelConfig
+    from kvmesh.worker.model_runner import ModelRunner
 
     config = ModelConfig.from_pretrained(model, max_model_len=2048, dtype=dtype)
     runner = ModelRunner(config, CacheConfig(num_kv_blocks=2048))
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO_ROOT))
-        from services.model_prep import default_model_path
+        from kvmesh.services.cli.model_prep import default_model_path
 
         args.model = default_model_path()
     if args.child == "kvmesh":
@@ -133,9 +133,9 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.baselines import load_average, make_prompts
-    from services.config import environment_without_options
-    from services.cpu_features import CpuFeatures
-    from worker.config import ModelConfig
+    from kvmesh.services.runtime.config import environment_without_options
+    from kvmesh.services.runtime.cpu_features import CpuFeatures
+    from kvmesh.worker.config import ModelConfig
 
     cpu = CpuFeatures.detect()
     vocab_size = ModelConfig.from_pretrained(args.model, dtype="float32").vocab_size

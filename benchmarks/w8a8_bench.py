@@ -25,14 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import worker.models.linear as linear_module
+import kvmesh.worker.models.linear as linear_module
 from benchmarks.quant_prefill_bench import forced_ms, pass_ms
-from kernels import native
-from services.model_prep import default_model_path
-from worker.config import ModelConfig
-from worker.dtype_choice import CpuFeatures
-from worker.model_loader import load_model
-from worker.models.linear import PackedLinear
+from kvmesh.kernels import native
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.dtype_choice import CpuFeatures
+from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.models.linear import PackedLinear
 
 
 def main() -> None:

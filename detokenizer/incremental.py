@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from detokenizer.stop_strings import StopStringMatcher
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.stop_strings import StopStringMatcher
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 logger = logging.getLogger(__name__)
 

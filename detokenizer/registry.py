@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
-from detokenizer.incremental import DetokenizedDelta, IncrementalDetokenizer
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.incremental import DetokenizedDelta, IncrementalDetokenizer
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The detokenizer's part of each request's trace (services/tracing.py).
+"""The detokenizer's part of each request's trace (services/runtime/tracing.py).
 
 The scheduler's output stream carries every request, so a request's context
 arrives in its ``RequestHeader.trace_context`` (on its first output). Per
@@ -9,8 +9,8 @@ which records how it ended (finish reason, output tokens, stop string).
 
 from __future__ import annotations
 
-from protos import common_pb2, detokenizer_pb2, scheduler_pb2
-from services.tracing import RequestSpans, Tracing
+from kvmesh.protos import common_pb2, detokenizer_pb2, scheduler_pb2
+from kvmesh.services.runtime.tracing import RequestSpans, Tracing
 
 
 class DetokenizerRequestTraces:

@@ -6,17 +6,17 @@ import asyncio
 import contextlib
 import logging
 
-from detokenizer.registry import DetokenizerTable
-from detokenizer.request_tracing import DetokenizerRequestTraces
-from detokenizer.service import DetokenizerEngine, DetokenizerServicer
-from detokenizer.tokenizer_loader import load_tokenizer
-from protos import detokenizer_pb2, detokenizer_pb2_grpc
-from services.config import DetokenizerConfig
-from services.grpc_security import InternalSecurity
-from services.grpc_server import GrpcService
-from services.metrics import start_metrics_server
-from services.model_prep import resolve_model_path
-from services.tracing import start_tracing
+from kvmesh.detokenizer.registry import DetokenizerTable
+from kvmesh.detokenizer.request_tracing import DetokenizerRequestTraces
+from kvmesh.detokenizer.service import DetokenizerEngine, DetokenizerServicer
+from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
+from kvmesh.protos import detokenizer_pb2, detokenizer_pb2_grpc
+from kvmesh.services.cli.model_prep import resolve_model_path
+from kvmesh.services.runtime.config import DetokenizerConfig
+from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.grpc_server import GrpcService
+from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -32,19 +32,19 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from detokenizer.registry import DetokenizerTable, StepInput
-from detokenizer.request_tracing import DetokenizerRequestTraces
-from protos import (
+from kvmesh.detokenizer.registry import DetokenizerTable, StepInput
+from kvmesh.detokenizer.request_tracing import DetokenizerRequestTraces
+from kvmesh.protos import (
     common_pb2,
     detokenizer_pb2,
     detokenizer_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.errors import OverloadedError
-from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
-from services.grpc_server import internal_channel
-from services.step_codec import detokenize_params_from_proto
+from kvmesh.services.contracts.errors import OverloadedError
+from kvmesh.services.contracts.step_codec import detokenize_params_from_proto
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from kvmesh.services.runtime.grpc_server import internal_channel
 
 logger = logging.getLogger(__name__)
 

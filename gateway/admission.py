@@ -19,12 +19,12 @@ import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import error_response
-from services.errors import OverloadedError
+from kvmesh.gateway.openai.errors import error_response
+from kvmesh.services.contracts.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
 
-# The pooling APIs (gateway/pooling_routes.py) queue engine requests too.
+# The pooling APIs (gateway/openai/pooling_routes.py) queue engine requests too.
 POOLING_PATHS = frozenset(
     {"/v1/embeddings", "/pooling", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
 )

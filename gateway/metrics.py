@@ -12,7 +12,7 @@ import weakref
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from gateway.engine_client import GenerationDelta
+from kvmesh.gateway.engine.client import GenerationDelta
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

@@ -17,9 +17,9 @@ The prompt's own size is vLLM's ``--max-model-len`` (the scheduler's).
 
 from __future__ import annotations
 
-from gateway.limits import GatewayLimits
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.errors import InvalidRequestError
+from kvmesh.gateway.engine_params.limits import GatewayLimits
+from kvmesh.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 
 def check_n(request: CompletionRequest | ChatCompletionRequest, limits: GatewayLimits) -> None:

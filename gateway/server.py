@@ -9,29 +9,29 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from gateway.admission import AdmissionGate
-from gateway.app import build_app
-from gateway.disaggregation import PrefillClient
-from gateway.grpc_client import GrpcEngineClient
-from gateway.grpc_public import GenerationServicer
-from gateway.limits import GatewayLimits
-from gateway.output_parsing import resolve_output_parsing
-from gateway.responses.kvstore_store import KVStoreResponseStore
-from gateway.responses.store import MemoryResponseStore, ResponseStore, ResponseStoreConfig
-from gateway.routed_engine_client import RoutedEngineClient
-from gateway.routing.discovery import make_discovery
-from gateway.served_models import ServedModels, read_lora_request
-from gateway.tokenizer import Tokenizer
-from gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
-from kvstore.client import KVStoreClient
-from protos import generation_pb2, generation_pb2_grpc
-from services.config import GatewayConfig
-from services.grpc_security import InternalSecurity, PublicTLS
-from services.grpc_server import GrpcService
-from services.metrics import start_metrics_server
-from services.model_prep import resolve_model_path
-from services.replica_set import ReplicaAddress
-from services.tracing import start_tracing
+from kvmesh.gateway.admission import AdmissionGate
+from kvmesh.gateway.engine.disaggregation import PrefillClient
+from kvmesh.gateway.engine.grpc_client import GrpcEngineClient
+from kvmesh.gateway.engine.routed_client import RoutedEngineClient
+from kvmesh.gateway.engine_params.limits import GatewayLimits
+from kvmesh.gateway.engine_params.served_models import ServedModels, read_lora_request
+from kvmesh.gateway.grpc.servicer import GenerationServicer
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.output_parsing import resolve_output_parsing
+from kvmesh.gateway.responses.kvstore_store import KVStoreResponseStore
+from kvmesh.gateway.responses.store import MemoryResponseStore, ResponseStore, ResponseStoreConfig
+from kvmesh.gateway.routing.discovery import make_discovery
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.cli.model_prep import resolve_model_path
+from kvmesh.services.contracts.replica_set import ReplicaAddress
+from kvmesh.services.runtime.config import GatewayConfig
+from kvmesh.services.runtime.grpc_security import InternalSecurity, PublicTLS
+from kvmesh.services.runtime.grpc_server import GrpcService
+from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 

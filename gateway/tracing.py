@@ -1,4 +1,4 @@
-"""The gateway's part of each request's trace (services/tracing.py).
+"""The gateway's part of each request's trace (services/runtime/tracing.py).
 
 - ``HttpTracingMiddleware``: one server span per ``/v1`` HTTP call, the root of
   the request's trace, or the child of the caller's span when the call
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.engine_client import GenerationDelta
-from services.tracing import Tracing
+from kvmesh.gateway.engine.client import GenerationDelta
+from kvmesh.services.runtime.tracing import Tracing
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

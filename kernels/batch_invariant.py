@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels import native
+from kvmesh.kernels import native
 
 # Tokens per attention run: a multiple of every block size up to 256, long
 # enough that a run's merge is noise (the kernel's own minimum when it sizes

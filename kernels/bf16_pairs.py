@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.math_utils import cdiv
+from kvmesh.services.contracts.math_utils import cdiv
 
 ITEM_OUTPUTS = 32
 

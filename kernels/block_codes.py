@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
-from services.math_utils import cdiv
+from kvmesh.kernels import native
+from kvmesh.services.contracts.math_utils import cdiv
 
 BLOCK = 32  # input features per scale/offset
 LANES = 16  # output features per kernel panel

@@ -24,8 +24,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kernels import reference
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 
-from services.cpu_features import CpuFeatures
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from typing import ClassVar
 
 import torch
 
-from kernels import batch_invariant, native
-from kernels.backend import AttentionMetadata
-from kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan, build_cpu_plan
-from kernels.invariant_attention import EveryRowPlan, attend_every_row, every_row_plan
+from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels.backend import AttentionMetadata
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan, build_cpu_plan
+from kvmesh.kernels.invariant_attention import EveryRowPlan, attend_every_row, every_row_plan
 
 # paged_prefill_attention's head sizes: whole 32-dim operand rows (an AMX tile
 # row, 16 bfloat16 pairs), at most 256.

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from kernels import native
+from kvmesh.kernels import native
 
 Q = GGMLQuantizationType
 # (weights, bytes) per block of every type the kernel reads.

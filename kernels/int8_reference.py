@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.block_codes import BLOCK, LANES, BlockCodes
+from kvmesh.kernels.block_codes import BLOCK, LANES, BlockCodes
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

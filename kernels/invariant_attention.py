@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import batch_invariant, native
-from kernels.backend import AttentionMetadata
+from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels.backend import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ one build serves every CPU (a container image carries all levels) and a
 process loads the best level its CPU runs (``KVMESH_CPU_ISA`` may ask for a
 lower one), logged with the reason. One library is loaded per process: every
 level registers the same ``torch.ops.kvmesh`` ops. ``make install`` builds
-the levels this CPU runs (``python -m kernels.native build``; ``--all`` builds
+the levels this CPU runs (``python -m kvmesh.kernels.native build``; ``--all`` builds
 every level, as the Dockerfile does); a process that finds no binary builds
 its level on first use, under a file lock so that concurrent workers build
-once. The cache folder is ``KVMESH_KERNEL_CACHE`` (services/config/process.py).
+once. The cache folder is ``KVMESH_KERNEL_CACHE`` (services/runtime/config/process.py).
 
 ``-ffast-math`` only for the sources that need a vectorized ``exp``
 (``SOURCES``), and only at compile time: the link step omits it, so
@@ -52,9 +52,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_isa import IsaLevel, all_levels, choose_level, level_named, runnable_levels
-from services.config.process import CPU_ISA, CXX, KERNEL_CACHE, NATIVE_KERNELS
-from services.cpu_features import CpuFeatures
+from kvmesh.kernels.cpu_isa import IsaLevel, all_levels, choose_level, level_named, runnable_levels
+from kvmesh.services.runtime.config.process import CPU_ISA, CXX, KERNEL_CACHE, NATIVE_KERNELS
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import logging
 
 import torch
 
-from kernels import batch_invariant
-from kernels.backend import AttentionBackend
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.torch_reference_backend import TorchReferenceBackend
-from kernels.triton_backend import TritonAttentionBackend
+from kvmesh.kernels import batch_invariant
+from kvmesh.kernels.backend import AttentionBackend
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.kernels.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels import reference
-from kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kernels import reference
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 
 
 class TorchReferenceBackend(AttentionBackend):

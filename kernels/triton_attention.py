@@ -12,7 +12,7 @@ block per loop iteration, with an online (flash) softmax in float32.
 
 ``tl.dot`` needs every dimension >= 16 on GPUs, so query-head groups are padded
 to 16 rows, and the cache block size must be >= 16 (16 and 32 are tested).
-Imports triton at module import: load it only through ``kernels.triton_backend``.
+Imports triton at module import: load it only through ``kvmesh.kernels.triton_backend``.
 """
 
 from __future__ import annotations

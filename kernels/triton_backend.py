@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata
-from services.config.process import TRITON_INTERPRET
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.services.runtime.config.process import TRITON_INTERPRET
 
 
 def triton_interpret_enabled() -> bool:
@@ -26,7 +26,7 @@ def triton_interpret_enabled() -> bool:
 
 
 def _kernels(name: str) -> ModuleType:
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"kvmesh.kernels.{name}")
 
 
 @dataclass(frozen=True)

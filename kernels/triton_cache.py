@@ -1,7 +1,7 @@
 """Triton kernel that scatters new K/V rows into the paged cache by slot mapping.
 
 Imports triton at module import: load this module only through
-``kernels.triton_backend``, which does so lazily. Whether kernels run on a GPU
+``kvmesh.kernels.triton_backend``, which does so lazily. Whether kernels run on a GPU
 or in Triton's CPU interpreter is fixed when this module is first imported
 (``TRITON_INTERPRET`` is read by ``triton.jit``).
 """

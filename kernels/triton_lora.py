@@ -6,9 +6,9 @@ expand ``y += B_slot s`` (one block of output columns). Tokens of the base
 model (slot -1) do nothing, so one launch serves every adapter in the step.
 
 Imports triton at module import: load this module lazily
-(``worker.lora.slots``); ``TRITON_INTERPRET=1`` at first import runs it in
+(``kvmesh.worker.lora.slots``); ``TRITON_INTERPRET=1`` at first import runs it in
 Triton's CPU interpreter, which is how tests check it against
-``kernels.lora_reference``.
+``kvmesh.kernels.lora_reference``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def add_lora_triton(
     lora_b: torch.Tensor,  # [num_slots, out, rank]
     token_slots: torch.Tensor,  # [num_tokens] int, -1 = no adapter
 ) -> torch.Tensor:
-    """Same contract as ``kernels.lora_reference.add_lora_reference``."""
+    """Same contract as ``kvmesh.kernels.lora_reference.add_lora_reference``."""
     num_tokens, in_features = x.shape
     out_features, rank = lora_b.shape[1], lora_b.shape[2]
     if num_tokens == 0:

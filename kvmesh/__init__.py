@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvmesh import _layout  # noqa: F401  (first: kvmesh.<package> resolves)
 from kvmesh.client import AsyncClient, ChatOptions, Client, ClientError, ModelInfo, StreamChunk
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.sampling_params import SamplingParams

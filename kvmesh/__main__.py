@@ -1,8 +1,8 @@
-"""``python -m kvmesh`` is the ``kvmesh`` command (services/cli.py)."""
+"""``python -m kvmesh`` is the ``kvmesh`` command (services/cli/main.py)."""
 
 from __future__ import annotations
 
-from services.cli import main
+from kvmesh.services.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

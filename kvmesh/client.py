@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 
 from kvmesh.outputs import CompletionOutput, RequestOutput
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
 from kvmesh.sampling_params import SamplingParams
-from protos import generation_pb2, generation_pb2_grpc
-from services.grpc_server import public_aio_channel, public_channel
+from kvmesh.services.runtime.grpc_server import public_aio_channel, public_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 

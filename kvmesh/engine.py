@@ -3,7 +3,7 @@
 No gRPC, protobuf, detokenizer or HTTP: one ``schedule()``, one
 ``execute_model()`` and one ``update_from_output()`` per step, synchronously;
 or, with micro-batches (a pipeline-parallel replica through
-``worker.parallel.driver.BroadcastingRunner``), up to one begun step per
+``kvmesh.worker.parallel.driver.BroadcastingRunner``), up to one begun step per
 stage, each finished once the pipeline is full or nothing else can begin.
 This is the ceiling the full stack is measured against (baseline (b) of
 ``benchmarks/baselines.py``) and the engine under ``kvmesh.LLM``; it lives here,
@@ -19,18 +19,18 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.config import SchedulerConfig
-from scheduler.output import RequestOutput
-from scheduler.request import Request
-from scheduler.request_status import RequestStatus
-from scheduler.scheduler import Scheduler
-from services.config import SpeculativeConfig
-from services.finish_reason import FinishReason
-from services.lora_request import LoRARequest
-from services.sampling_params import SamplingParams
-from services.step import ModelRunnerOutput, SchedulerOutput
-from worker.model_runner import ModelRunner
-from worker.step_in_flight import StepInFlight
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.output import RequestOutput
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.runtime.config import SpeculativeConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.step_in_flight import StepInFlight
 
 logger = logging.getLogger(__name__)
 

@@ -21,18 +21,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detokenizer.incremental import IncrementalDetokenizer
-from detokenizer.tokenizer_loader import load_tokenizer
-from gateway.tokenizer import Tokenizer
+from kvmesh.detokenizer.incremental import IncrementalDetokenizer
+from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
 from kvmesh.engine import GenerationResult, InProcessEngine
+from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.sampling_params import SamplingParams, as_list
-from services.finish_reason import FinishReason
-from services.model_prep import resolve_model_path
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
-from worker.models.registry import check_model
-from worker.step_budget import preferred_step_tokens
+from kvmesh.services.cli.model_prep import resolve_model_path
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.registry import check_model
+from kvmesh.worker.step_budget import preferred_step_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class LLM:
         messages) or to each of a list of them, rendered with the model's own chat
         template as ``/v1/chat/completions`` renders it.
 
-        Raises ``ValueError`` (``gateway.tokenizer.ChatTemplateError``) where the
+        Raises ``ValueError`` (``kvmesh.gateway.tokenizer.ChatTemplateError``) where the
         template rejects a conversation or the model has none.
         """
         conversations = _as_conversation_list(messages)

@@ -1,7 +1,7 @@
 """``kvmesh.SamplingParams``: how a Python caller asks for text, as ``vllm.SamplingParams``.
 
 One frozen object covers both halves the services split between them: the
-token-level fields the scheduler and sampler read (``services.sampling_params``)
+token-level fields the scheduler and sampler read (``kvmesh.services.contracts.sampling_params``)
 and the text-level ones the detokenizer reads (stop strings, special tokens).
 It is validated when built, so a bad value fails at the caller's line, not
 inside the engine. ``kvmesh.LLM`` hands it to the engine in process;
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.sampling_params import DetokenizeParams
-from services.sampling_params import SamplingParams as EngineSamplingParams
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
+from kvmesh.services.contracts.sampling_params import SamplingParams as EngineSamplingParams
 
 # The gateway's limit for `n` (OpenAI's 128).
 MAX_N = 128

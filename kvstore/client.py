@@ -32,11 +32,11 @@ from types import TracebackType
 
 import grpc
 
-from kvstore.block import CHUNK_BYTES, PutOutcome, crc32
-from kvstore.layout import KVLayout
-from protos import kvstore_pb2, kvstore_pb2_grpc
-from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
-from services.grpc_server import internal_channel
+from kvmesh.kvstore.block import CHUNK_BYTES, PutOutcome, crc32
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from kvmesh.services.runtime.grpc_server import internal_channel
 
 logger = logging.getLogger(__name__)
 

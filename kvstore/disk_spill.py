@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.block import StoredBlock
-from kvstore.disk_tier import DiskTier
-from kvstore.tier import TierStats
+from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.tier import TierStats
 
 logger = logging.getLogger(__name__)
 

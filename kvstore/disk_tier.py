@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.block import RECORD_HEADER_BYTES, CorruptBlockError, StoredBlock
+from kvmesh.kvstore.block import RECORD_HEADER_BYTES, CorruptBlockError, StoredBlock
 
 logger = logging.getLogger(__name__)
 

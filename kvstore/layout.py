@@ -22,8 +22,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from protos import kvstore_pb2
-from services.errors import InvalidRequestError
+from kvmesh.protos import kvstore_pb2
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 NAMESPACE_BYTES = 16
 MAX_BLOCK_HASH_BYTES = 64

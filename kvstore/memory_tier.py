@@ -22,10 +22,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.block import PutOutcome, StoredBlock
-from kvstore.leases import LeaseTable
-from kvstore.pending_put import PendingPut
-from kvstore.tier import TierStats
+from kvmesh.kvstore.block import PutOutcome, StoredBlock
+from kvmesh.kvstore.leases import LeaseTable
+from kvmesh.kvstore.pending_put import PendingPut
+from kvmesh.kvstore.tier import TierStats
 
 logger = logging.getLogger(__name__)
 

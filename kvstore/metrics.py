@@ -15,7 +15,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.tiered import StoreStats
+from kvmesh.kvstore.tiered import StoreStats
 
 BYTES_IN = Counter("kvmesh:kvstore_bytes_in", "block bytes received by PutBlocks")
 BYTES_OUT = Counter("kvmesh:kvstore_bytes_out", "block bytes sent by GetBlocks")

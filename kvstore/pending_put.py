@@ -9,8 +9,8 @@ error) leaves no trace but a reservation that ``abort_put`` returns.
 
 from __future__ import annotations
 
-from kvstore.block import StoredBlock, crc32
-from services.errors import InvalidRequestError
+from kvmesh.kvstore.block import StoredBlock, crc32
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 
 class PendingPut:

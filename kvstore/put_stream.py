@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.block import PutOutcome
-from kvstore.layout import KVLayout
-from kvstore.pending_put import PendingPut
-from kvstore.tiered import TieredStore
-from protos import kvstore_pb2
-from services.errors import InvalidRequestError
+from kvmesh.kvstore.block import PutOutcome
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.pending_put import PendingPut
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import kvstore_pb2
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kvstore.block import CorruptBlockError, StoredBlock
-from kvstore.tier import TierStats
+from kvmesh.kvstore.block import CorruptBlockError, StoredBlock
+from kvmesh.kvstore.tier import TierStats
 
 logger = logging.getLogger(__name__)
 

@@ -11,19 +11,19 @@ from collections.abc import Iterator, Sequence
 import grpc
 from prometheus_client import REGISTRY
 
-from kvstore import metrics
-from kvstore.block import CHUNK_BYTES, StoredBlock
-from kvstore.disk_spill import DiskSpillTier
-from kvstore.disk_tier import DiskTier
-from kvstore.layout import KVLayout
-from kvstore.put_stream import PutStream
-from kvstore.tiered import LowerTier, StoreStats, TieredStore
-from protos import kvstore_pb2, kvstore_pb2_grpc
-from services.config import KVStoreConfig
-from services.errors import InvalidRequestError
-from services.grpc_security import InternalSecurity
-from services.grpc_server import GrpcService
-from services.metrics import start_metrics_server
+from kvmesh.kvstore import metrics
+from kvmesh.kvstore.block import CHUNK_BYTES, StoredBlock
+from kvmesh.kvstore.disk_spill import DiskSpillTier
+from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.put_stream import PutStream
+from kvmesh.kvstore.tiered import LowerTier, StoreStats, TieredStore
+from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.runtime.config import KVStoreConfig
+from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.grpc_server import GrpcService
+from kvmesh.services.runtime.metrics import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def build_store(config: KVStoreConfig) -> TieredStore:
         lower.append(DiskSpillTier(DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)))
     if config.kvstore_redis_url:
         # Imported here: redis-py is needed only when a Redis tier is configured.
-        from kvstore.redis_tier import RedisTier
+        from kvmesh.kvstore.redis_tier import RedisTier
 
         lower.append(RedisTier.from_url(config.kvstore_redis_url))
     return TieredStore(

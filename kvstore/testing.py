@@ -13,13 +13,13 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from kvstore.block import PutOutcome, crc32
-from kvstore.memory_tier import MemoryTier
-from kvstore.server import KVStoreServicer
-from kvstore.tiered import TieredStore
-from protos import kvstore_pb2, kvstore_pb2_grpc
-from services.grpc_security import NO_INTERNAL_AUTH, PortAccess
-from services.grpc_server import GrpcService
+from kvmesh.kvstore.block import PutOutcome, crc32
+from kvmesh.kvstore.memory_tier import MemoryTier
+from kvmesh.kvstore.server import KVStoreServicer
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH, PortAccess
+from kvmesh.services.runtime.grpc_server import GrpcService
 
 
 class FakeClock:

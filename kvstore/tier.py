@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvstore.block import StoredBlock
+from kvmesh.kvstore.block import StoredBlock
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.block import PutOutcome, StoredBlock
-from kvstore.memory_tier import MemoryTier
-from kvstore.pending_put import PendingPut
-from kvstore.tier import ExclusiveTier, SharedTier, Tier
+from kvmesh.kvstore.block import PutOutcome, StoredBlock
+from kvmesh.kvstore.memory_tier import MemoryTier
+from kvmesh.kvstore.pending_put import PendingPut
+from kvmesh.kvstore.tier import ExclusiveTier, SharedTier, Tier
 
 logger = logging.getLogger(__name__)
 

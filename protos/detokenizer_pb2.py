@@ -22,14 +22,14 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from protos import common_pb2 as protos_dot_common__pb2
+from kvmesh.protos import common_pb2 as protos_dot_common__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/detokenizer.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\"-\n\x18StreamDetokenizedRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\xb6\x03\n\x11\x44\x65tokenizedOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .kvmesh.internal.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\t \x01(\x05\x12\x33\n\x08logprobs\x18\n \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12:\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\x12\x0e\n\x06replay\x18\r \x01(\x08\x12\x13\n\x0bpooled_data\x18\x0e \x01(\x0c\x42\r\n\x0bstop_reason\"s\n\x10\x44\x65tokenizedBatch\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x36\n\x07outputs\x18\x02 \x03(\x0b\x32%.kvmesh.internal.v1.DetokenizedOutput\x12\x16\n\x0escheduler_lost\x18\x03 \x01(\x08\x32x\n\x0b\x44\x65tokenizer\x12i\n\x11StreamDetokenized\x12,.kvmesh.internal.v1.StreamDetokenizedRequest\x1a$.kvmesh.internal.v1.DetokenizedBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.detokenizer_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.protos.detokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STREAMDETOKENIZEDREQUEST']._serialized_start=69

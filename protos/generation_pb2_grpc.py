@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import generation_pb2 as protos_dot_generation__pb2
+from kvmesh.protos import generation_pb2 as protos_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import scheduler_pb2 as protos_dot_scheduler__pb2
+from kvmesh.protos import scheduler_pb2 as protos_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -135,7 +135,7 @@ class SchedulerServicer:
         scheduler republishes each listed live request's header with every token
         it generated so far (RequestHeader.output_token_ids), so the new
         detokenizer re-derives its state and the gateway's stream continues
-        (gateway/stream_cursor.py skips what it already delivered). Published at
+        (gateway/engine/stream_cursor.py skips what it already delivered). Published at
         the next turn of the step loop that has a subscriber. Answers the ids the
         scheduler does not hold (finished while their last output was lost, or
         aborted): the gateway resubmits those as continuations.
@@ -454,7 +454,7 @@ class KVEventsStub:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/contracts/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 
@@ -477,7 +477,7 @@ class KVEventsServicer:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/contracts/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 
@@ -518,7 +518,7 @@ class KVEvents:
     The prefix-cache events of one scheduler, for routers in front of several
     engine replicas (gateway/routing). Served by the scheduler process next to
     Scheduler. Modelled on vLLM's KVEventBatch and NVIDIA Dynamo's KvCacheEvent;
-    the block hashes are the scheduler's sha256 chain (services/block_hash.py),
+    the block hashes are the scheduler's sha256 chain (services/contracts/block_hash.py),
     which a router recomputes from a prompt's tokens.
     """
 

@@ -14,7 +14,7 @@ Contract:
   goes first.
 - Every change of the prefix cache (a block registered under its hash, a
   cached block evicted, the whole cache reset) is told to ``event_sink``
-  (scheduler.kv_events), if one was given, as it happens.
+  (kvmesh.scheduler.kv_events), if one was given, as it happens.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink, chain_runs
-from services.block_hash import BlockHash
+from kvmesh.scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink, chain_runs
+from kvmesh.services.contracts.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

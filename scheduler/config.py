@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import (
+from kvmesh.services.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
     SCHEDULING_POLICIES,
     SchedulerServiceConfig,
@@ -31,7 +31,7 @@ class SchedulerConfig:
     """How much work one step may carry and how the KV block pool is laid out.
 
     Budgets, policy and prefix caching default to the scheduler service's
-    flags (services.config), the model length to the worker's cap.
+    flags (kvmesh.services.runtime.config), the model length to the worker's cap.
     """
 
     # Tokens computed in one step, over all requests (prefill chunks + decodes).

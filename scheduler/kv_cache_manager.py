@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-from scheduler.block_pool import BlockPool, KVCacheBlock, KVCacheIntegrityError
-from scheduler.request import Request
-from services.block_hash import extend_block_hashes, get_block_hasher
-from services.math_utils import cdiv
+from kvmesh.scheduler.block_pool import BlockPool, KVCacheBlock, KVCacheIntegrityError
+from kvmesh.scheduler.request import Request
+from kvmesh.services.contracts.block_hash import extend_block_hashes, get_block_hasher
+from kvmesh.services.contracts.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 

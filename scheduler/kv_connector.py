@@ -1,7 +1,7 @@
 """The scheduler half of the KV connector: which blocks to load from, and save to, the kvstore.
 
 The kvstore is the engine's second memory tier. Every full KV block is named by
-the scheduler's chained prefix hash (``services/block_hash.py``), so a block
+the scheduler's chained prefix hash (``services/contracts/block_hash.py``), so a block
 one replica saved is a block any replica with the same KV layout can load.
 This half decides; the worker half (``worker/kv_connector.py``) moves bytes.
 Both meet in the step contract: ``SchedulerOutput.kv_connector_metadata`` says
@@ -46,9 +46,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler.block_pool import KVCacheBlock
-from scheduler.request import Request
-from services.step import KVConnectorMetadata, KVConnectorOutput, KVTransfer
+from kvmesh.scheduler.block_pool import KVCacheBlock
+from kvmesh.scheduler.request import Request
+from kvmesh.services.contracts.step import KVConnectorMetadata, KVConnectorOutput, KVTransfer
 
 logger = logging.getLogger(__name__)
 

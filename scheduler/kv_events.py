@@ -15,7 +15,7 @@ missed, or, when some of them are gone (or the subscriber never saw this
 instance), with a resync, a snapshot of every cached block after a clear. A
 router that fell far behind thus pays one snapshot, never a wrong index.
 
-Pure: no asyncio, no gRPC. ``scheduler.kv_events_service`` seals batches on
+Pure: no asyncio, no gRPC. ``kvmesh.scheduler.kv_events_service`` seals batches on
 the event loop and streams them.
 """
 
@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from services.block_hash import BlockHash
+from kvmesh.services.contracts.block_hash import BlockHash
 
 # How many block hashes one resync batch carries: a snapshot of 100k blocks
 # goes out as a few messages of ~130 KiB rather than one of several MiB.

@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 
-from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.kv_events import (
+from kvmesh.protos import scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.scheduler.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -25,9 +25,9 @@ from scheduler.kv_events import (
     KVEventBatch,
     KVEventLog,
 )
-from scheduler.scheduler import Scheduler
-from services.block_hash import BlockHash
-from services.errors import OverloadedError
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.block_hash import BlockHash
+from kvmesh.services.contracts.errors import OverloadedError
 
 logger = logging.getLogger(__name__)
 

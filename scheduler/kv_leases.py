@@ -17,11 +17,11 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 
-from kvstore.client import KVStoreError
-from kvstore.layout import KVLayout
-from protos import scheduler_pb2
-from scheduler.kv_store import SchedulerKVStore
-from scheduler.scheduler import Scheduler
+from kvmesh.kvstore.client import KVStoreError
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.kv_store import SchedulerKVStore
+from kvmesh.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvstore.client import KVStoreError
-from kvstore.layout import KVLayout
-from scheduler.kv_store import SchedulerKVStore
-from services.block_hash import BlockHasher, extend_block_hashes
+from kvmesh.kvstore.client import KVStoreError
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.scheduler.kv_store import SchedulerKVStore
+from kvmesh.services.contracts.block_hash import BlockHasher, extend_block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 ``StorePrefixLookup`` (kv_lookup.py) and ``StoreLeases`` (kv_leases.py) talk
 to the store through this protocol, as the worker's side talks through
-``worker.kv_connector.KVBlockStore``: in a process it is the kvstore's gRPC
-client (``kvstore.client.KVStoreClient``, which scheduler/server.py
+``kvmesh.worker.kv_connector.KVBlockStore``: in a process it is the kvstore's gRPC
+client (``kvmesh.kvstore.client.KVStoreClient``, which scheduler/server.py
 constructs), in a test anything with these methods. Every method raises
 ``KVStoreError`` on any failure (unreachable, timed out, refused); the
 callers count that as a miss (lookups) or leave the blocks to their lease TTL.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvstore.client import Lease
-from kvstore.layout import KVLayout
+from kvmesh.kvstore.client import Lease
+from kvmesh.kvstore.layout import KVLayout
 
 
 class SchedulerKVStore(Protocol):

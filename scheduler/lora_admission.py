@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from protos import scheduler_pb2
-from scheduler.policy import RequestQueue
-from scheduler.request import Request
-from services.errors import InvalidRequestError
-from services.lora_request import LoRARequest
-from services.step_codec import lora_request_from_proto
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.policy import RequestQueue
+from kvmesh.scheduler.request import Request
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.step_codec import lora_request_from_proto
 
 
 def request_lora(msg: scheduler_pb2.AddRequestRequest, max_loras: int) -> LoRARequest | None:

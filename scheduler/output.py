@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.finish_reason import FinishReason
-from services.step import Logprobs
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.step import Logprobs
 
 if TYPE_CHECKING:  # kv_connector imports request, which imports this module
-    from scheduler.kv_connector import KVConnectorStats
-    from scheduler.spec_decode.speculator import SpecDecodingStats
+    from kvmesh.scheduler.kv_connector import KVConnectorStats
+    from kvmesh.scheduler.spec_decode.speculator import SpecDecodingStats
 
 
 @dataclass

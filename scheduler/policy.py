@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from scheduler.request import Request
-from services.config import SCHEDULING_POLICIES, SchedulingPolicyName, check_choice
+from kvmesh.scheduler.request import Request
+from kvmesh.services.runtime.config import SCHEDULING_POLICIES, SchedulingPolicyName, check_choice
 
 
 class RequestQueue(ABC):
@@ -168,7 +168,7 @@ class PriorityPolicy(SchedulingPolicy):
         )
 
 
-# One class per name that services.config declares (a test checks both ways).
+# One class per name that kvmesh.services.runtime.config declares (a test checks both ways).
 POLICY_CLASSES: dict[str, type[SchedulingPolicy]] = {
     cls.name: cls for cls in (FCFSPolicy, PriorityPolicy)
 }

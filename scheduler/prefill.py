@@ -30,15 +30,15 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from protos import scheduler_pb2
-from scheduler.kv_connector import KVConnectorScheduler
-from scheduler.kv_leases import StoreLeases
-from scheduler.output import RequestOutput
-from scheduler.request import Request
-from services.errors import InvalidRequestError, UnavailableError
-from services.finish_reason import FinishReason
-from services.sampling_params import SamplingParams
-from services.step_codec import sampling_params_to_proto
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.kv_connector import KVConnectorScheduler
+from kvmesh.scheduler.kv_leases import StoreLeases
+from kvmesh.scheduler.output import RequestOutput
+from kvmesh.scheduler.request import Request
+from kvmesh.services.contracts.errors import InvalidRequestError, UnavailableError
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step_codec import sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from scheduler.request_status import RequestStatus
-from scheduler.stopping import check_stop
-from services.lora_request import LoRARequest
-from services.sampling_params import SamplingParams
-from services.step import Logprobs
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.scheduler.stopping import check_stop
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import Logprobs
 
 
 class Request:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from services.finish_reason import FinishReason
+from kvmesh.services.contracts.finish_reason import FinishReason
 
 
 class RequestStatus(enum.IntEnum):

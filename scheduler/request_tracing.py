@@ -1,11 +1,11 @@
-"""The scheduler's part of each request's trace (services/tracing.py).
+"""The scheduler's part of each request's trace (services/runtime/tracing.py).
 
-Per traced request: a ``scheduler.request`` span from admission to the end,
+Per traced request: a ``kvmesh.scheduler.request`` span from admission to the end,
 child of the AddRequest server span (so of the gateway's spans), with a
 ``scheduler.queue`` child for the time until it is first scheduled and one
 ``scheduled`` event per step that advances it (step id, tokens). Events,
 not spans, for the steps, and noted cheaply until the span ends
-(services/tracing.py, ``RequestSpans``): a request runs hundreds of steps.
+(services/runtime/tracing.py, ``RequestSpans``): a request runs hundreds of steps.
 
 The request's span context goes downstream with the request itself: in its
 ``RequestHeader`` (to the detokenizer) and in each ``NewRequestData`` that
@@ -14,15 +14,15 @@ sends it to the worker (first admission, and again after a preemption).
 
 from __future__ import annotations
 
-from protos import scheduler_pb2
-from services.step import SchedulerOutput
-from services.tracing import RequestSpans, Tracing
+from kvmesh.protos import scheduler_pb2
+from kvmesh.services.contracts.step import SchedulerOutput
+from kvmesh.services.runtime.tracing import RequestSpans, Tracing
 
 
 class SchedulerRequestTraces:
     def __init__(self, tracing: Tracing) -> None:
         self.tracing = tracing
-        self._requests = RequestSpans(tracing, "scheduler.request", step_event="scheduled")
+        self._requests = RequestSpans(tracing, "kvmesh.scheduler.request", step_event="scheduled")
         self._queued = RequestSpans(tracing, "scheduler.queue")
 
     def __len__(self) -> int:

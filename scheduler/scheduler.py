@@ -61,18 +61,18 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_connector import KVConnectorScheduler
-from scheduler.lora_admission import AdapterAdmission
-from scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
-from scheduler.policy import make_policy
-from scheduler.request import Request
-from scheduler.request_status import RequestStatus
-from scheduler.spec_decode.speculator import Speculator
-from services.math_utils import cdiv
-from services.step import (
+from kvmesh.scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.kv_cache_manager import KVCacheManager
+from kvmesh.scheduler.kv_connector import KVConnectorScheduler
+from kvmesh.scheduler.lora_admission import AdapterAdmission
+from kvmesh.scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
+from kvmesh.scheduler.policy import make_policy
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.scheduler.spec_decode.speculator import Speculator
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.step import (
     CachedRequestData,
     KVConnectorOutput,
     ModelRunnerOutput,

@@ -6,25 +6,25 @@ import asyncio
 import gc
 import logging
 
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
-from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from scheduler.config import SchedulerConfig, step_token_budget
-from scheduler.kv_events_service import KVEventsServicer, attach_publisher
-from scheduler.kv_leases import StoreLeases
-from scheduler.kv_lookup import StorePrefixLookup
-from scheduler.metrics import SchedulerMetrics
-from scheduler.request_tracing import SchedulerRequestTraces
-from scheduler.service import SchedulerEngine, SchedulerServicer
-from scheduler.worker_client import WorkerClient
-from services.block_hash import get_block_hasher
-from services.config import SchedulerServiceConfig
-from services.grpc_security import InternalSecurity
-from services.grpc_server import GrpcService
-from services.math_utils import cdiv
-from services.metrics import start_metrics_server
-from services.step_deadline import StepDeadline, StepDeadlinePolicy
-from services.tracing import start_tracing
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from kvmesh.scheduler.config import SchedulerConfig, step_token_budget
+from kvmesh.scheduler.kv_events_service import KVEventsServicer, attach_publisher
+from kvmesh.scheduler.kv_leases import StoreLeases
+from kvmesh.scheduler.kv_lookup import StorePrefixLookup
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.request_tracing import SchedulerRequestTraces
+from kvmesh.scheduler.service import SchedulerEngine, SchedulerServicer
+from kvmesh.scheduler.worker_client import WorkerClient
+from kvmesh.services.contracts.block_hash import get_block_hasher
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
+from kvmesh.services.runtime.config import SchedulerServiceConfig
+from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.grpc_server import GrpcService
+from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The scheduler service: gRPC front, the engine step loop, and output fan-out.
 
 All scheduler state lives on one asyncio loop, so the pure-Python core
-(scheduler.scheduler.Scheduler) needs no locks. With ``async_scheduling`` the
+(kvmesh.scheduler.scheduler.Scheduler) needs no locks. With ``async_scheduling`` the
 loop keeps one step in flight ahead: it schedules and sends step n+1, then
 waits for step n's result, so the worker never idles while the scheduler
 updates, publishes and schedules; with micro-batches (pipeline parallelism)
@@ -19,24 +19,24 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.config import SchedulerConfig
-from scheduler.kv_leases import HeldLeases, StoreLeases
-from scheduler.kv_lookup import StorePrefixLookup
-from scheduler.lora_admission import request_lora
-from scheduler.metrics import SchedulerMetrics
-from scheduler.output import RequestOutput
-from scheduler.prefill import PrefillRunner
-from scheduler.request import Request
-from scheduler.request_status import RequestStatus
-from scheduler.request_tracing import SchedulerRequestTraces
-from scheduler.scheduler import Scheduler
-from scheduler.worker_client import WorkerClient
-from services.errors import InvalidRequestError, OverloadedError, UnavailableError
-from services.finish_reason import FinishReason, finish_reason_to_proto
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import logprobs_to_proto, sampling_params_from_proto
-from services.step_deadline import StepDeadline
+from kvmesh.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.kv_leases import HeldLeases, StoreLeases
+from kvmesh.scheduler.kv_lookup import StorePrefixLookup
+from kvmesh.scheduler.lora_admission import request_lora
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.output import RequestOutput
+from kvmesh.scheduler.prefill import PrefillRunner
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.scheduler.request_tracing import SchedulerRequestTraces
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.scheduler.worker_client import WorkerClient
+from kvmesh.services.contracts.errors import InvalidRequestError, OverloadedError, UnavailableError
+from kvmesh.services.contracts.finish_reason import FinishReason, finish_reason_to_proto
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step_codec import logprobs_to_proto, sampling_params_from_proto
+from kvmesh.services.contracts.step_deadline import StepDeadline
 
 logger = logging.getLogger(__name__)
 

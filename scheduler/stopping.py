@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 
-from scheduler.request_status import RequestStatus
-from services.sampling_params import SamplingParams
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.services.contracts.sampling_params import SamplingParams
 
 # The verdict: the finished status and, for a stop_token_ids match, that token.
 Stop = tuple[RequestStatus, int | None]

@@ -12,12 +12,15 @@ import logging
 
 import grpc
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from services.errors import UnavailableError, error_from_rpc
-from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
-from services.grpc_server import internal_channel, wait_until_serving
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import model_runner_output_from_proto, scheduler_output_to_proto
+from kvmesh.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.services.contracts.errors import UnavailableError, error_from_rpc
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step_codec import (
+    model_runner_output_from_proto,
+    scheduler_output_to_proto,
+)
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from kvmesh.services.runtime.grpc_server import internal_channel, wait_until_serving
 
 logger = logging.getLogger(__name__)
 

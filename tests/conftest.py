@@ -2,7 +2,7 @@
 
 ``triton.jit`` reads TRITON_INTERPRET when a Triton kernel module is first
 imported, and any test module may import one indirectly (worker ->
-kernels.registry -> kernels.triton_backend), so on a machine without CUDA the
+kvmesh.kernels.registry -> kvmesh.kernels.triton_backend), so on a machine without CUDA the
 interpreter is switched on here, before collection, for the Triton kernel
 tests (tests/kernels/test_kernels_triton_backend.py, test_kernels_lora.py).
 The CPU backends' default order never picks Triton, so nothing else changes.

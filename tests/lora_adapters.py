@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from services.lora_files import adapter_id
-from services.lora_request import LoRARequest
+from kvmesh.services.contracts.lora_files import adapter_id
+from kvmesh.services.contracts.lora_request import LoRARequest
 
 
 def make_lora_adapter(

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from services.config import DEFAULT_MAX_MODEL_LEN, DTYPES, QUANTIZATIONS
-from services.model_prep import gguf_weights_file, resolve_model_path
-from worker.dtype_choice import choose_dtype
+from kvmesh.services.cli.model_prep import gguf_weights_file, resolve_model_path
+from kvmesh.services.runtime.config import DEFAULT_MAX_MODEL_LEN, DTYPES, QUANTIZATIONS
+from kvmesh.worker.dtype_choice import choose_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class ModelConfig:
         quantization: str | None = None,
     ) -> ModelConfig:
         """Read ``path/config.json`` (``path`` may be a ``.gguf`` file: its config
-        and tokenizer folder, services/model_prep.py, and its weights).
+        and tokenizer folder, services/cli/model_prep.py, and its weights).
 
         ``dtype`` "auto" picks by the hardware (worker/dtype_choice.py); None
         means float32 on CPU (the exact-match reference path tests and
@@ -240,7 +240,7 @@ class ModelConfig:
             hf_config=hf_config,
         )
         # An unknown architecture or an unimplemented config feature is refused
-        # by worker.models.registry.check_model, which the model loader and the
+        # by kvmesh.worker.models.registry.check_model, which the model loader and the
         # start-up paths (worker/server.py, kvmesh/llm.py) run on this config.
         return config
 

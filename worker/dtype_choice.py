@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.config import AUTO_DTYPE
-from services.cpu_features import CpuFeatures
+from kvmesh.services.runtime.config import AUTO_DTYPE
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from kernels.block_codes import BLOCK, RowCodes
-from kernels.ggml_blocks import BLOCK_FORMATS, GGMLRows
-from worker.models.declaration import ModelDeclaration
+from kvmesh.kernels.block_codes import BLOCK, RowCodes
+from kvmesh.kernels.ggml_blocks import BLOCK_FORMATS, GGMLRows
+from kvmesh.worker.models.declaration import ModelDeclaration
 
 logger = logging.getLogger(__name__)
 

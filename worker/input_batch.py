@@ -13,11 +13,11 @@ import logging
 import numpy as np
 import torch
 
-from services.lora_request import LoRARequest
-from services.math_utils import cdiv
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData
-from worker.sampling_metadata import validate_sampling_params
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData
+from kvmesh.worker.sampling_metadata import validate_sampling_params
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from worker.config import ModelConfig
+from kvmesh.worker.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

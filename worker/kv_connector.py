@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from services.step import KVConnectorOutput, KVTransfer, SchedulerOutput
-from worker.kv_cache import KVCache
-from worker.kv_layout import KVBlockCodec
+from kvmesh.services.contracts.step import KVConnectorOutput, KVTransfer, SchedulerOutput
+from kvmesh.worker.kv_cache import KVCache
+from kvmesh.worker.kv_layout import KVBlockCodec
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.layout import KVLayout
-from worker.kv_cache import KVCache
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.worker.kv_cache import KVCache
 
 LAYOUT_VERSION = 1
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from kvstore.block import PutOutcome
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
+from kvmesh.kvstore.block import PutOutcome
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
 
 # A put that finds the block there already is as good as a stored one.
 _SAVED = (PutOutcome.STORED, PutOutcome.ALREADY_STORED)
 
 
 class KVStoreBlocks:
-    """``worker.kv_connector.KVBlockStore`` over ``KVStoreClient``: keys are this
+    """``kvmesh.worker.kv_connector.KVBlockStore`` over ``KVStoreClient``: keys are this
     worker's layout plus the block hash. Raises ``KVStoreError`` on any failure,
     which the connector counts as a miss (loads) or a failed save."""
 

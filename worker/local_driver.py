@@ -12,16 +12,16 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.lora_request import LoRARequest
-from services.math_utils import cdiv
-from services.sampling_params import SamplingParams
-from services.step import (
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from worker.model_runner import ModelRunner
+from kvmesh.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

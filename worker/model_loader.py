@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.config.process import DENSE_LINEAR
-from worker.config import ModelConfig
-from worker.gguf_weights import GGUFTensor, iterate_gguf_weights
-from worker.models.config_checks import UnsupportedModelError
-from worker.models.decoder import AllReduce, DecoderForCausalLM, GatherVocab
-from worker.models.registry import check_model
-from worker.parallel.sharding import ShardPlan
+from kvmesh.services.runtime.config.process import DENSE_LINEAR
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.gguf_weights import GGUFTensor, iterate_gguf_weights
+from kvmesh.worker.models.config_checks import UnsupportedModelError
+from kvmesh.worker.models.decoder import AllReduce, DecoderForCausalLM, GatherVocab
+from kvmesh.worker.models.registry import check_model
+from kvmesh.worker.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
 

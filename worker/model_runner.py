@@ -20,31 +20,36 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.registry import select_attention_backend
-from services.step import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from worker.config import CacheConfig, ModelConfig
-from worker.input_batch import InputBatch
-from worker.kv_cache import allocate_kv_caches
-from worker.kv_connector import KVConnectorWorker
-from worker.lora.setup import attach_lora_slots
-from worker.lora.slots import LoRASlots
-from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
-from worker.model_loader import load_model
-from worker.models.decoder import full_plan
-from worker.parallel.collectives import Collectives
-from worker.parallel.layout import RankLayout
-from worker.parallel.replica_kv_connector import ReplicaKVConnector
-from worker.parallel.sharding import ShardPlan
-from worker.prompt_logprobs import (
+from kvmesh.kernels.registry import select_attention_backend
+from kvmesh.services.contracts.step import (
+    Logprobs,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+)
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.input_batch import InputBatch
+from kvmesh.worker.kv_cache import allocate_kv_caches
+from kvmesh.worker.kv_connector import KVConnectorWorker
+from kvmesh.worker.lora.setup import attach_lora_slots
+from kvmesh.worker.lora.slots import LoRASlots
+from kvmesh.worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
+from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.models.decoder import full_plan
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.replica_kv_connector import ReplicaKVConnector
+from kvmesh.worker.parallel.sharding import ShardPlan
+from kvmesh.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
-from worker.rejection_sampler import verify_drafts
-from worker.sampler import Sampler, SamplerOutput
-from worker.sampling_metadata import build_sampling_metadata
-from worker.step_in_flight import StepInFlight
-from worker.step_inputs import check_schedulable, prepare_step_inputs
-from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
+from kvmesh.worker.rejection_sampler import verify_drafts
+from kvmesh.worker.sampler import Sampler, SamplerOutput
+from kvmesh.worker.sampling_metadata import build_sampling_metadata
+from kvmesh.worker.step_in_flight import StepInFlight
+from kvmesh.worker.step_inputs import check_schedulable, prepare_step_inputs
+from kvmesh.worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

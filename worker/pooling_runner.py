@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from worker.model_loader import iterate_weights
-from worker.models.bert import ENCODER_ARCHITECTURES, BertEncoder, EncoderConfig, PackedBatch
-from worker.pooler import PoolerSpec, finish_embedding
+from kvmesh.services.contracts.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvmesh.worker.model_loader import iterate_weights
+from kvmesh.worker.models.bert import ENCODER_ARCHITECTURES, BertEncoder, EncoderConfig, PackedBatch
+from kvmesh.worker.pooler import PoolerSpec, finish_embedding
 
 logger = logging.getLogger(__name__)
 

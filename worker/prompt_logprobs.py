@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.step import Logprobs, PromptLogprobs
-from worker.input_batch import InputBatch
+from kvmesh.services.contracts.step import Logprobs, PromptLogprobs
+from kvmesh.worker.input_batch import InputBatch
 
 # Rows of vocab_size float32 logits alive at once: 256 x 152k vocab = 155 MB.
 MAX_ROWS_PER_SLICE = 256

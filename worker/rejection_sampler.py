@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.step import Logprobs
-from worker.input_batch import InputBatch
-from worker.sampler import apply_logits_processors, gather_logprobs, random_sampling_logits
-from worker.sampling_metadata import build_sampling_metadata
+from kvmesh.services.contracts.step import Logprobs
+from kvmesh.worker.input_batch import InputBatch
+from kvmesh.worker.sampler import apply_logits_processors, gather_logprobs, random_sampling_logits
+from kvmesh.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 

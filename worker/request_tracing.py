@@ -1,4 +1,4 @@
-"""The worker's part of each request's trace (services/tracing.py).
+"""The worker's part of each request's trace (services/runtime/tracing.py).
 
 The step stream is one long call carrying every request, so a request's
 context arrives in its ``NewRequestData.trace_context``. Per traced request
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import threading
 
-from services.step import SchedulerOutput
-from services.tracing import RequestSpans, Tracing
+from kvmesh.services.contracts.step import SchedulerOutput
+from kvmesh.services.runtime.tracing import RequestSpans, Tracing
 
 
 class WorkerRequestTraces:

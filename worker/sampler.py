@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from services.step import Logprobs
-from worker.sampling_metadata import SamplingMetadata
+from kvmesh.services.contracts.step import Logprobs
+from kvmesh.worker.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 

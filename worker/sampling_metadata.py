@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.sampling_params import SamplingParams
+from kvmesh.services.contracts.sampling_params import SamplingParams
 
 
 def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:

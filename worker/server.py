@@ -28,41 +28,41 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from kernels import batch_invariant
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
-from protos import worker_pb2, worker_pb2_grpc
-from services.config import WorkerConfig
-from services.config.process import BATCH_INVARIANT
-from services.errors import InvalidRequestError, UnavailableError
-from services.grpc_security import InternalSecurity
-from services.grpc_server import GrpcService
-from services.metrics import start_metrics_server
-from services.model_prep import resolve_model_path
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import (
+from kvmesh.kernels import batch_invariant
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import worker_pb2, worker_pb2_grpc
+from kvmesh.services.cli.model_prep import resolve_model_path
+from kvmesh.services.contracts.errors import InvalidRequestError, UnavailableError
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step_codec import (
     model_runner_output_to_proto,
     scheduler_output_from_proto,
     structured_output_from_proto,
 )
-from services.step_deadline import StepDeadline, StepDeadlinePolicy
-from services.tracing import start_tracing
-from worker.config import CacheConfig, ModelConfig
-from worker.kv_connector import KVBlockStore, KVConnectorWorker
-from worker.kv_layout import worker_kv_layout
-from worker.kvstore_blocks import KVStoreBlocks
-from worker.model_runner import ModelRunner
-from worker.models.registry import check_model
-from worker.parallel.collectives import Collectives
-from worker.parallel.driver import StepBroadcaster
-from worker.parallel.layout import RankLayout
-from worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
-from worker.parallel.replica_kv_connector import ReplicaKVConnector
-from worker.pooling_runner import PoolingRunner, is_pooling_checkpoint
-from worker.request_tracing import WorkerRequestTraces
-from worker.step_budget import preferred_step_tokens
-from worker.step_in_flight import StepInFlight
-from worker.step_watchdog import StepWatchdog
+from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
+from kvmesh.services.runtime.config import WorkerConfig
+from kvmesh.services.runtime.config.process import BATCH_INVARIANT
+from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.grpc_server import GrpcService
+from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.tracing import start_tracing
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.kv_connector import KVBlockStore, KVConnectorWorker
+from kvmesh.worker.kv_layout import worker_kv_layout
+from kvmesh.worker.kvstore_blocks import KVStoreBlocks
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.registry import check_model
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.driver import StepBroadcaster
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
+from kvmesh.worker.parallel.replica_kv_connector import ReplicaKVConnector
+from kvmesh.worker.pooling_runner import PoolingRunner, is_pooling_checkpoint
+from kvmesh.worker.request_tracing import WorkerRequestTraces
+from kvmesh.worker.step_budget import preferred_step_tokens
+from kvmesh.worker.step_in_flight import StepInFlight
+from kvmesh.worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from services.cpu_features import CpuFeatures
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 
 LONG_STEP_TOKENS = 2048
 SHORT_STEP_TOKENS = 1024

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.step import ModelRunnerOutput
-from worker.lora.step_batch import LoRABatch
-from worker.prompt_logprobs import PromptLogprobsSpan
-from worker.step_inputs import StepInputs
+from kvmesh.services.contracts.step import ModelRunnerOutput
+from kvmesh.worker.lora.step_batch import LoRABatch
+from kvmesh.worker.prompt_logprobs import PromptLogprobsSpan
+from kvmesh.worker.step_inputs import StepInputs
 
 
 class Arrival:

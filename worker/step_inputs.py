@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata
-from services.math_utils import cdiv
-from worker.input_batch import InputBatch
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.worker.input_batch import InputBatch
 
 
 @dataclass

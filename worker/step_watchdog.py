@@ -4,7 +4,7 @@ The scheduler fails a worker over when a step misses its deadline, but only an
 orchestrator can restart the process, and it asks the worker itself. A step
 stuck in a kernel leaves the event loop free to answer health checks, so the
 loop watches the step thread: while the running step is older than its
-deadline (``services.step_deadline``) the liveness service says NOT_SERVING,
+deadline (``kvmesh.services.contracts.step_deadline``) the liveness service says NOT_SERVING,
 and so does readiness, so that the scheduler, which failed the worker over,
 does not attach to it again before the step ends. A worker that is stopped
 outright answers nothing, which fails the probes too.
@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
-from services.step_deadline import StepDeadline
+from kvmesh.services.contracts.step_deadline import StepDeadline
 
 logger = logging.getLogger(__name__)
 

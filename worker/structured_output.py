@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from services.sampling_params import StructuredOutputSpec
+from kvmesh.services.contracts.sampling_params import StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 

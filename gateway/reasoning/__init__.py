@@ -7,8 +7,8 @@ by name and how each decides where the thinking starts are in
 gateway/reasoning/parsers.py.
 """
 
-from gateway.reasoning.parsers import REASONING_PARSERS, ReasoningParserSpec
-from gateway.reasoning.think_tags import ReasoningEvent, ReasoningStream, ReasoningText
+from kvmesh.gateway.reasoning.parsers import REASONING_PARSERS, ReasoningParserSpec
+from kvmesh.gateway.reasoning.think_tags import ReasoningEvent, ReasoningStream, ReasoningText
 
 __all__ = [
     "REASONING_PARSERS",

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.reasoning.think_tags import ReasoningStream
+from kvmesh.gateway.reasoning.think_tags import ReasoningStream
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tool_calling.scanning import split_at_marker
+from kvmesh.gateway.tool_calling.scanning import split_at_marker
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.protocol import ChatCompletionRequest
-from gateway.responses.protocol import (
+from kvmesh.gateway.openai.protocol import ChatCompletionRequest
+from kvmesh.gateway.responses.protocol import (
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -37,7 +37,7 @@ from gateway.responses.protocol import (
     MessageItem,
     ResponsesRequest,
 )
-from services.errors import InvalidRequestError
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 # A chat message as the chat request (and the store) hold it.
 ChatMessageDict = dict[str, Any]

@@ -27,10 +27,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.output_parsing import OutputEvent
-from gateway.reasoning import ReasoningText
-from gateway.responses.output import item_status, message_item, new_item_id, reasoning_item
-from gateway.responses.protocol import (
+from kvmesh.gateway.openai.output_parsing import OutputEvent
+from kvmesh.gateway.reasoning import ReasoningText
+from kvmesh.gateway.responses.output import item_status, message_item, new_item_id, reasoning_item
+from kvmesh.gateway.responses.protocol import (
     ItemStatus,
     OutputFunctionCall,
     OutputItem,
@@ -40,7 +40,7 @@ from gateway.responses.protocol import (
     OutputText,
     ResponseObject,
 )
-from gateway.tool_calling.events import ToolCallArguments, ToolCallStart
+from kvmesh.gateway.tool_calling.events import ToolCallArguments, ToolCallStart
 
 OpenItem = OutputMessage | OutputFunctionCall | OutputReasoning
 

@@ -18,11 +18,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.responses.store import ResponseStore, ResponseStoreConfig, StoredResponse
-from kvstore.block import PutOutcome
-from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.layout import KVLayout
-from services.errors import UnavailableError
+from kvmesh.gateway.responses.store import ResponseStore, ResponseStoreConfig, StoredResponse
+from kvmesh.kvstore.block import PutOutcome
+from kvmesh.kvstore.client import KVStoreClient, KVStoreError
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.services.contracts.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The response object: the request's settings echoed, output items, status and usage.
 
 A generation's text becomes output items through the chat path's output
-parsing (gateway/output_parsing.py): the thinking (with ``--reasoning-parser``)
+parsing (gateway/openai/output_parsing.py): the thinking (with ``--reasoning-parser``)
 is a ``reasoning`` item first, content is one assistant ``message`` item, each
 call a ``function_call`` item whose ``call_id`` the client sends back with the
 call's output. A generation cut short by ``max_output_tokens`` leaves the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 
-from gateway.responses.protocol import (
+from kvmesh.gateway.responses.protocol import (
     FunctionToolChoice,
     FunctionToolChoiceOut,
     FunctionToolOut,
@@ -35,7 +35,7 @@ from gateway.responses.protocol import (
     TextConfigOut,
     TextFormatOut,
 )
-from gateway.tool_calling.events import ParsedOutput
+from kvmesh.gateway.tool_calling.events import ParsedOutput
 
 
 def new_item_id(prefix: str) -> str:

@@ -4,7 +4,7 @@ Only what the server does is accepted: function tools (no hosted tools),
 text input (no images or files), ``truncation`` "disabled" and no
 ``background``; anything else is a 400 naming the field, and the schema in
 /openapi.json says the same. Like the other request models
-(gateway/protocol.py) these are strict and ignore unknown fields, as OpenAI does.
+(gateway/openai/protocol.py) these are strict and ignore unknown fields, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from gateway.protocol import (
+from kvmesh.gateway.openai.protocol import (
     ModelName,
     NonEmptyString,
     OutputLength,

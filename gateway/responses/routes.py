@@ -11,9 +11,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, NoMatchFound, compile_path
 from starlette.types import Receive, Scope, Send
 
-from gateway.protocol import ErrorResponse
-from gateway.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
-from gateway.responses.serving import ResponsesServing
+from kvmesh.gateway.openai.protocol import ErrorResponse
+from kvmesh.gateway.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from kvmesh.gateway.responses.serving import ResponsesServing
 
 ServeUntilDisconnect = Callable[[Request, Awaitable[Response]], Awaitable[Response]]
 

@@ -3,7 +3,7 @@
 The request becomes a chat completion request (conversation.py) that goes
 through the chat path's own steps: tool planning, the chat template, prompt and
 sampling validation, the engine fan-out, and the server's output parsing
-(gateway/output_parsing.py: ``--reasoning-parser``, ``--tool-call-parser``).
+(gateway/openai/output_parsing.py: ``--reasoning-parser``, ``--tool-call-parser``).
 Its refusals name chat's fields, so they are renamed to the Responses fields
 the client sent (``messages`` -> ``input``, ``max_completion_tokens`` ->
 ``max_output_tokens``, ...).
@@ -22,25 +22,35 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from gateway.engine_client import EngineClient
-from gateway.generation_stream import MultiGeneration
-from gateway.limits import GatewayLimits
-from gateway.metrics import GatewayMetrics
-from gateway.output_parsing import OutputParser, OutputParsing
-from gateway.responses.conversation import (
+from kvmesh.gateway.engine.client import EngineClient
+from kvmesh.gateway.engine.generation_stream import MultiGeneration
+from kvmesh.gateway.engine_params.limits import GatewayLimits
+from kvmesh.gateway.engine_params.served_models import ServedModels
+from kvmesh.gateway.engine_params.structured_outputs import structured_output_spec
+from kvmesh.gateway.engine_params.validation import Prompt, chat_prompt
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai.output_parsing import OutputParser, OutputParsing
+from kvmesh.gateway.openai.serving_common import (
+    Serving,
+    build_engine_requests,
+    collect_choices,
+    failure_error,
+    start_generation,
+)
+from kvmesh.gateway.responses.conversation import (
     ChatMessageDict,
     chat_request,
     input_messages,
     unparsed_tools,
 )
-from gateway.responses.events import ResponseEventWriter
-from gateway.responses.output import (
+from kvmesh.gateway.responses.events import ResponseEventWriter
+from kvmesh.gateway.responses.output import (
     assistant_message,
     output_items,
     response_object,
     usage,
 )
-from gateway.responses.protocol import (
+from kvmesh.gateway.responses.protocol import (
     DeletedResponse,
     OutputItem,
     ResponseError,
@@ -49,21 +59,11 @@ from gateway.responses.protocol import (
     ResponseStatus,
     ResponseUsage,
 )
-from gateway.responses.store import ResponseStore, StoredResponse
-from gateway.served_models import ServedModels
-from gateway.serving_common import (
-    Serving,
-    build_engine_requests,
-    collect_choices,
-    failure_error,
-    start_generation,
-)
-from gateway.structured_outputs import structured_output_spec
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.plan import ToolPlan, plan_tools
-from gateway.validation import Prompt, chat_prompt
-from services.errors import InvalidRequestError, NotFoundError
-from services.tracing import Tracing
+from kvmesh.gateway.responses.store import ResponseStore, StoredResponse
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.plan import ToolPlan, plan_tools
+from kvmesh.services.contracts.errors import InvalidRequestError, NotFoundError
+from kvmesh.services.runtime.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.config import GatewayConfig
+from kvmesh.services.runtime.config import GatewayConfig
 
 _DEFAULTS = GatewayConfig()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.config import ROUTING_POLICIES, RoutingPolicyName, check_choice
+from kvmesh.services.runtime.config import ROUTING_POLICIES, RoutingPolicyName, check_choice
 
 
 @dataclass(frozen=True, kw_only=True)

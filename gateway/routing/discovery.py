@@ -7,7 +7,7 @@ picks, and one listed late only joins late.
 
 - ``static``: the one replica of ``--scheduler-addr`` / ``--detokenizer-addr``
   (a gateway in front of a single engine, as before replicas existed).
-- ``file``: the set ``kvmesh up`` publishes (``services/replica_set.py``);
+- ``file``: the set ``kvmesh up`` publishes (``services/contracts/replica_set.py``);
   the launcher rewrites it, the gateway polls it.
 - ``dns``: every A/AAAA record of ``--scheduler-addr``'s host, e.g. a
   Kubernetes headless Service (``scheduler-headless``), whose records are the
@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
-from services.config import GatewayConfig, ReplicaDiscoveryName
-from services.replica_set import ReplicaAddress, read_replica_set
+from kvmesh.services.contracts.replica_set import ReplicaAddress, read_replica_set
+from kvmesh.services.runtime.config import GatewayConfig, ReplicaDiscoveryName
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import logging
 
 import grpc
 
-from gateway.routing.replica_feed import KVEventGap
-from gateway.routing.router import Router
-from protos import scheduler_pb2_grpc
+from kvmesh.gateway.routing.replica_feed import KVEventGap
+from kvmesh.gateway.routing.router import Router
+from kvmesh.protos import scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.replica_state import ReplicaState
-from services.config import RoutingPolicyName
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.replica_state import ReplicaState
+from kvmesh.services.runtime.config import RoutingPolicyName
 
 
 class RoutingReason(StrEnum):

@@ -11,8 +11,8 @@ stale, which costs a worse routing choice, never a wrong answer.
 
 from __future__ import annotations
 
-from gateway.routing.prefix_index import PrefixIndex, block_key
-from protos import scheduler_pb2
+from kvmesh.gateway.routing.prefix_index import PrefixIndex, block_key
+from kvmesh.protos import scheduler_pb2
 
 
 class KVEventGap(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.routing.replica_feed import ReplicaEventFeed
-from protos import scheduler_pb2
+from kvmesh.gateway.routing.replica_feed import ReplicaEventFeed
+from kvmesh.protos import scheduler_pb2
 
 
 @dataclass(eq=False)

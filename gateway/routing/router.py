@@ -17,15 +17,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.policies import PromptOverlap, RoutingReason, make_routing_policy
-from gateway.routing.prefix_index import PrefixIndex, block_key
-from gateway.routing.replica_feed import ReplicaEventFeed
-from gateway.routing.replica_state import ReplicaState
-from protos import scheduler_pb2
-from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
-from services.errors import UnavailableError
-from services.math_utils import cdiv
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.policies import PromptOverlap, RoutingReason, make_routing_policy
+from kvmesh.gateway.routing.prefix_index import PrefixIndex, block_key
+from kvmesh.gateway.routing.replica_feed import ReplicaEventFeed
+from kvmesh.gateway.routing.replica_state import ReplicaState
+from kvmesh.protos import scheduler_pb2
+from kvmesh.services.contracts.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
+from kvmesh.services.contracts.errors import UnavailableError
+from kvmesh.services.contracts.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 

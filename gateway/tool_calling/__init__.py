@@ -11,5 +11,5 @@
   chat template implies.
 - ``deltas.py``: parsed calls in OpenAI's response and chunk shapes.
 
-gateway/output_parsing.py puts reasoning and tool parsing together per generation.
+gateway/openai/output_parsing.py puts reasoning and tool parsing together per generation.
 """

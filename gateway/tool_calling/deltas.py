@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gateway.protocol import DeltaFunctionCall, DeltaToolCall
-from gateway.protocol import FunctionCall as FunctionCallModel
-from gateway.protocol import ToolCall as ToolCallModel
-from gateway.tool_calling.events import ToolCall, ToolCallArguments, ToolCallStart
+from kvmesh.gateway.openai.protocol import DeltaFunctionCall, DeltaToolCall
+from kvmesh.gateway.openai.protocol import FunctionCall as FunctionCallModel
+from kvmesh.gateway.openai.protocol import ToolCall as ToolCallModel
+from kvmesh.gateway.tool_calling.events import ToolCall, ToolCallArguments, ToolCallStart
 
 
 def tool_call_delta(event: ToolCallStart | ToolCallArguments) -> DeltaToolCall:

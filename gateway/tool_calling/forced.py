@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     IdFactory,
     StreamEvent,
     ToolCallArguments,
     ToolCallStart,
     new_tool_call_id,
 )
-from gateway.tool_calling.scanning import CallArrayStream
+from kvmesh.gateway.tool_calling.scanning import CallArrayStream
 
 
 class NamedCallStream:

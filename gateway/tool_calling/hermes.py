@@ -11,15 +11,15 @@ sends the text as content.
 
 from __future__ import annotations
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     IdFactory,
     ParsedOutput,
     StreamEvent,
     new_tool_call_id,
     parse_whole,
 )
-from gateway.tool_calling.json_call import MalformedCallError
-from gateway.tool_calling.scanning import ScanningCallStream, split_at_marker
+from kvmesh.gateway.tool_calling.json_call import MalformedCallError
+from kvmesh.gateway.tool_calling.scanning import ScanningCallStream, split_at_marker
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -15,7 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from gateway.tool_calling.events import IdFactory, StreamEvent, ToolCallArguments, ToolCallStart
+from kvmesh.gateway.tool_calling.events import (
+    IdFactory,
+    StreamEvent,
+    ToolCallArguments,
+    ToolCallStart,
+)
 
 _WHITESPACE = " \t\r\n"
 # The keys a call object may hold its arguments under, in order of preference.

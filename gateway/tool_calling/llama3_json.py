@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from gateway.tool_calling.events import IdFactory, StreamEvent, new_tool_call_id
-from gateway.tool_calling.json_call import MalformedCallError
-from gateway.tool_calling.scanning import ScanningCallStream
+from kvmesh.gateway.tool_calling.events import IdFactory, StreamEvent, new_tool_call_id
+from kvmesh.gateway.tool_calling.json_call import MalformedCallError
+from kvmesh.gateway.tool_calling.scanning import ScanningCallStream
 
 PYTHON_TAG = "<|python_tag|>"
 

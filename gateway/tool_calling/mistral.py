@@ -15,15 +15,15 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     IdFactory,
     StreamEvent,
     ToolCallArguments,
     ToolCallStart,
     new_tool_call_id,
 )
-from gateway.tool_calling.json_call import MalformedCallError
-from gateway.tool_calling.scanning import (
+from kvmesh.gateway.tool_calling.json_call import MalformedCallError
+from kvmesh.gateway.tool_calling.scanning import (
     CallArrayStream,
     JsonValueExtent,
     ScanningCallStream,

@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.protocol import ChatCompletionRequest
-from services.errors import InvalidRequestError
-from services.sampling_params import StructuredOutputSpec
+from kvmesh.gateway.openai.protocol import ChatCompletionRequest
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.contracts.sampling_params import StructuredOutputSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
 # vLLM's words, which clients (and agent frameworks) recognize.

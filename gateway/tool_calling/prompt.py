@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.tool_calling.hermes import TOOL_CALL_END, TOOL_CALL_START
+from kvmesh.gateway.tool_calling.hermes import TOOL_CALL_END, TOOL_CALL_START
 
 
 def tool_calls_for_template(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

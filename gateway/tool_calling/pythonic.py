@@ -14,14 +14,14 @@ import json
 import re
 from typing import Any
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     IdFactory,
     StreamEvent,
     ToolCallArguments,
     ToolCallStart,
     new_tool_call_id,
 )
-from gateway.tool_calling.json_call import MalformedCallError
+from kvmesh.gateway.tool_calling.json_call import MalformedCallError
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"

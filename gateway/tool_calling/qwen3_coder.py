@@ -22,15 +22,15 @@ import json
 import re
 from typing import Any
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     IdFactory,
     StreamEvent,
     ToolCallArguments,
     ToolCallStart,
     new_tool_call_id,
 )
-from gateway.tool_calling.json_call import MalformedCallError
-from gateway.tool_calling.scanning import ScanningCallStream, split_at_marker
+from kvmesh.gateway.tool_calling.json_call import MalformedCallError
+from kvmesh.gateway.tool_calling.scanning import ScanningCallStream, split_at_marker
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.tool_calling.events import IdFactory, ToolCallStream, new_tool_call_id
-from gateway.tool_calling.hermes import HermesToolStream
-from gateway.tool_calling.llama3_json import Llama3JsonToolStream
-from gateway.tool_calling.mistral import MistralToolStream
-from gateway.tool_calling.pythonic import PythonicToolStream
-from gateway.tool_calling.qwen3_coder import Qwen3CoderToolStream
+from kvmesh.gateway.tool_calling.events import IdFactory, ToolCallStream, new_tool_call_id
+from kvmesh.gateway.tool_calling.hermes import HermesToolStream
+from kvmesh.gateway.tool_calling.llama3_json import Llama3JsonToolStream
+from kvmesh.gateway.tool_calling.mistral import MistralToolStream
+from kvmesh.gateway.tool_calling.pythonic import PythonicToolStream
+from kvmesh.gateway.tool_calling.qwen3_coder import Qwen3CoderToolStream
 
 Functions = list[dict[str, Any]]
 

@@ -3,8 +3,8 @@ arrays of call objects, and the extent of a JSON value."""
 
 from __future__ import annotations
 
-from gateway.tool_calling.events import IdFactory, StreamEvent, new_tool_call_id
-from gateway.tool_calling.json_call import CallStreamer, MalformedCallError
+from kvmesh.gateway.tool_calling.events import IdFactory, StreamEvent, new_tool_call_id
+from kvmesh.gateway.tool_calling.json_call import CallStreamer, MalformedCallError
 
 
 def held_prefix_length(text: str, marker: str) -> int:

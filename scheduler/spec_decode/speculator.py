@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.request import Request
-from scheduler.spec_decode.ngram import NgramProposer
-from scheduler.spec_decode.suffix import SuffixProposer
-from services.config import SpeculativeConfig
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.spec_decode.ngram import NgramProposer
+from kvmesh.scheduler.spec_decode.suffix import SuffixProposer
+from kvmesh.services.runtime.config import SpeculativeConfig
 
 # Weight of the newest step in a request's acceptance-rate average.
 EMA_WEIGHT = 0.5

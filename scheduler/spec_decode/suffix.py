@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from scheduler.spec_decode.suffix_automaton import SuffixAutomaton
+from kvmesh.scheduler.spec_decode.suffix_automaton import SuffixAutomaton
 
 # A one-token match is a unigram guess: on text that does not repeat (measured
 # on random prompts) such drafts are almost never accepted.

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import build_parser, main, sampling_setting
-from bench.dataset import BenchTokenizer
-from services.model_prep import default_model_path
+from kvmesh.services.cli.bench.cli import build_parser, main, sampling_setting
+from kvmesh.services.cli.bench.dataset import BenchTokenizer
+from kvmesh.services.cli.model_prep import default_model_path
 from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def kvmesh(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "kvmesh.services.cli.main", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import ClientConfig, CompletionsClient
-from bench.dataset import SampleRequest
-from bench.sampling import CHAT, NONE_GIVEN, SAMPLING_SETTINGS
+from kvmesh.services.cli.bench.client import ClientConfig, CompletionsClient
+from kvmesh.services.cli.bench.dataset import SampleRequest
+from kvmesh.services.cli.bench.sampling import CHAT, NONE_GIVEN, SAMPLING_SETTINGS
 from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
 
 REQUEST = SampleRequest(request_id="req-1", prompt=[11, 12, 13], prompt_len=3, output_len=6)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.dataset import (
+from kvmesh.services.cli.bench.dataset import (
     BenchTokenizer,
     PromptKind,
     RandomDatasetConfig,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.client import RequestOutput
-from bench.metrics import compute_metrics, peak_concurrency, request_tpot
-from bench.report import build_result, format_report, write_result
+from kvmesh.services.cli.bench.client import RequestOutput
+from kvmesh.services.cli.bench.metrics import compute_metrics, peak_concurrency, request_tpot
+from kvmesh.services.cli.bench.report import build_result, format_report, write_result
 
 
 def record(

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from bench.client import ClientConfig, CompletionsClient, RequestOutput
-from bench.dataset import SampleRequest
-from bench.metrics import compute_metrics, peak_concurrency
-from bench.runner import LoadConfig, arrival_offsets, run_load, warm_up
+from kvmesh.services.cli.bench.client import ClientConfig, CompletionsClient, RequestOutput
+from kvmesh.services.cli.bench.dataset import SampleRequest
+from kvmesh.services.cli.bench.metrics import compute_metrics, peak_concurrency
+from kvmesh.services.cli.bench.runner import LoadConfig, arrival_offsets, run_load, warm_up
 from tests.bench.fake_openai_server import MODEL_ID, FakeOpenAIServer
 
 

@@ -1,4 +1,4 @@
-"""Facts for the deployment-file tests: the files, and what services/config/ declares.
+"""Facts for the deployment-file tests: the files, and what services/runtime/config/ declares.
 
 Every expectation is derived from the config dataclasses, never restated, so
 a port or option renamed there makes these tests point at the stale file.
@@ -17,7 +17,12 @@ from typing import Any
 
 import yaml
 
-from services.config import PROCESS_SETTINGS, SERVICE_CONFIGS, config_from_namespace, env_name
+from kvmesh.services.runtime.config import (
+    PROCESS_SETTINGS,
+    SERVICE_CONFIGS,
+    config_from_namespace,
+    env_name,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -34,7 +39,7 @@ DOCUMENTED_EXTRA_ENV = frozenset(s.name for s in PROCESS_SETTINGS)
 
 @dataclasses.dataclass(frozen=True)
 class ServicePorts:
-    """One service's ports by role, as services/config/ declares them by default."""
+    """One service's ports by role, as services/runtime/config/ declares them by default."""
 
     name: str
     grpc: int

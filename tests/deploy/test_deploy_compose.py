@@ -1,4 +1,5 @@
-"""docker-compose.yml: valid against the Compose Specification, and in step with services/config/.
+"""docker-compose.yml: valid against the Compose Specification, and in step with the config
+(services/runtime/config/).
 
 No Docker engine is needed: the schema is the official one vendored in the
 check-jsonschema package, and the rest compares the file with the config
@@ -15,8 +16,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from services.config import SERVICE_CONFIGS, env_name
-from services.healthcheck import Endpoint, service_endpoint
+from kvmesh.services.runtime.config import SERVICE_CONFIGS, env_name
+from kvmesh.services.runtime.healthcheck import Endpoint, service_endpoint
 from tests.deploy.deploy_facts import (
     COMPOSE_USER_ENV,
     DOCUMENTED_EXTRA_ENV,
@@ -62,7 +63,7 @@ def _published(port: str | int) -> tuple[int, int]:
 
 
 def _healthcheck_endpoint(test: list[str]) -> Endpoint:
-    prefix = ["CMD", "python", "-m", "services.healthcheck"]
+    prefix = ["CMD", "python", "-m", "kvmesh.services.runtime.healthcheck"]
     assert test[: len(prefix)] == prefix, f"health check is not the healthcheck module: {test}"
     kind, target, *rest = test[len(prefix) :]
     assert not rest, test
@@ -135,7 +136,7 @@ def test_published_ports_are_the_declared_defaults(compose: dict[str, Any]) -> N
 def test_health_checks_probe_each_service_readiness_endpoint(compose: dict[str, Any]) -> None:
     for name, service in _kvmesh_services(compose).items():
         endpoint = _healthcheck_endpoint(service["healthcheck"]["test"])
-        # What `python -m services.healthcheck service NAME` would probe by default:
+        # What `python -m kvmesh.services.runtime.healthcheck service NAME` would probe by default:
         # gRPC health on the service's port, or the gateway's /ready.
         assert endpoint == service_endpoint(name, {}), name
 

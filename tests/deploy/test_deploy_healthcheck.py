@@ -1,4 +1,5 @@
-"""``python -m services.healthcheck`` against a real gRPC health server and a real HTTP server.
+"""``python -m kvmesh.services.runtime.healthcheck`` against a real gRPC health server and a
+real HTTP server.
 
 The checks run as subprocesses, exactly as Docker runs them, so the exit
 status is what is asserted: 0 only for SERVING / HTTP 200.
@@ -19,7 +20,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.healthcheck import Endpoint, running_service, service_endpoint
+from kvmesh.services.runtime.healthcheck import Endpoint, running_service, service_endpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -31,7 +32,7 @@ async def run_healthcheck(*args: str, env: dict[str, str] | None = None) -> int:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.healthcheck",
+        "kvmesh.services.runtime.healthcheck",
         "--timeout",
         "2",
         *args,
@@ -194,7 +195,7 @@ def test_running_service_finds_the_serve_command(tmp_path: Path) -> None:
         {
             1: ["/sbin/docker-init", "--", "kvmesh", "serve", "detokenizer"],
             7: ["/opt/venv/bin/python", "/opt/venv/bin/kvmesh", "serve", "detokenizer"],
-            30: ["python", "-m", "services.healthcheck", "self"],
+            30: ["python", "-m", "kvmesh.services.runtime.healthcheck", "self"],
         },
     )
     assert running_service(proc) == "detokenizer"

@@ -1,4 +1,5 @@
-"""deploy/k8s: schema-valid manifests whose ports, probes and settings match services/config/.
+"""deploy/k8s: schema-valid manifests whose ports, probes and settings match the config
+(services/runtime/config/).
 
 The base and each overlay are rendered by kubectl's built-in kustomize (what
 ``kubectl apply -k`` sends) and every object is checked against the
@@ -24,8 +25,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from scheduler.metrics import SchedulerMetrics
-from services.config import SERVICE_CONFIGS, GatewayConfig, env_name
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.services.runtime.config import SERVICE_CONFIGS, GatewayConfig, env_name
 from tests.deploy.deploy_facts import (
     DOCUMENTED_EXTRA_ENV,
     K8S_BASE,
@@ -199,7 +200,7 @@ def test_liveness_does_not_follow_upstream_services(k8s_docs: list[Doc]) -> None
 
 
 def test_worker_liveness_is_its_liveness_health_service(k8s_docs: list[Doc]) -> None:
-    from services.grpc_server import LIVENESS_SERVICE
+    from kvmesh.services.runtime.grpc_server import LIVENESS_SERVICE
 
     liveness = _by_service(k8s_docs)["worker"].spec["livenessProbe"]
     assert _probe_target(liveness) == ("grpc", _serving_port("worker"), LIVENESS_SERVICE)

@@ -1,6 +1,6 @@
 """deploy/k8s security: the Secrets every container reads; NetworkPolicies following the calls.
 
-The call graph is derived from services/config/: a service dials another when
+The call graph is derived from services/runtime/config/: a service dials another when
 its config has that one's ``<name>_addr`` option. It is mapped onto pods
 through the Deployments' containers (an engine pod runs the scheduler, the
 worker and the detokenizer): a call between two containers of one pod goes
@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.config import SERVICE_CONFIGS, env_name
-from services.k8s_secret import AUTH_SECRET, TLS_SECRET, TOKEN_KEY, render, stack_secrets
+from kvmesh.services.cli.k8s_secret import AUTH_SECRET, TLS_SECRET, TOKEN_KEY, render, stack_secrets
+from kvmesh.services.runtime.config import SERVICE_CONFIGS, env_name
 from tests.deploy.deploy_facts import (
     K8S_BASE,
     K8S_DIR,

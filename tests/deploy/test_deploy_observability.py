@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from services.config import SERVICE_CONFIGS
+from kvmesh.services.runtime.config import SERVICE_CONFIGS
 from tests.deploy.deploy_facts import REPO_ROOT, build_config, declared_ports, interpolate_defaults
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "kvmesh.json"

@@ -6,7 +6,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.config import WorkerConfig
+from kvmesh.services.runtime.config import WorkerConfig
 from tests.deploy.deploy_facts import K8S_DIR, build_config
 
 EXAMPLE = K8S_DIR / "worker-tp-statefulset.yaml.example"

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from tokenizers import Tokenizer
 
-from detokenizer import service
-from detokenizer.registry import DetokenizerTable
-from detokenizer.service import DetokenizerEngine, DetokenizerServicer
-from protos import common_pb2, detokenizer_pb2, scheduler_pb2
-from services.errors import OverloadedError
+from kvmesh.detokenizer import service
+from kvmesh.detokenizer.registry import DetokenizerTable
+from kvmesh.detokenizer.service import DetokenizerEngine, DetokenizerServicer
+from kvmesh.protos import common_pb2, detokenizer_pb2, scheduler_pb2
+from kvmesh.services.contracts.errors import OverloadedError
 
 
 class RecordingScheduler:

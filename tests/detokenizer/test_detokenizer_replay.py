@@ -3,10 +3,10 @@ is announced to every gateway."""
 
 from __future__ import annotations
 
-from detokenizer.registry import DetokenizerTable
-from detokenizer.service import DetokenizerEngine
-from gateway.stream_cursor import StreamCursor
-from protos import common_pb2, scheduler_pb2
+from kvmesh.detokenizer.registry import DetokenizerTable
+from kvmesh.detokenizer.service import DetokenizerEngine
+from kvmesh.gateway.engine.stream_cursor import StreamCursor
+from kvmesh.protos import common_pb2, scheduler_pb2
 
 TEXT = "Héllo wörld — naïve café, 日本語 text, and more words to decode."
 

@@ -8,8 +8,8 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from detokenizer.incremental import IncrementalDetokenizer, InvalidTokenIdError
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.incremental import IncrementalDetokenizer, InvalidTokenIdError
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 REAL_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

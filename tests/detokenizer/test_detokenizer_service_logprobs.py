@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from detokenizer.registry import DetokenizerTable
-from detokenizer.service import DetokenizerEngine
-from protos import common_pb2, scheduler_pb2
+from kvmesh.detokenizer.registry import DetokenizerTable
+from kvmesh.detokenizer.service import DetokenizerEngine
+from kvmesh.protos import common_pb2, scheduler_pb2
 
 
 def test_prompt_logprobs_and_logprobs_reach_the_gateway(tokenizer: Tokenizer) -> None:

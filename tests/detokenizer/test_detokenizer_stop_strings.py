@@ -7,9 +7,9 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from detokenizer.incremental import DetokenizedDelta, IncrementalDetokenizer
-from detokenizer.stop_strings import StopStringMatcher
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.incremental import DetokenizedDelta, IncrementalDetokenizer
+from kvmesh.detokenizer.stop_strings import StopStringMatcher
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

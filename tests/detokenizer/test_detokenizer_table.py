@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from detokenizer.registry import DetokenizerTable, DetokenizerTableFullError, StepInput
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.registry import DetokenizerTable, DetokenizerTableFullError, StepInput
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 
 def ids_of(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from detokenizer.tokenizer_loader import load_tokenizer
+from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
 
 
 def test_loads_default_model_tokenizer(model_dir: Path) -> None:

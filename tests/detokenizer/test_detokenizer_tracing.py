@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from detokenizer.registry import DetokenizerTable
-from detokenizer.request_tracing import DetokenizerRequestTraces
-from detokenizer.service import DetokenizerEngine
-from protos import common_pb2, scheduler_pb2
-from services.tracing import Tracing
+from kvmesh.detokenizer.registry import DetokenizerTable
+from kvmesh.detokenizer.request_tracing import DetokenizerRequestTraces
+from kvmesh.detokenizer.service import DetokenizerEngine
+from kvmesh.protos import common_pb2, scheduler_pb2
+from kvmesh.services.runtime.tracing import Tracing
 from tests.services.tracing_helpers import memory_tracing, only_span
 
 
@@ -23,7 +23,7 @@ def test_a_traced_request_is_one_span_ended_by_its_last_output(tokenizer: Tokeni
     )
     prompt = tokenizer.encode("Say it").ids
     word = tokenizer.encode(" hello").ids[0]
-    with tracing.span("scheduler.request") as upstream:
+    with tracing.span("kvmesh.scheduler.request") as upstream:
         carrier = Tracing.carrier(upstream)
     header = scheduler_pb2.RequestHeader(
         prompt_token_ids=prompt, client_id="gw", trace_context=carrier

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from detokenizer.incremental import IncrementalDetokenizer
-from services.sampling_params import DetokenizeParams
+from kvmesh.detokenizer.incremental import IncrementalDetokenizer
+from kvmesh.services.contracts.sampling_params import DetokenizeParams
 
 CANDIDATE_TEXTS = [
     "I love it 😀 so much 🎉!",

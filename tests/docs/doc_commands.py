@@ -2,8 +2,8 @@
 
 A doc names a command in a shell code block (```bash) or an inline code span:
 `kvmesh up --kv-offload`, `make test`, or a bare flag such as `--max-num-seqs`.
-Each is checked against the real thing: the `kvmesh` parser (services/cli.py
-``build_parser``, the load generator's bench/cli.py ``build_parser``), the
+Each is checked against the real thing: the `kvmesh` parser (services/cli/main.py
+``build_parser``, the load generator's services/cli/bench/cli.py ``build_parser``), the
 Makefile's targets, a benchmark script's own argparse. The checks are plain
 functions over text, so a test can feed them a doc that names a missing flag.
 """
@@ -135,10 +135,10 @@ def _help(parser: argparse.ArgumentParser, argv: list[str]) -> str:
 def kvmesh_help(subcommand: tuple[str, ...]) -> frozenset[str]:
     """The flags `kvmesh <subcommand> --help` lists."""
     if subcommand[:1] == ("bench",):
-        from bench.cli import build_parser as bench_parser
+        from kvmesh.services.cli.bench.cli import build_parser as bench_parser
 
         return frozenset(_FLAG.findall(bench_parser().format_help()))
-    from services.cli import build_parser
+    from kvmesh.services.cli.main import build_parser
 
     return frozenset(_FLAG.findall(_help(build_parser(), list(subcommand))))
 
@@ -192,11 +192,11 @@ def check_kvmesh_command(command: Command) -> list[str]:
 def _parse_problems(command: Command, args: list[str]) -> list[str]:
     """A literal command line must parse (values, choices, ranges) without running."""
     if args[0] == "bench":
-        from bench.cli import build_parser as bench_parser
+        from kvmesh.services.cli.bench.cli import build_parser as bench_parser
 
         parser, argv = bench_parser(), args[1:]
     else:
-        from services.cli import build_parser
+        from kvmesh.services.cli.main import build_parser
 
         parser, argv = build_parser(), args
     err = io.StringIO()

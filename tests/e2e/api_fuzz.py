@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.config import environment_without_options
-from services.local_stack import REPO_ROOT
+from kvmesh.services.cli.local_stack import REPO_ROOT
+from kvmesh.services.runtime.config import environment_without_options
 
 # A small context, few choices and short outputs: the bounds under test, and
 # what keeps each generated generation under a second on 2 cores.

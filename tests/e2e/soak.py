@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e.soak_client import StreamResult, rss_mib, stream_completion
 
 SERVICES = ("gateway", "scheduler", "worker", "detokenizer")

@@ -12,10 +12,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.grpc_server import internal_channel
+from kvmesh.protos import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.services.runtime.grpc_server import internal_channel
+from kvmesh.worker.step_budget import LONG_STEP_TOKENS, SHORT_STEP_TOKENS, preferred_step_tokens
 from tests.e2e import hf_oracle
-from worker.step_budget import LONG_STEP_TOKENS, SHORT_STEP_TOKENS, preferred_step_tokens
 
 pytestmark = pytest.mark.e2e
 

@@ -24,10 +24,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from kvstore.client import KVStoreClient
-from protos import scheduler_pb2, scheduler_pb2_grpc
-from services.grpc_server import internal_channel
-from services.local_stack import LocalStack
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.protos import scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.services.cli.local_stack import LocalStack
+from kvmesh.services.runtime.grpc_server import internal_channel
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_kv_offload import LONG_PROMPTS, _generate_all, _metric, greedy_cases
 

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_disaggregated import BLOCK, _assert_nothing_left, _gateway_prefills

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.encoder_checkpoints import build_cross_encoder, build_embedding_model
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +114,7 @@ def test_rerank_and_score_equal_the_cross_encoder(reranker) -> None:
 def test_grpc_embed_equals_http(embedder) -> None:
     import grpc
 
-    from protos import generation_pb2, generation_pb2_grpc
+    from kvmesh.protos import generation_pb2, generation_pb2_grpc
 
     stack, _ = embedder
     http = httpx.post(

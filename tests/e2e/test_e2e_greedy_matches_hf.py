@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from protos import generation_pb2, generation_pb2_grpc
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e import hf_oracle
 
 pytestmark = pytest.mark.e2e

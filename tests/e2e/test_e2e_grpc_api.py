@@ -7,7 +7,7 @@ import json
 import grpc
 import pytest
 
-from protos import generation_pb2, generation_pb2_grpc
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
 from tests.e2e import hf_oracle
 
 pytestmark = pytest.mark.e2e

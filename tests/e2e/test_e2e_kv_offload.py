@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS, _grpc_generate

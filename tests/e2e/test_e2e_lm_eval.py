@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from services.local_stack import REPO_ROOT, LocalStack
-from services.model_prep import default_model_path
+from kvmesh.services.cli.local_stack import REPO_ROOT, LocalStack
+from kvmesh.services.cli.model_prep import default_model_path
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import uvloop
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e.burst import (
     Answer,
     burst,

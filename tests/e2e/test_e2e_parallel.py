@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from protos import generation_pb2, generation_pb2_grpc
-from services.model_prep import default_model_path
-from services.sampling_params import SamplingParams
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_greedy_matches_hf import PROMPTS
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from services.local_stack import LocalStack, _children_of
+from kvmesh.services.cli.local_stack import LocalStack, _children_of
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, _grpc_generate

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_worker_failure import _wait_for
 

@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from protos import (
+from kvmesh.protos import (
     detokenizer_pb2,
     detokenizer_pb2_grpc,
     generation_pb2,
@@ -28,10 +28,10 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
-from services.grpc_server import internal_channel
-from services.local_stack import LocalStack, free_ports
-from services.stack_credentials import StackCertificates, make_stack_certificates
+from kvmesh.services.cli.local_stack import LocalStack, free_ports
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH, InternalSecurity
+from kvmesh.services.runtime.grpc_server import internal_channel
+from kvmesh.services.runtime.stack_credentials import StackCertificates, make_stack_certificates
 from tests.e2e.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from services.local_stack import LocalStack
+from kvmesh.services.cli.local_stack import LocalStack
 from tests.e2e.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.e2e

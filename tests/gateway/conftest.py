@@ -9,10 +9,10 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.engine_client import ModelInfo
-from gateway.tokenizer import Tokenizer
-from services.model_prep import default_model_path
+from kvmesh.gateway.engine.client import ModelInfo
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.services.cli.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
 

@@ -14,14 +14,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from gateway.engine_client import (
+from kvmesh.gateway.engine.client import (
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
     TokenLogprob,
     TopLogprob,
 )
-from services.errors import UnavailableError
+from kvmesh.services.contracts.errors import UnavailableError
 
 
 @dataclass

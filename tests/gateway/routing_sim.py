@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from gateway.routing.prefix_index import block_key
-from gateway.routing.replica_feed import KVEventGap
-from gateway.routing.router import Router
-from protos import scheduler_pb2
-from scheduler.block_pool import BlockPool
-from scheduler.kv_events import KVEventLog
-from scheduler.kv_events_service import ReplicaLoad, batch_to_proto, load_report
-from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
+from kvmesh.gateway.routing.prefix_index import block_key
+from kvmesh.gateway.routing.replica_feed import KVEventGap
+from kvmesh.gateway.routing.router import Router
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.block_pool import BlockPool
+from kvmesh.scheduler.kv_events import KVEventLog
+from kvmesh.scheduler.kv_events_service import ReplicaLoad, batch_to_proto, load_report
+from kvmesh.services.contracts.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 
 BLOCK_SIZE = 4
 

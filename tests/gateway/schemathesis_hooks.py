@@ -1,6 +1,6 @@
 """The request rules JSON Schema cannot state, for `schemathesis run` (SCHEMATHESIS_HOOKS).
 
-/openapi.json states every rule about one field (gateway/protocol.py). These
+/openapi.json states every rule about one field (gateway/openai/protocol.py). These
 tie fields together or need the tokenizer; the schema describes each on its
 fields, and this hook keeps schemathesis from generating "valid" requests that
 break one, so that its positive_data_acceptance check holds the server to the
@@ -22,15 +22,15 @@ import pydantic
 import schemathesis
 import xgrammar as xgr
 
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.responses.conversation import chat_request
-from gateway.responses.protocol import ResponsesRequest
-from gateway.structured_outputs import structured_output_spec
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.plan import plan_tools
-from gateway.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
-from services.errors import KvmeshError
-from services.model_prep import default_model_path
+from kvmesh.gateway.engine_params.structured_outputs import structured_output_spec
+from kvmesh.gateway.engine_params.validation import DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt
+from kvmesh.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.gateway.responses.conversation import chat_request
+from kvmesh.gateway.responses.protocol import ResponsesRequest
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.plan import plan_tools
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.errors import KvmeshError
 
 _TOKENIZER = Tokenizer.from_pretrained(default_model_path())
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -238,7 +238,7 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     )
 
 
-# The seed's bounds (gateway/protocol.py's SEED_MIN/SEED_MAX, restated). JSON Schema
+# The seed's bounds (gateway/openai/protocol.py's SEED_MIN/SEED_MAX, restated). JSON Schema
 # validators compare numbers as doubles, and near 2**63 doubles are 1,024 apart: a
 # seed up to 1,023 above the maximum passes the schema check, not the server's.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1024

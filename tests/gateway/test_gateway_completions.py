@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME, parse_sse
 

@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from gateway.disaggregation import PrefillClient
-from gateway.engine_client import GenerationRequest
-from gateway.grpc_client import GrpcEngineClient
-from protos import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.errors import KvmeshError, OverloadedError, UnavailableError
-from services.grpc_server import GrpcService
-from services.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.gateway.engine.client import GenerationRequest
+from kvmesh.gateway.engine.disaggregation import PrefillClient
+from kvmesh.gateway.engine.grpc_client import GrpcEngineClient
+from kvmesh.protos import detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.services.contracts.errors import KvmeshError, OverloadedError, UnavailableError
+from kvmesh.services.contracts.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.services.runtime.grpc_server import GrpcService
 from tests.gateway.test_gateway_error_kinds import _SilentDetokenizer
 
 TRANSFER = scheduler_pb2.KVTransferParams(lease_ids=[7], num_stored_tokens=32)
@@ -194,7 +194,7 @@ async def _settled(engine: GrpcEngineClient) -> None:
 
 async def test_a_client_gone_during_the_prefill_aborts_it_and_submits_nothing() -> None:
     """The call is aborted, not cancelled: a cancelled call could lose a lease the
-    prefill replica had just taken (gateway/disaggregation.py)."""
+    prefill replica had just taken (gateway/engine/disaggregation.py)."""
     async with _gateway() as (schedulers, engine):
         await _leave_during_the_prefill(schedulers, engine)
         assert schedulers.calls == [("AbortRequests", ["r"])]

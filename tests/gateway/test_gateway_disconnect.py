@@ -15,8 +15,8 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.tokenizer import Tokenizer
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "ignore_eos": True}

@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from gateway.app import build_app
-from gateway.protocol import BATCH_INVARIANT_COST
-from gateway.tokenizer import Tokenizer
-from services.model_prep import default_model_path
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.protocol import BATCH_INVARIANT_COST
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.services.cli.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from gateway import grpc_client
-from gateway.engine_client import GenerationRequest
-from gateway.grpc_client import GrpcEngineClient
-from protos import common_pb2, detokenizer_pb2, scheduler_pb2
-from services.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.gateway.engine import grpc_client
+from kvmesh.gateway.engine.client import GenerationRequest
+from kvmesh.gateway.engine.grpc_client import GrpcEngineClient
+from kvmesh.protos import common_pb2, detokenizer_pb2, scheduler_pb2
+from kvmesh.services.contracts.sampling_params import DetokenizeParams, SamplingParams
 
 
 class FakeScheduler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.errors import KvmeshError, OverloadedError, UnavailableError
+from kvmesh.services.contracts.errors import KvmeshError, OverloadedError, UnavailableError
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import parse_sse
 

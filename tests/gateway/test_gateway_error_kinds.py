@@ -1,6 +1,6 @@
 """One error table, read the same on every surface.
 
-``CONTRACT`` is a literal copy of ``services.errors.ErrorKind`` on purpose:
+``CONTRACT`` is a literal copy of ``kvmesh.services.contracts.errors.ErrorKind`` on purpose:
 changing a row, or a surface that converts through a mapping of its own, fails
 here. Each kind is raised inside (a) an inter-service gRPC server and read
 back by the gateway's engine client, (b) the HTTP API, (c) the public gRPC
@@ -20,12 +20,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.engine_client import GenerationRequest
-from gateway.grpc_client import GrpcEngineClient
-from gateway.grpc_public import GenerationServicer
-from gateway.metrics import GatewayMetrics
-from gateway.tokenizer import Tokenizer
-from protos import (
+from kvmesh.gateway.engine.client import GenerationRequest
+from kvmesh.gateway.engine.grpc_client import GrpcEngineClient
+from kvmesh.gateway.grpc.servicer import GenerationServicer
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.protos import (
     detokenizer_pb2,
     detokenizer_pb2_grpc,
     generation_pb2,
@@ -33,9 +33,9 @@ from protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.errors import ErrorKind, KvmeshError
-from services.grpc_server import GrpcService
-from services.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.services.contracts.errors import ErrorKind, KvmeshError
+from kvmesh.services.contracts.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.services.runtime.grpc_server import GrpcService
 from tests.gateway.fakes import FakeEngineClient
 
 CONTRACT = {

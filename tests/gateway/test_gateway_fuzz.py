@@ -9,7 +9,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.app import build_app
+from kvmesh.gateway.openai.app import build_app
 
 _SCALARS = st.one_of(
     st.none(),

@@ -13,10 +13,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.grpc_public import GenerationServicer
-from gateway.metrics import GatewayMetrics
-from protos import generation_pb2, generation_pb2_grpc
-from services.grpc_server import GrpcService
+from kvmesh.gateway.grpc.servicer import GenerationServicer
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.runtime.grpc_server import GrpcService
 from tests.gateway.fakes import FakeEngineClient
 
 _SERVER_BUGS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)

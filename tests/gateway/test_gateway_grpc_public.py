@@ -6,13 +6,17 @@ import grpc
 import pydantic
 import pytest
 
-from gateway.grpc_public import GenerationServicer, chat_prompt_ids, completion_request_from_proto
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import ChatMessage
-from gateway.validation import render_chat
-from protos import generation_pb2, generation_pb2_grpc
-from services.errors import InvalidRequestError
-from services.grpc_server import GrpcService
+from kvmesh.gateway.engine_params.validation import render_chat
+from kvmesh.gateway.grpc.servicer import (
+    GenerationServicer,
+    chat_prompt_ids,
+    completion_request_from_proto,
+)
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai.protocol import ChatMessage
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.runtime.grpc_server import GrpcService
 
 
 def test_request_mapping_matches_the_http_fields() -> None:

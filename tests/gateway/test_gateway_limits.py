@@ -10,14 +10,14 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import AdmissionGate
-from gateway.app import build_app
-from gateway.grpc_public import GenerationServicer
-from gateway.limits import GatewayLimits
-from gateway.metrics import GatewayMetrics
-from gateway.tokenizer import Tokenizer
-from protos import generation_pb2, generation_pb2_grpc
-from services.grpc_server import GrpcService
+from kvmesh.gateway.admission import AdmissionGate
+from kvmesh.gateway.engine_params.limits import GatewayLimits
+from kvmesh.gateway.grpc.servicer import GenerationServicer
+from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.runtime.grpc_server import GrpcService
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 

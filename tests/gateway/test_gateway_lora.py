@@ -13,12 +13,12 @@ import torch
 from prometheus_client import CollectorRegistry
 from safetensors.torch import save_file
 
-from gateway.app import build_app
-from gateway.served_models import ServedModels, read_lora_request
-from gateway.server import served_models
-from services.config import GatewayConfig
-from services.errors import InvalidRequestError
-from services.lora_files import adapter_id
+from kvmesh.gateway.engine_params.served_models import ServedModels, read_lora_request
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.server import served_models
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.contracts.lora_files import adapter_id
+from kvmesh.services.runtime.config import GatewayConfig
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 

@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 
-from gateway.engine_client import GenerationRequest, ModelInfo
-from gateway.grpc_client import GrpcEngineClient
-from protos import common_pb2, detokenizer_pb2, scheduler_pb2
-from services.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.gateway.engine.client import GenerationRequest, ModelInfo
+from kvmesh.gateway.engine.grpc_client import GrpcEngineClient
+from kvmesh.protos import common_pb2, detokenizer_pb2, scheduler_pb2
+from kvmesh.services.contracts.sampling_params import DetokenizeParams, SamplingParams
 
 
 class FakeScheduler:

@@ -24,12 +24,12 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.openapi_schema import decimal_below
-from gateway.output_parsing import OutputParsing
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.registry import TOOL_PARSERS
-from services.local_stack import REPO_ROOT, free_ports
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.openapi_schema import decimal_below
+from kvmesh.gateway.openai.output_parsing import OutputParsing
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.services.cli.local_stack import REPO_ROOT, free_ports
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
 

@@ -13,11 +13,16 @@ import random
 
 import pytest
 
-from gateway.output_parsing import OutputEvent, OutputParser, OutputParsing
-from gateway.reasoning import REASONING_PARSERS, ReasoningText
-from gateway.tool_calling.events import ParsedOutput, ToolCall, ToolCallArguments, ToolCallStart
-from gateway.tool_calling.plan import ToolPlan, plan_tool_choice
-from gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.gateway.openai.output_parsing import OutputEvent, OutputParser, OutputParsing
+from kvmesh.gateway.reasoning import REASONING_PARSERS, ReasoningText
+from kvmesh.gateway.tool_calling.events import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from kvmesh.gateway.tool_calling.plan import ToolPlan, plan_tool_choice
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
 from tests.gateway.tool_call_samples import MALFORMED, SAMPLES, TOOLS, Sample
 
 PLAN = plan_tool_choice(TOOLS, "auto", None, auto_tool_choice=True)

@@ -6,14 +6,14 @@ import logging
 
 import pytest
 
-from gateway.output_parsing import resolve_output_parsing, template_renders_tools
-from gateway.reasoning import REASONING_PARSERS
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.registry import TOOL_PARSERS, detect_tool_parser
-from services.config import GatewayConfig
-from services.config.choices import REASONING_PARSERS as REASONING_CHOICES
-from services.config.choices import TOOL_CALL_PARSERS as TOOL_CHOICES
-from services.model_prep import default_model_path
+from kvmesh.gateway.openai.output_parsing import resolve_output_parsing, template_renders_tools
+from kvmesh.gateway.reasoning import REASONING_PARSERS
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS, detect_tool_parser
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.config import GatewayConfig
+from kvmesh.services.runtime.config.choices import REASONING_PARSERS as REASONING_CHOICES
+from kvmesh.services.runtime.config.choices import TOOL_CALL_PARSERS as TOOL_CHOICES
 from tests.family_templates import FAMILY_TEMPLATES
 
 
@@ -43,7 +43,7 @@ def test_a_template_that_ignores_tools_gets_hermes_text(
 ) -> None:
     # SmolLM2's template ignores tools: the gateway writes them as Hermes text.
     assert not template_renders_tools(tokenizer)
-    with caplog.at_level(logging.INFO, logger="gateway.output_parsing"):
+    with caplog.at_level(logging.INFO, logger="kvmesh.gateway.openai.output_parsing"):
         parsing = resolve_output_parsing(GatewayConfig(), tokenizer)
     assert parsing.tool_parser is TOOL_PARSERS["hermes"]
     assert not parsing.auto_tool_choice  # the parser is known; "auto" still needs the flag
@@ -79,6 +79,6 @@ def test_unknown_parser_names_are_refused() -> None:
 def test_a_parser_other_than_hermes_for_a_template_that_ignores_tools_is_warned_about(
     tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="gateway.output_parsing"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.gateway.openai.output_parsing"):
         resolve_output_parsing(GatewayConfig(tool_call_parser="pythonic"), tokenizer)
     assert "prompted as Hermes <tool_call> text, but --tool-call-parser is pythonic" in caplog.text

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.routing.discovery import (
+from kvmesh.gateway.routing.discovery import (
     DnsDiscovery,
     FileDiscovery,
     StaticDiscovery,
@@ -15,8 +15,12 @@ from gateway.routing.discovery import (
     make_discovery,
     split_host_port,
 )
-from services.config import REPLICA_DISCOVERIES, GatewayConfig
-from services.replica_set import ReplicaAddress, read_replica_set, write_replica_set
+from kvmesh.services.contracts.replica_set import (
+    ReplicaAddress,
+    read_replica_set,
+    write_replica_set,
+)
+from kvmesh.services.runtime.config import REPLICA_DISCOVERIES, GatewayConfig
 
 A = ReplicaAddress("replica-0", "127.0.0.1:6002", "127.0.0.1:6003")
 B = ReplicaAddress("replica-1", "127.0.0.1:6102", "127.0.0.1:6103")

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.limits import GatewayLimits
-from gateway.tokenizer import Tokenizer
+from kvmesh.gateway.engine_params.limits import GatewayLimits
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.responses.store import MemoryResponseStore, ResponseStoreConfig, StoredResponse
-from services.config import GatewayConfig
+from kvmesh.gateway.responses.store import MemoryResponseStore, ResponseStoreConfig, StoredResponse
+from kvmesh.services.runtime.config import GatewayConfig
 
 
 class Clock:

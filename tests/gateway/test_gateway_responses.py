@@ -15,7 +15,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 

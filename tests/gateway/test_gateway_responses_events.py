@@ -1,6 +1,6 @@
 """The streamed events of a response add up to the response built from the whole text.
 
-The generation goes through the server's output parser (gateway/output_parsing.py)
+The generation goes through the server's output parser (gateway/openai/output_parsing.py)
 as /v1/responses runs it: every tool-call format's recorded-style sample, with
 and without thinking before it, cut into arbitrary pieces.
 """
@@ -13,18 +13,18 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.output_parsing import OutputParsing
-from gateway.reasoning import REASONING_PARSERS
-from gateway.responses.events import ResponseEventWriter
-from gateway.responses.output import output_items
-from gateway.responses.protocol import (
+from kvmesh.gateway.openai.output_parsing import OutputParsing
+from kvmesh.gateway.reasoning import REASONING_PARSERS
+from kvmesh.gateway.responses.events import ResponseEventWriter
+from kvmesh.gateway.responses.output import output_items
+from kvmesh.gateway.responses.protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
     OutputReasoning,
 )
-from gateway.tool_calling.plan import ToolPlan
-from gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.gateway.tool_calling.plan import ToolPlan
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
 from tests.gateway.tool_call_samples import MALFORMED, SAMPLES, TOOLS
 
 FUNCTIONS = [tool["function"] for tool in TOOLS]

@@ -9,15 +9,15 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.responses.kvstore_store import KVStoreResponseStore
-from gateway.responses.store import ResponseStoreConfig, StoredResponse
-from gateway.tokenizer import Tokenizer
-from kvstore.client import KVStoreClient
-from kvstore.testing import FakeClock, serve_store
-from kvstore.tiered import TieredStore
-from services.errors import UnavailableError
-from services.local_stack import free_ports
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.responses.kvstore_store import KVStoreResponseStore
+from kvmesh.gateway.responses.store import ResponseStoreConfig, StoredResponse
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.testing import FakeClock, serve_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.services.contracts.errors import UnavailableError
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 

@@ -18,13 +18,13 @@ import pytest
 from openai.types.responses import Response, ResponseReasoningItem
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.engine_client import ModelInfo
-from gateway.output_parsing import OutputParsing
-from gateway.reasoning import REASONING_PARSERS
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.registry import TOOL_PARSERS
-from services.model_prep import default_model_path
+from kvmesh.gateway.engine.client import ModelInfo
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.output_parsing import OutputParsing
+from kvmesh.gateway.reasoning import REASONING_PARSERS
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.services.cli.model_prep import default_model_path
 from tests.family_templates import QWEN3
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.engine_client import GenerationRequest, ModelInfo
-from gateway.routed_engine_client import RoutedEngineClient
-from protos import scheduler_pb2
-from services.errors import UnavailableError
-from services.replica_set import ReplicaAddress
-from services.sampling_params import DetokenizeParams, SamplingParams
+from kvmesh.gateway.engine.client import GenerationRequest, ModelInfo
+from kvmesh.gateway.engine.routed_client import RoutedEngineClient
+from kvmesh.protos import scheduler_pb2
+from kvmesh.services.contracts.errors import UnavailableError
+from kvmesh.services.contracts.replica_set import ReplicaAddress
+from kvmesh.services.contracts.sampling_params import DetokenizeParams, SamplingParams
 from tests.gateway.fakes import FakeEngineClient
 
 BLOCK_SIZE = 4

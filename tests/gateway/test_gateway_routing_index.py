@@ -9,9 +9,9 @@ import gc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.prefix_index import PrefixIndex, block_key
-from gateway.routing.router import Router
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.prefix_index import PrefixIndex, block_key
+from kvmesh.gateway.routing.router import Router
 from tests.gateway.routing_sim import BLOCK_SIZE, SimReplica, block_hashes
 
 # A few shared prefixes so that replicas hold the same blocks, and hits happen.

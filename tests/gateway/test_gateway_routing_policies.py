@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.policies import POLICY_CLASSES, RoutingReason
-from gateway.routing.router import Router
-from protos import scheduler_pb2
-from services.block_hash import BlockHash
-from services.config import ROUTING_POLICIES, GatewayConfig, RoutingPolicyName
-from services.errors import UnavailableError
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.policies import POLICY_CLASSES, RoutingReason
+from kvmesh.gateway.routing.router import Router
+from kvmesh.protos import scheduler_pb2
+from kvmesh.services.contracts.block_hash import BlockHash
+from kvmesh.services.contracts.errors import UnavailableError
+from kvmesh.services.runtime.config import ROUTING_POLICIES, GatewayConfig, RoutingPolicyName
 from tests.scheduler.factories import make_request, make_scheduler
 
 BLOCK_SIZE = 4

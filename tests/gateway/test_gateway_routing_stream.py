@@ -9,15 +9,15 @@ import logging
 import re
 from collections.abc import Callable
 
-from gateway.routing.config import RouterConfig
-from gateway.routing.kv_event_subscriber import follow_kv_events
-from gateway.routing.prefix_index import block_key
-from gateway.routing.router import Router
-from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.kv_events_service import KVEventsServicer, attach_publisher
-from scheduler.scheduler import Scheduler
-from services.grpc_security import NO_INTERNAL_AUTH
-from services.grpc_server import GrpcService, internal_channel
+from kvmesh.gateway.routing.config import RouterConfig
+from kvmesh.gateway.routing.kv_event_subscriber import follow_kv_events
+from kvmesh.gateway.routing.prefix_index import block_key
+from kvmesh.gateway.routing.router import Router
+from kvmesh.protos import scheduler_pb2, scheduler_pb2_grpc
+from kvmesh.scheduler.kv_events_service import KVEventsServicer, attach_publisher
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.runtime.grpc_security import NO_INTERNAL_AUTH
+from kvmesh.services.runtime.grpc_server import GrpcService, internal_channel
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 BLOCK_SIZE = 4
@@ -52,7 +52,7 @@ def index_matches(router: Router, scheduler: Scheduler) -> bool:
 
 
 async def test_router_follows_a_scheduler_across_a_broken_stream(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="scheduler.kv_events_service")
+    caplog.set_level(logging.INFO, logger="kvmesh.scheduler.kv_events_service")
     scheduler = make_scheduler(num_kv_blocks=24, block_size=BLOCK_SIZE, max_model_len=32)
     publisher = attach_publisher(scheduler)
     servicer = KVEventsServicer(publisher)
@@ -95,8 +95,8 @@ async def test_gateway_follows_kv_events_only_while_it_has_a_choice() -> None:
     """One replica: no KV event stream (every request goes to it). A second one
     joins: both are followed, the first from a resync of what it cached
     meanwhile. Back to one: the stream closes and its index slot is dropped."""
-    from gateway.routed_engine_client import RoutedEngineClient
-    from services.replica_set import ReplicaAddress
+    from kvmesh.gateway.engine.routed_client import RoutedEngineClient
+    from kvmesh.services.contracts.replica_set import ReplicaAddress
     from tests.gateway.test_gateway_routed_engine_client import (
         INFO,
         FakeReplica,

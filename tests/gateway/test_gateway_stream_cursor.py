@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.stream_cursor import StreamCursor
+from kvmesh.gateway.engine.stream_cursor import StreamCursor
 
 # An undisturbed stream's outputs: (text, token ids), with held-back text
 # (an incomplete character, then a possible stop-string prefix) released later.

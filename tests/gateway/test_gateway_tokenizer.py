@@ -1,4 +1,4 @@
-"""gateway.tokenizer against transformers on the real SmolLM2 tokenizer."""
+"""kvmesh.gateway.tokenizer against transformers on the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from gateway.app import build_app
-from gateway.tokenizer import ChatTemplateError, Tokenizer, _tokenizer_class
-from services.local_stack import REPO_ROOT
-from services.model_prep import default_model_path
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import ChatTemplateError, Tokenizer, _tokenizer_class
+from kvmesh.services.cli.local_stack import REPO_ROOT
+from kvmesh.services.cli.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 
@@ -132,9 +132,9 @@ def test_the_gateway_never_imports_torch() -> None:
     torch (~135 MB and 2-3 s of start-up less)."""
     script = (
         "import sys\n"
-        "import gateway.server\n"
-        "from gateway.tokenizer import Tokenizer\n"
-        "from services.model_prep import default_model_path\n"
+        "import kvmesh.gateway.server\n"
+        "from kvmesh.gateway.tokenizer import Tokenizer\n"
+        "from kvmesh.services.cli.model_prep import default_model_path\n"
         "Tokenizer.from_pretrained(default_model_path()).apply_chat_template(\n"
         "    [{'role': 'user', 'content': 'hi'}])\n"
         "assert 'torch' not in sys.modules, 'the gateway imported torch'\n"

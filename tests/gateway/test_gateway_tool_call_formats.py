@@ -17,11 +17,11 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.engine_client import ModelInfo
-from gateway.output_parsing import OutputParsing
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.gateway.engine.client import ModelInfo
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.output_parsing import OutputParsing
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 from tests.gateway.tool_call_samples import MALFORMED, SAMPLES, TOOLS, Sample

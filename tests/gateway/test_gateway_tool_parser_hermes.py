@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from gateway.tool_calling.events import (
+from kvmesh.gateway.tool_calling.events import (
     ParsedOutput,
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
     collect,
 )
-from gateway.tool_calling.hermes import HermesToolStream, parse_hermes_tool_calls
+from kvmesh.gateway.tool_calling.hermes import HermesToolStream, parse_hermes_tool_calls
 
 
 def parse(text: str) -> ParsedOutput:

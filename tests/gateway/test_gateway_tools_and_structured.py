@@ -10,11 +10,11 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.output_parsing import OutputParsing
-from gateway.tokenizer import Tokenizer
-from gateway.tool_calling.registry import TOOL_PARSERS
-from services.sampling_params import StructuredOutputSpec
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.output_parsing import OutputParsing
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
+from kvmesh.services.contracts.sampling_params import StructuredOutputSpec
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME, parse_sse
 

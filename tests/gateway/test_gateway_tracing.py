@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client import CollectorRegistry
 
-from gateway.app import build_app
-from gateway.tokenizer import Tokenizer
+from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 from tests.services.tracing_helpers import memory_tracing, only_span

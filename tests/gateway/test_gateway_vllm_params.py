@@ -8,12 +8,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.tokenizer import Tokenizer
-from services.model_prep import default_model_path
-from services.step_codec import sampling_params_from_proto, sampling_params_to_proto
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.contracts.step_codec import (
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from kvmesh.worker.sampling_metadata import validate_sampling_params
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN
-from worker.sampling_metadata import validate_sampling_params
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.backend import AttentionBackend, AttentionMetadata
-from services.math_utils import cdiv
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.services.contracts.math_utils import cdiv
 
 
 @dataclass(frozen=True)

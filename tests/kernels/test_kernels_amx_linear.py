@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from worker.models import linear as linear_module
-from worker.models.linear import MAX_AMX_LINEAR_ROWS, PackedLinear, amx_linear_takes
+from kvmesh.kernels import native
+from kvmesh.worker.models import linear as linear_module
+from kvmesh.worker.models.linear import MAX_AMX_LINEAR_ROWS, PackedLinear, amx_linear_takes
 
 pytestmark = pytest.mark.skipif(
     not native.amx_tiles_loaded(),

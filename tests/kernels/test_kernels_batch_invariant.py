@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import batch_invariant, native
-from kernels.registry import select_attention_backend
-from services.config import WorkerConfig
-from services.config.process import BATCH_INVARIANT
-from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
+from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels.registry import select_attention_backend
+from kvmesh.services.runtime.config import WorkerConfig
+from kvmesh.services.runtime.config.process import BATCH_INVARIANT
+from kvmesh.worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
 
 from .paged_batch import PagedBatch, make_paged_batch
 from .test_kernels_block_codes import q4_1_weight

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
-from kernels.block_codes import find_block_codes
-from tests.kernels.test_kernels_block_codes import q4_1_weight, q8_0_weight
-from worker.models.linear import (
+from kvmesh.kernels import native
+from kvmesh.kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
+from kvmesh.kernels.block_codes import find_block_codes
+from kvmesh.worker.models.linear import (
     MAX_PAIR_ROWS,
     MIN_PAIR_ROWS_OVER_CODES,
     PackedLinear,
     pair_kernel_loaded,
 )
+from tests.kernels.test_kernels_block_codes import q4_1_weight, q8_0_weight
 
 
 def _bf16_dot_level_or_skip() -> None:

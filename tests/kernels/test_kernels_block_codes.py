@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.block_codes import BLOCK, find_block_codes
-from worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
+from kvmesh.kernels import native
+from kvmesh.kernels.block_codes import BLOCK, find_block_codes
+from kvmesh.worker.models.linear import MAX_BLOCK_CODE_ROWS, PackedLinear
 
 
 @pytest.fixture(scope="module", autouse=True)

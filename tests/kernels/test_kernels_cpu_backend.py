@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.backend import AttentionBackend
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.kernels.backend import AttentionBackend
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
 from tests.kernels.paged_batch import SCENARIOS, make_paged_batch, run_backend
 
 # float32 with a different summation order than the reference (fused SDPA vs

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.cpu_isa import all_levels
-from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.kernels import native
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.cpu_isa import all_levels
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
 from tests.kernels.paged_batch import SCENARIOS, PagedBatch, make_paged_batch, run_backend
 
 # float32; the kernel sums in another order than the reference and uses a

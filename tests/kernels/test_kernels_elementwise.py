@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kvmesh.kernels import native
+from kvmesh.worker.models.decoder import rms_norm
 from tests.kernels.ulp import assert_bf16_close
-from worker.models.decoder import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -155,7 +155,7 @@ def test_bad_inputs_raise_clear_errors(call, message: str) -> None:
 def test_rotary_is_bit_identical_to_the_torch_ops(tokens: int, dtype: torch.dtype) -> None:
     """Built with -ffp-contract=off: the same roundings as torch's separate ops
     (in bfloat16, each product rounded before the sum, as torch stores it)."""
-    from worker.models.rotary import RotaryEmbedding
+    from kvmesh.worker.models.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(64, 4096, 100000.0, None, dtype)
     g = torch.Generator().manual_seed(tokens)

@@ -14,11 +14,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels import native
-from kernels.ggml_blocks import BLOCK_FORMATS, GGMLRows, Segment
-from kernels.ggml_quantize import quantize, reference_dequantize
-from worker.models import ggml_linear
-from worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS, GGMLLinear
+from kvmesh.kernels import native
+from kvmesh.kernels.ggml_blocks import BLOCK_FORMATS, GGMLRows, Segment
+from kvmesh.kernels.ggml_quantize import quantize, reference_dequantize
+from kvmesh.worker.models import ggml_linear
+from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS, GGMLLinear
 
 Q = GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)

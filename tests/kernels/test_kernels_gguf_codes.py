@@ -8,16 +8,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import native
-from kernels.block_codes import BLOCK, find_block_codes, quantize_int8
-from worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes
-from worker.models.linear import (
+from kvmesh.kernels import native
+from kvmesh.kernels.block_codes import BLOCK, find_block_codes, quantize_int8
+from kvmesh.worker.gguf_weights import CODE_TYPES, _unpermute_rows, block_codes
+from kvmesh.worker.models.linear import (
     MAX_BLOCK_CODE_ROWS,
     MAX_CODES_ONLY_KERNEL_ROWS,
     MAX_CODES_ONLY_KERNEL_ROWS_BF16_AMX,
     PackedLinear,
 )
-from worker.models.llama import LlamaForCausalLM
+from kvmesh.worker.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module", autouse=True)

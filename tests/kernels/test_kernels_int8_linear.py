@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.block_codes import BLOCK, LANES, BlockCodes, RowCodes, quantize_int8
-from kernels.int8_reference import quantize_rows, w8a8_reference
+from kvmesh.kernels import native
+from kvmesh.kernels.block_codes import BLOCK, LANES, BlockCodes, RowCodes, quantize_int8
+from kvmesh.kernels.int8_reference import quantize_rows, w8a8_reference
 
 # kernels/csrc/int8_linear.cpp's kAmxMinRows.
 AMX_MIN_ROWS = 16

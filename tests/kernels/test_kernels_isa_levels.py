@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
-from kernels.cpu_isa import IsaLevel, all_levels, choose_level, is_x86
-from services.config.process import CPU_ISA
-from services.cpu_features import CpuFeatures
+from kvmesh.kernels import native
+from kvmesh.kernels.cpu_isa import IsaLevel, all_levels, choose_level, is_x86
+from kvmesh.services.runtime.config.process import CPU_ISA
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU = CpuFeatures.detect()
@@ -106,8 +106,8 @@ def test_kernel_suite_passes_at_each_level(level: IsaLevel) -> None:
 
 _BLOCK_CODE_OUTPUTS = """
 import sys, torch
-from kernels import native
-from kernels.block_codes import find_block_codes
+from kvmesh.kernels import native
+from kvmesh.kernels.block_codes import find_block_codes
 from tests.kernels.test_kernels_block_codes import q4_1_weight
 native.ensure_loaded()
 assert native.loaded_level().name == sys.argv[2], native.loaded_level()
@@ -153,8 +153,8 @@ def test_block_code_linear_float32_is_bitwise_equal_on_vector_levels(tmp_path: P
 
 _BF16_BLOCK_CODE_OUTPUTS = """
 import sys, torch
-from kernels import native
-from kernels.block_codes import find_block_codes
+from kvmesh.kernels import native
+from kvmesh.kernels.block_codes import find_block_codes
 from tests.kernels.test_kernels_block_codes import q4_1_weight
 native.ensure_loaded()
 assert native.loaded_level().name == sys.argv[2], native.loaded_level()

@@ -1,7 +1,7 @@
 """Batched LoRA: the Triton kernels (interpreter on CPU) equal the grouped torch reference.
 
 ``triton.jit`` reads TRITON_INTERPRET when a kernel module is first imported,
-so it is set before anything imports ``kernels.triton_lora``.
+so it is set before anything imports ``kvmesh.kernels.triton_lora``.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels.lora_reference import add_lora_reference
-from kernels.triton_backend import triton_interpret_enabled
+from kvmesh.kernels.lora_reference import add_lora_reference
+from kvmesh.kernels.triton_backend import triton_interpret_enabled
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 if DEVICE == "cpu" and not triton_interpret_enabled():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 at import", allow_module_level=True)
 
-from kernels.triton_lora import add_lora_triton  # noqa: E402 - after the interpreter check
+from kvmesh.kernels.triton_lora import add_lora_triton  # noqa: E402 - after the interpreter check
 
 
 def _case(num_tokens: int, in_features: int, out_features: int, rank: int, slots: list[int]):

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.cpu_attention import CpuAttentionBackend
-from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from kernels.torch_reference_backend import TorchReferenceBackend
-from services.cpu_features import CpuFeatures
+from kvmesh.kernels import native
+from kvmesh.kernels.cpu_attention import CpuAttentionBackend
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.services.runtime.cpu_features import CpuFeatures
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch, run_backend
 
 

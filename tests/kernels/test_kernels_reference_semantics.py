@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kvmesh.kernels import reference
 from tests.kernels.paged_batch import make_paged_batch
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.registry import BACKENDS, explain_backend_choice, select_attention_backend
-from services.config.process import NATIVE_KERNELS
+from kvmesh.kernels import native
+from kvmesh.kernels.registry import BACKENDS, explain_backend_choice, select_attention_backend
+from kvmesh.services.runtime.config.process import NATIVE_KERNELS
 
 
 def test_cpu_device_gets_the_native_cpu_backend() -> None:

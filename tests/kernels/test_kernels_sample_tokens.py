@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_native_backend import NativeCpuAttentionBackend
-from services.sampling_params import SamplingParams
-from tests.worker.sampling_lists import sampling_metadata_from_lists
-from worker.sampler import (
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.sampler import (
     apply_penalties,
     draw_keys,
     inverse_transform,
     random_sampling_logits,
     uniforms_from_keys,
 )
+from tests.worker.sampling_lists import sampling_metadata_from_lists
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu_native_backend import NativeCpuAttentionBackend, _native_write_fits
-from services.sampling_params import SamplingParams
+from kvmesh.kernels import reference
+from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend, _native_write_fits
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.sampler import Sampler, row_argmax
 from tests.worker.sampling_lists import sampling_metadata_from_lists
-from worker.sampler import Sampler, row_argmax
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels.torch_reference_backend import TorchReferenceBackend
-from kernels.triton_backend import TritonAttentionBackend
+from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.kernels.triton_backend import TritonAttentionBackend
 from tests.kernels.paged_batch import SCENARIOS, make_paged_batch, run_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.testing import FakeClock, redis_server
+from kvmesh.kvstore.testing import FakeClock, redis_server
 
 
 @pytest.fixture

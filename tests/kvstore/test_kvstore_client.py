@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from kvstore.block import crc32
-from kvstore.client import KVStoreClient, KVStoreError, _BlockStreamReader
-from kvstore.layout import KVLayout
-from protos import kvstore_pb2
+from kvmesh.kvstore.block import crc32
+from kvmesh.kvstore.client import KVStoreClient, KVStoreError, _BlockStreamReader
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import kvstore_pb2
 
 LAYOUT = KVLayout("m", "bfloat16", 16, 1)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.block import RECORD_HEADER_BYTES, StoredBlock, crc32
-from kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.block import RECORD_HEADER_BYTES, StoredBlock, crc32
+from kvmesh.kvstore.disk_tier import DiskTier
 
 
 def key(i: int) -> bytes:

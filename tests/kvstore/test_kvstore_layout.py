@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from kvstore.layout import NAMESPACE_BYTES, KVLayout
-from services.errors import InvalidRequestError
+from kvmesh.kvstore.layout import NAMESPACE_BYTES, KVLayout
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 BASE = KVLayout("HuggingFaceTB/SmolLM2-135M-Instruct", "bfloat16", 16, 1, tp_rank=0, tp_size=1)
 

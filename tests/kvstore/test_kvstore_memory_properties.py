@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.block import PutOutcome, crc32
-from kvstore.memory_tier import MemoryTier
-from kvstore.pending_put import PendingPut
-from kvstore.testing import FakeClock
+from kvmesh.kvstore.block import PutOutcome, crc32
+from kvmesh.kvstore.memory_tier import MemoryTier
+from kvmesh.kvstore.pending_put import PendingPut
+from kvmesh.kvstore.testing import FakeClock
 
 NUM_KEYS = 8
 CAPACITY = 1000

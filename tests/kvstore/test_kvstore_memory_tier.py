@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.block import PutOutcome, StoredBlock, crc32
-from kvstore.memory_tier import MemoryTier
-from kvstore.testing import FakeClock, put_block
-from kvstore.testing import numbered_key as key
-from kvstore.testing import numbered_payload as data
-from services.errors import InvalidRequestError
+from kvmesh.kvstore.block import PutOutcome, StoredBlock, crc32
+from kvmesh.kvstore.memory_tier import MemoryTier
+from kvmesh.kvstore.testing import FakeClock, put_block
+from kvmesh.kvstore.testing import numbered_key as key
+from kvmesh.kvstore.testing import numbered_payload as data
+from kvmesh.services.contracts.errors import InvalidRequestError
 
 
 def put(store: MemoryTier, i: int, size: int = 100) -> PutOutcome:

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.block import crc32
-from kvstore.metrics import StoreCollector
-from kvstore.server import build_store
-from kvstore.tiered import TieredStore
-from services.config import KVStoreConfig
+from kvmesh.kvstore.block import crc32
+from kvmesh.kvstore.metrics import StoreCollector
+from kvmesh.kvstore.server import build_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.services.runtime.config import KVStoreConfig
 
 
 def _put(store: TieredStore, key: bytes, data: bytes, checksum: int | None = None) -> None:

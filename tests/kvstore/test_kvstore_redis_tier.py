@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.block import PutOutcome, StoredBlock, crc32
-from kvstore.testing import numbered_key as key
-from kvstore.testing import numbered_payload as data
-from kvstore.testing import put_block
-from kvstore.tiered import TieredStore
+from kvmesh.kvstore.block import PutOutcome, StoredBlock, crc32
+from kvmesh.kvstore.testing import numbered_key as key
+from kvmesh.kvstore.testing import numbered_payload as data
+from kvmesh.kvstore.testing import put_block
+from kvmesh.kvstore.tiered import TieredStore
 
 pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
 
-from kvstore.redis_tier import KEY_PREFIX, RedisTier
+from kvmesh.kvstore.redis_tier import KEY_PREFIX, RedisTier
 
 
 def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:

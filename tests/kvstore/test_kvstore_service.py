@@ -16,14 +16,14 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from kvstore.block import CHUNK_BYTES, PutOutcome
-from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.disk_spill import DiskSpillTier
-from kvstore.disk_tier import DiskTier
-from kvstore.layout import KVLayout
-from kvstore.testing import serve_store
-from kvstore.tiered import TieredStore
-from protos import kvstore_pb2, kvstore_pb2_grpc
+from kvmesh.kvstore.block import CHUNK_BYTES, PutOutcome
+from kvmesh.kvstore.client import KVStoreClient, KVStoreError
+from kvmesh.kvstore.disk_spill import DiskSpillTier
+from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.testing import serve_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
 
 LAYOUT = KVLayout(model="m", dtype="bfloat16", block_size=16, layout_version=1)
 
@@ -48,7 +48,7 @@ def _make_store(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ti
     if tier == "disk":
         return TieredStore(memory, [DiskSpillTier(DiskTier(tmp_path, 64 << 20))])
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
-    from kvstore.redis_tier import RedisTier
+    from kvmesh.kvstore.redis_tier import RedisTier
 
     return TieredStore(memory, [RedisTier.from_url(request.getfixturevalue("redis_url"))])
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.layout import KVLayout
-from kvstore.server import KVStoreServicer
-from kvstore.tiered import TieredStore
-from protos import kvstore_pb2
-from services.errors import ErrorKind, InvalidRequestError
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.server import KVStoreServicer
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import kvstore_pb2
+from kvmesh.services.contracts.errors import ErrorKind, InvalidRequestError
 
 LAYOUT = KVLayout(model="m", dtype="float32", block_size=16, layout_version=1)
 

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.block import PutOutcome, StoredBlock
-from kvstore.disk_spill import DiskSpillTier
-from kvstore.disk_tier import DiskTier
-from kvstore.memory_tier import MemoryTier
-from kvstore.server import build_store
-from kvstore.testing import numbered_key as key
-from kvstore.testing import numbered_payload as data
-from kvstore.testing import put_block
-from kvstore.tier import ExclusiveTier, SharedTier, Tier, TierStats
-from kvstore.tiered import TieredStore
-from services.config import KVStoreConfig
+from kvmesh.kvstore.block import PutOutcome, StoredBlock
+from kvmesh.kvstore.disk_spill import DiskSpillTier
+from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.memory_tier import MemoryTier
+from kvmesh.kvstore.server import build_store
+from kvmesh.kvstore.testing import numbered_key as key
+from kvmesh.kvstore.testing import numbered_payload as data
+from kvmesh.kvstore.testing import put_block
+from kvmesh.kvstore.tier import ExclusiveTier, SharedTier, Tier, TierStats
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.services.runtime.config import KVStoreConfig
 
 
 class DictSharedTier:
@@ -61,7 +61,7 @@ class DictSharedTier:
 
 def test_memory_disk_and_redis_are_tiers(tmp_path: Path) -> None:
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
-    from kvstore.redis_tier import RedisTier
+    from kvmesh.kvstore.redis_tier import RedisTier
 
     memory = MemoryTier(100)
     disk = DiskSpillTier(DiskTier(tmp_path, 1000))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.block import PutOutcome
-from kvstore.disk_spill import DiskSpillTier
-from kvstore.disk_tier import DiskTier
-from kvstore.testing import FakeClock, put_block
-from kvstore.testing import numbered_key as key
-from kvstore.testing import numbered_payload as data
-from kvstore.tiered import TieredStore
+from kvmesh.kvstore.block import PutOutcome
+from kvmesh.kvstore.disk_spill import DiskSpillTier
+from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.testing import FakeClock, put_block
+from kvmesh.kvstore.testing import numbered_key as key
+from kvmesh.kvstore.testing import numbered_payload as data
+from kvmesh.kvstore.tiered import TieredStore
 
 
 def put(store: TieredStore, i: int, size: int = 100) -> PutOutcome:

@@ -11,13 +11,13 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scheduler.config import SchedulerConfig
-from scheduler.output import RequestOutput
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from services.lora_request import LoRARequest
-from services.sampling_params import SamplingParams
-from services.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.output import RequestOutput
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 
 _ids = itertools.count()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.request_status import RequestStatus
-from services.finish_reason import FinishReason
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.services.contracts.finish_reason import FinishReason
 from tests.scheduler.factories import make_output, make_request, make_scheduler, run_step
 
 

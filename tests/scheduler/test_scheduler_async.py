@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler.output import RequestOutput
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from services.finish_reason import FinishReason
-from services.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.scheduler.output import RequestOutput
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 from tests.scheduler.factories import make_request, make_scheduler, random_workload
 
 EOS = 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.config import DEFAULT_STEP_TOKEN_BUDGET, SchedulerConfig, step_token_budget
+from kvmesh.scheduler.config import DEFAULT_STEP_TOKEN_BUDGET, SchedulerConfig, step_token_budget
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 

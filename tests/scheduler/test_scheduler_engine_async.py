@@ -12,11 +12,11 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from protos import common_pb2, scheduler_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.metrics import SchedulerMetrics
-from scheduler.service import SchedulerEngine
-from services.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.protos import common_pb2, scheduler_pb2
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.service import SchedulerEngine
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 
 
 class InMemoryWorkerClient:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import KVCacheIntegrityError
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from kvmesh.scheduler.block_pool import KVCacheIntegrityError
+from kvmesh.scheduler.kv_cache_manager import KVCacheManager
+from kvmesh.scheduler.request import Request
 from tests.scheduler.factories import make_request
 
 BLOCK_SIZE = 4

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import KVCacheBlock
-from scheduler.kv_connector import KVConnectorScheduler
-from scheduler.request import Request
-from services.block_hash import extend_block_hashes, sha256_block_hash
-from services.sampling_params import SamplingParams
-from services.step import KVConnectorOutput
+from kvmesh.scheduler.block_pool import KVCacheBlock
+from kvmesh.scheduler.kv_connector import KVConnectorScheduler
+from kvmesh.scheduler.request import Request
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import KVConnectorOutput
 
 BLOCK = 4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import BlockPool
-from scheduler.kv_events import (
+from kvmesh.scheduler.block_pool import BlockPool
+from kvmesh.scheduler.kv_events import (
     RESYNC_BLOCKS_PER_BATCH,
     AllBlocksCleared,
     BlockRemoved,
@@ -15,7 +15,7 @@ from scheduler.kv_events import (
     KVEventLog,
     make_resync_batches,
 )
-from services.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
+from kvmesh.services.contracts.block_hash import BlockHash, extend_block_hashes, sha256_block_hash
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 BLOCK_SIZE = 4

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from protos import scheduler_pb2
-from scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventLog
-from scheduler.kv_events_service import KVEventPublisher, ReplicaLoad, attach_publisher
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.kv_events import AllBlocksCleared, BlockStored, KVEventLog
+from kvmesh.scheduler.kv_events_service import KVEventPublisher, ReplicaLoad, attach_publisher
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 
@@ -66,7 +66,7 @@ async def test_a_subscriber_catches_up_then_follows_without_loss_or_repeat() -> 
 
 
 async def test_a_subscriber_that_lags_too_far_is_dropped(monkeypatch) -> None:
-    monkeypatch.setattr("scheduler.kv_events_service.MAX_SUBSCRIBER_BACKLOG", 3)
+    monkeypatch.setattr("kvmesh.scheduler.kv_events_service.MAX_SUBSCRIBER_BACKLOG", 3)
     publisher = make_publisher()
     _, _, slow = publisher.subscribe(0, 0)
     for name in "abcd":

@@ -6,7 +6,7 @@ the worker half; ``check_integrity`` runs after every step.
 
 from __future__ import annotations
 
-from services.step import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from tests.scheduler.factories import make_output, make_request, make_scheduler
 
 BLOCK = 4

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstore.client import KVStoreError, Lease
-from kvstore.layout import KVLayout
-from scheduler.kv_leases import StoreLeases
-from scheduler.kv_lookup import StorePrefixLookup
-from scheduler.kv_store import SchedulerKVStore
-from services.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.kvstore.client import KVStoreError, Lease
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.scheduler.kv_leases import StoreLeases
+from kvmesh.scheduler.kv_lookup import StorePrefixLookup
+from kvmesh.scheduler.kv_store import SchedulerKVStore
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
 
 BLOCK = 4
 RANK0 = KVLayout("m", "float32", BLOCK, 1, tp_rank=0, tp_size=2)

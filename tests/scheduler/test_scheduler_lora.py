@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from protos import common_pb2, scheduler_pb2
-from scheduler.lora_admission import request_lora
-from services.block_hash import extend_block_hashes, first_block_extra_keys, sha256_block_hash
-from services.errors import InvalidRequestError
-from services.lora_request import LoRARequest
+from kvmesh.protos import common_pb2, scheduler_pb2
+from kvmesh.scheduler.lora_admission import request_lora
+from kvmesh.services.contracts.block_hash import (
+    extend_block_hashes,
+    first_block_extra_keys,
+    sha256_block_hash,
+)
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.contracts.lora_request import LoRARequest
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 PROMPT = list(range(700, 740))  # 2 full blocks of 16 + 8

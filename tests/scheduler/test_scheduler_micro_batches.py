@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from scheduler.request import Request
-from scheduler.request_status import RequestStatus
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.request_status import RequestStatus
 from tests.scheduler.factories import make_scheduler, random_workload
 from tests.scheduler.test_scheduler_async import BLOCK_SIZE, SimulatedWorker, _request, drive
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.step import ModelRunnerOutput
+from kvmesh.services.contracts.step import ModelRunnerOutput
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 PROMPT = list(range(500, 540))  # 40 tokens: 2 full blocks of 16 + 8

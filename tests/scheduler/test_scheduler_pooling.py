@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.output import FinishReason
-from services.pooling_params import PoolingParams
-from services.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.scheduler.output import FinishReason
+from kvmesh.services.contracts.pooling_params import PoolingParams
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 from tests.scheduler.factories import make_request, make_scheduler
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.request_status import RequestStatus
+from kvmesh.scheduler.request_status import RequestStatus
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 

@@ -17,18 +17,18 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
-from kvstore.testing import FakeClock, serve_store
-from kvstore.tiered import TieredStore
-from protos import common_pb2, scheduler_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.kv_leases import HeldLeases, StoreLeases
-from scheduler.metrics import SchedulerMetrics
-from scheduler.service import SchedulerEngine, SchedulerServicer
-from services.block_hash import extend_block_hashes, sha256_block_hash
-from services.errors import OverloadedError, UnavailableError
-from services.step import KVConnectorOutput, ModelRunnerOutput
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.testing import FakeClock, serve_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import common_pb2, scheduler_pb2
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.kv_leases import HeldLeases, StoreLeases
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.service import SchedulerEngine, SchedulerServicer
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.services.contracts.errors import OverloadedError, UnavailableError
+from kvmesh.services.contracts.step import KVConnectorOutput, ModelRunnerOutput
 from tests.scheduler.factories import make_request, make_scheduler
 from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from scheduler.kv_cache_manager import KVCacheManager
-from services.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.scheduler.kv_cache_manager import KVCacheManager
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 SYSTEM_PROMPT = list(range(500, 540))  # 40 tokens: 2 full blocks of 16 + 8
@@ -174,7 +174,7 @@ def test_shared_blocks_are_counted_once_per_holder() -> None:
 
 _HASH_SCRIPT = """
 import json, sys
-from services.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
 hashes = []
 extend_block_hashes(hashes, list(range(40)), 16, "salt", sha256_block_hash)
 print(json.dumps([h.hex() for h in hashes]))

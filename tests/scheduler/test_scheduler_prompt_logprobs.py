@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from scheduler.scheduler import Scheduler
-from services.step import Logprobs, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.step import (
+    Logprobs,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+)
 from tests.scheduler.factories import make_output, make_request, make_scheduler
 
 BLOCK = 4

@@ -8,10 +8,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.request_status import RequestStatus
-from scheduler.scheduler import Scheduler
-from services.block_hash import extend_block_hashes, sha256_block_hash
-from services.config import SCHEDULING_POLICIES
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.services.contracts.block_hash import extend_block_hashes, sha256_block_hash
+from kvmesh.services.runtime.config import SCHEDULING_POLICIES
 from tests.scheduler.factories import make_output, make_request, make_scheduler
 
 EOS = 2

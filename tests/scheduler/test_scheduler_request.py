@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from scheduler.request import Request
-from scheduler.request_status import RequestStatus
-from services.finish_reason import FinishReason
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.request_status import RequestStatus
+from kvmesh.services.contracts.finish_reason import FinishReason
 from tests.scheduler.factories import make_output, make_request, make_scheduler
 
 EOS = 2

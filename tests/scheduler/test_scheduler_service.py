@@ -8,13 +8,13 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from protos import common_pb2, scheduler_pb2, worker_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.metrics import SchedulerMetrics
-from scheduler.service import SchedulerEngine, SchedulerServicer
-from services.errors import InvalidRequestError, OverloadedError, UnavailableError
-from services.step import ModelRunnerOutput
-from services.step_deadline import StepDeadline, StepDeadlinePolicy
+from kvmesh.protos import common_pb2, scheduler_pb2, worker_pb2
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.service import SchedulerEngine, SchedulerServicer
+from kvmesh.services.contracts.errors import InvalidRequestError, OverloadedError, UnavailableError
+from kvmesh.services.contracts.step import ModelRunnerOutput
+from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
 from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import SpeculativeConfig
-from services.finish_reason import FinishReason
-from services.math_utils import cdiv
+from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.runtime.config import SpeculativeConfig
 from tests.scheduler.factories import make_request, make_scheduler, make_spec_output
 
 BLOCK = 4
@@ -137,7 +137,7 @@ def test_drafts_stop_short_of_max_tokens_and_a_stop_token_truncates_the_run() ->
 
 
 def test_no_drafts_for_structured_output_or_seeded_sampling_requests() -> None:
-    from services.sampling_params import StructuredOutputSpec
+    from kvmesh.services.contracts.sampling_params import StructuredOutputSpec
 
     sched = _scheduler(num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=1)
     structured = make_request(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.metrics import SchedulerMetrics
-from scheduler.output import SchedulerStats
-from scheduler.spec_decode.speculator import SpecDecodingStats
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.output import SchedulerStats
+from kvmesh.scheduler.spec_decode.speculator import SpecDecodingStats
 
 
 def test_spec_decode_counters_use_vllm_names() -> None:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from scheduler.spec_decode.ngram import NgramProposer
-from scheduler.spec_decode.suffix import RecentOutputs, SuffixProposer
-from scheduler.spec_decode.suffix_automaton import SuffixAutomaton
+from kvmesh.scheduler.spec_decode.ngram import NgramProposer
+from kvmesh.scheduler.spec_decode.suffix import RecentOutputs, SuffixProposer
+from kvmesh.scheduler.spec_decode.suffix_automaton import SuffixAutomaton
 
 
 def test_ngram_takes_the_longest_match_and_its_most_recent_occurrence() -> None:

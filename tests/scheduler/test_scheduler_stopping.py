@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.finish_reason import FinishReason
+from kvmesh.services.contracts.finish_reason import FinishReason
 from tests.scheduler.factories import make_request, make_scheduler, run_step
 
 EOS = 2

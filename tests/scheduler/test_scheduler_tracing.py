@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from protos import scheduler_pb2
-from scheduler.config import SchedulerConfig
-from scheduler.metrics import SchedulerMetrics
-from scheduler.request_tracing import SchedulerRequestTraces
-from scheduler.service import SchedulerEngine
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.tracing import Tracing
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.request_tracing import SchedulerRequestTraces
+from kvmesh.scheduler.service import SchedulerEngine
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.runtime.tracing import Tracing
 from tests.scheduler.test_scheduler_engine_async import InMemoryWorkerClient
 from tests.scheduler.test_scheduler_service import _add, _run_until, abort_one_and_stop_the_other
 from tests.services.tracing_helpers import memory_tracing, only_span, spans_named
@@ -55,7 +55,7 @@ async def test_a_request_is_one_span_under_the_caller_with_its_steps_as_events()
         _add(engine, "a", max_tokens=4)
     outputs = await _run_until(engine, queue, _finished("a"))
 
-    request = only_span(exporter, "scheduler.request")
+    request = only_span(exporter, "kvmesh.scheduler.request")
     queued = only_span(exporter, "scheduler.queue")
     assert request.parent.span_id == call.get_span_context().span_id
     assert queued.parent.span_id == request.context.span_id
@@ -81,7 +81,7 @@ async def test_aborted_and_stopped_requests_end_their_spans() -> None:
     await abort_one_and_stop_the_other(engine)
     reasons = {
         s.attributes["kvmesh.request_id"]: s.attributes["kvmesh.finish_reason"]
-        for s in spans_named(exporter, "scheduler.request")
+        for s in spans_named(exporter, "kvmesh.scheduler.request")
     }
     assert reasons == {"long": "abort", "stopped": "stop"}
     assert len(engine.traces) == 0

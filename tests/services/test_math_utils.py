@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.math_utils import cdiv
+from kvmesh.services.contracts.math_utils import cdiv
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_the_scan_sees_both_spellings() -> None:
 
 
 def test_no_hand_written_ceiling_division_outside_cdiv() -> None:
-    cdiv_home = REPO_ROOT / "services" / "math_utils.py"
+    cdiv_home = REPO_ROOT / "services" / "contracts" / "math_utils.py"
     files = _source_files()
     assert cdiv_home in files and REPO_ROOT / "benchmarks" / "gpu_check.sh" in files
     found = [
@@ -79,5 +79,5 @@ def test_no_hand_written_ceiling_division_outside_cdiv() -> None:
         for number, line in enumerate(path.read_text().splitlines(), start=1)
         if _CEIL_DIV_IDIOM.search(line)
     ]
-    assert not found, "use services.math_utils.cdiv:\n" + "\n".join(found)
+    assert not found, "use kvmesh.services.contracts.math_utils.cdiv:\n" + "\n".join(found)
     assert _CEIL_DIV_IDIOM.search(cdiv_home.read_text()), "the scan no longer sees cdiv's own"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from protos.build import REPO_ROOT, generate
+from kvmesh.protos.build import REPO_ROOT, generate
 
 
 def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:

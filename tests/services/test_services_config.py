@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
-from services.config import (
+from kvmesh.services.cli.main import main
+from kvmesh.services.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
     SERVICE_CONFIGS,
     GatewayConfig,
@@ -145,7 +145,7 @@ def test_help_lists_each_option_with_its_variable_default_and_limits(
 def test_max_model_len_help_names_the_cap_the_worker_applies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.config import ModelConfig
+    from kvmesh.worker.config import ModelConfig
 
     monkeypatch.setenv("COLUMNS", "1000")
     entry = _help_entries(["serve", "worker", "--help"], capsys)["--max-model-len"]

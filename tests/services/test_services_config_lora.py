@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.config import (
+from kvmesh.services.runtime.config import (
     GatewayConfig,
     WorkerConfig,
     add_config_arguments,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ENV_SETTINGS, environment_without_options
-from services.config.__main__ import main
-from services.config.process import MODEL_CACHE, NATIVE_KERNELS
+from kvmesh.services.runtime.config import ENV_SETTINGS, environment_without_options
+from kvmesh.services.runtime.config.__main__ import main
+from kvmesh.services.runtime.config.process import MODEL_CACHE, NATIVE_KERNELS
 
 
 def test_unset_or_empty_means_the_default() -> None:

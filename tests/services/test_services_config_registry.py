@@ -2,7 +2,7 @@
 
 The scans below fail when code (or a deployment file) names a ``KVMESH_*``
 variable the registry does not declare, reads the environment outside
-``services/config/``, or compares against a scheduling-policy name instead of
+``services/runtime/config/``, or compares against a scheduling-policy name instead of
 using the registry's declaration. Each scanner is first shown a violation,
 so that a scan that finds nothing means something.
 """
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from kernels.registry import BACKENDS
-from scheduler.policy import POLICY_CLASSES, make_policy
-from services.config import (
+from kvmesh.kernels.registry import BACKENDS
+from kvmesh.scheduler.policy import POLICY_CLASSES, make_policy
+from kvmesh.services.cli.launcher import READY_MARKER
+from kvmesh.services.runtime.config import (
     ATTENTION_BACKENDS,
     SCHEDULING_POLICIES,
     declared_env_names,
 )
-from services.launcher import READY_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REGISTRY = REPO_ROOT / "services" / "config"
+REGISTRY = REPO_ROOT / "services" / "runtime" / "config"
 PACKAGES = (
     "services",
     "gateway",
@@ -143,19 +143,19 @@ def test_every_kvmesh_name_anywhere_is_declared_in_the_registry() -> None:
     files = _repo_text_files()
     assert REPO_ROOT / "docker-compose.yml" in files and REPO_ROOT / "Dockerfile" in files
     assert _findings(files, undeclared_kvmesh_names) == {}, (
-        "declare these in services/config (options or process settings)"
+        "declare these in services/runtime/config (options or process settings)"
     )
 
 
 def test_environment_is_read_only_by_the_registry() -> None:
     assert _findings(_package_sources(), env_reads) == {}, (
-        "read it through services.config (an option or an EnvSetting)"
+        "read it through kvmesh.services.runtime.config (an option or an EnvSetting)"
     )
 
 
 def test_policy_names_are_checked_only_through_the_registry() -> None:
     assert _findings(_package_sources(), policy_literal_checks) == {}, (
-        "use services.config.SCHEDULING_POLICIES / SchedulingPolicyName"
+        "use kvmesh.services.runtime.config.SCHEDULING_POLICIES / SchedulingPolicyName"
     )
 
 

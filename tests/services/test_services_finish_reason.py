@@ -1,11 +1,15 @@
-"""services/finish_reason.py: the one owner of finish reasons agrees with the wire."""
+"""services/contracts/finish_reason.py: the one owner of finish reasons agrees with the wire."""
 
 from __future__ import annotations
 
 import pytest
 
-from protos import common_pb2
-from services.finish_reason import FinishReason, finish_reason_from_proto, finish_reason_to_proto
+from kvmesh.protos import common_pb2
+from kvmesh.services.contracts.finish_reason import (
+    FinishReason,
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+)
 
 
 def test_every_proto_reason_is_a_finish_reason_and_back() -> None:

@@ -19,14 +19,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.client import KVStoreClient
-from kvstore.layout import KVLayout
-from kvstore.testing import serve_store
-from kvstore.tiered import TieredStore
-from protos import detokenizer_pb2, detokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.grpc_security import NO_INTERNAL_AUTH, TOKEN_METADATA_KEY, InternalSecurity
-from services.grpc_server import GrpcService, internal_channel, probe_channel
-from services.stack_credentials import make_stack_certificates
+from kvmesh.kvstore.client import KVStoreClient
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.testing import serve_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.protos import detokenizer_pb2, detokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.services.runtime.grpc_security import (
+    NO_INTERNAL_AUTH,
+    TOKEN_METADATA_KEY,
+    InternalSecurity,
+)
+from kvmesh.services.runtime.grpc_server import GrpcService, internal_channel, probe_channel
+from kvmesh.services.runtime.stack_credentials import make_stack_certificates
 
 TOKEN = "stack-token-for-tests"
 STACK = InternalSecurity(token=TOKEN)

@@ -1,6 +1,6 @@
-"""Every gRPC port and channel of the stack is opened by services/grpc_server.py.
+"""Every gRPC port and channel of the stack is opened by services/runtime/grpc_server.py.
 
-That module applies the internal token and TLS (services/grpc_security.py); a
+That module applies the internal token and TLS (services/runtime/grpc_security.py); a
 server or channel made anywhere else would bypass them. Tests are exempt:
 they play outsiders on purpose; so are benchmarks, which time raw gRPC
 transports against the stack's (never part of a running stack).
@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SINGLE_POINT = REPO_ROOT / "services" / "grpc_server.py"
+SINGLE_POINT = REPO_ROOT / "services" / "runtime" / "grpc_server.py"
 # Opening a port or a channel, by any import style (grpc.aio.server, aio.insecure_channel, ...).
 OPENS = re.compile(
     r"\b(insecure_channel|secure_channel|add_insecure_port|add_secure_port)\s*\("
@@ -38,7 +38,7 @@ def test_no_port_or_channel_is_opened_outside_the_grpc_server_module() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if OPENS.search(line)
     ]
-    assert offenders == [], "open ports and channels through services/grpc_server.py"
+    assert offenders == [], "open ports and channels through services/runtime/grpc_server.py"
 
 
 def test_the_pattern_sees_every_way_to_open_one() -> None:

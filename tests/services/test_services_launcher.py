@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.launcher import (
+from kvmesh.services.cli.launcher import (
     add_up_arguments,
     child_order,
     flags_differing,
@@ -15,7 +15,7 @@ from services.launcher import (
     service_of,
     stack_configs,
 )
-from services.replica_set import ReplicaAddress
+from kvmesh.services.contracts.replica_set import ReplicaAddress
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.config import LauncherConfig, config_from_namespace
-from services.launcher import Stack, add_up_arguments, secure_stack, stack_configs
+from kvmesh.services.cli.launcher import Stack, add_up_arguments, secure_stack, stack_configs
+from kvmesh.services.runtime.config import LauncherConfig, config_from_namespace
 
 
 def _secured(argv: list[str], scratch: contextlib.ExitStack) -> Stack:

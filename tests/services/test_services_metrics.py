@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from services.config import KVStoreConfig
-from services.local_stack import free_ports
-from services.metrics import start_metrics_server
+from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.services.runtime.config import KVStoreConfig
+from kvmesh.services.runtime.metrics import start_metrics_server
 
 
 def _scrape(host: str, port: int) -> str:

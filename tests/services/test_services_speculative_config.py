@@ -6,7 +6,11 @@ import dataclasses
 
 import pytest
 
-from services.config import SchedulerServiceConfig, SpeculativeConfig, parse_speculative_config
+from kvmesh.services.runtime.config import (
+    SchedulerServiceConfig,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
 
 
 def test_vllm_ngram_json_parses() -> None:

@@ -23,15 +23,20 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry
 
-from detokenizer.server import serve as serve_detokenizer
-from gateway.server import serve as serve_gateway
-from protos import scheduler_pb2
-from scheduler.metrics import SchedulerMetrics
-from scheduler.server import serve as serve_scheduler
-from services.config import DetokenizerConfig, GatewayConfig, SchedulerServiceConfig, WorkerConfig
-from services.local_stack import free_ports
-from services.model_prep import default_model_path, is_prepared
-from worker.server import serve as serve_worker
+from kvmesh.detokenizer.server import serve as serve_detokenizer
+from kvmesh.gateway.server import serve as serve_gateway
+from kvmesh.protos import scheduler_pb2
+from kvmesh.scheduler.metrics import SchedulerMetrics
+from kvmesh.scheduler.server import serve as serve_scheduler
+from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+from kvmesh.services.runtime.config import (
+    DetokenizerConfig,
+    GatewayConfig,
+    SchedulerServiceConfig,
+    WorkerConfig,
+)
+from kvmesh.worker.server import serve as serve_worker
 
 pytestmark = pytest.mark.model
 
@@ -178,7 +183,7 @@ def collected() -> list[CollectedSpan]:
         # Separate processes have separate registries; here the scheduler's and
         # the worker's connector counters would share the global one.
         patch.setattr(
-            "scheduler.server.SchedulerMetrics",
+            "kvmesh.scheduler.server.SchedulerMetrics",
             lambda model_name: SchedulerMetrics(model_name, registry=CollectorRegistry()),
         )
         body = asyncio.run(_one_traced_completion(f"http://127.0.0.1:{port}"))
@@ -221,7 +226,7 @@ def test_each_hop_hangs_under_the_one_that_sent_the_request(
     add_request = f"/{scheduler_pb2.DESCRIPTOR.services_by_name['Scheduler'].full_name}/AddRequest"
     add_client = only(add_request, "kvmesh-gateway")
     add_server = only(add_request, "kvmesh-scheduler")
-    request = only("scheduler.request")
+    request = only("kvmesh.scheduler.request")
     assert only("tokenize").parent_span_id == http.span_id
     route = only("route")
     assert route.parent_span_id == http.span_id

@@ -1,4 +1,4 @@
-"""services/tracing.py: off costs no SDK import; on, contexts round-trip and spans close."""
+"""services/runtime/tracing.py: off costs no SDK import; on, contexts round-trip and spans close."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
-from services.tracing import (
+from kvmesh.services.runtime.tracing import (
     MAX_STEP_EVENTS,
     RequestSpans,
     Tracing,
@@ -25,8 +25,9 @@ def test_tracing_off_loads_neither_sdk_nor_exporter_nor_instrumentation() -> Non
     # A fresh interpreter: this test process has loaded the SDK already.
     probe = f"""
 import sys
-import gateway.server, scheduler.server, worker.server, detokenizer.server
-from services.tracing import span_or_nothing, start_tracing
+import kvmesh.gateway.server, kvmesh.scheduler.server
+import kvmesh.worker.server, kvmesh.detokenizer.server
+from kvmesh.services.runtime.tracing import span_or_nothing, start_tracing
 assert start_tracing("gateway", "") is None
 with span_or_nothing(None, "tokenize"):
     pass

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from protos import common_pb2
-from services.errors import InvalidRequestError
-from services.lora_request import LoRARequest
-from services.sampling_params import DetokenizeParams, SamplingParams, StructuredOutputSpec
-from services.step import (
+from kvmesh.protos import common_pb2
+from kvmesh.services.contracts.errors import InvalidRequestError
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import (
+    DetokenizeParams,
+    SamplingParams,
+    StructuredOutputSpec,
+)
+from kvmesh.services.contracts.step import (
     CachedRequestData,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -19,7 +23,7 @@ from services.step import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from services.step_codec import (
+from kvmesh.services.contracts.step_codec import (
     detokenize_params_from_proto,
     detokenize_params_to_proto,
     model_runner_output_from_proto,
@@ -201,7 +205,7 @@ def test_prompt_logprobs_round_trip() -> None:
 
 
 def test_pooling_params_and_pooled_outputs_round_trip() -> None:
-    from services.pooling_params import PoolingParams
+    from kvmesh.services.contracts.pooling_params import PoolingParams
 
     params = SamplingParams(
         max_tokens=1,

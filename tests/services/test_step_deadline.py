@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.step_deadline import StepDeadline, StepDeadlinePolicy
+from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
 
 POLICY = StepDeadlinePolicy(min_s=1.0, p99_factor=20.0, cold_s=60.0, window=100, warm_steps=4)
 

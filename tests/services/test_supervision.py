@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.supervision import LivenessWatch, RestartBudget
+from kvmesh.services.cli.supervision import LivenessWatch, RestartBudget
 
 
 class Clock:

@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.tracing import Tracing
+from kvmesh.services.runtime.tracing import Tracing
 
 
 def memory_tracing(service: str = "test") -> tuple[Tracing, InMemorySpanExporter]:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.sampling_params import SamplingParams
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 TARGET = "target"
 # Positions are sequence lengths when the logits were taken: the logits that

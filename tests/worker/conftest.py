@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.model_prep import default_model_path
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
+from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
 
 # Text of different lengths (the tokenized prompts range from a few tokens to ~60).
 PROMPT_TEXTS = [

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.block_codes import find_block_codes
+from kvmesh.kernels.block_codes import find_block_codes
 
 # The linear layers' weights in a Llama-family checkpoint (embeddings and norms stay).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from services.model_prep import GGUF_MARKER
-from worker.models.registry import get_model_class
+from kvmesh.services.cli.model_prep import GGUF_MARKER
+from kvmesh.worker.models.registry import get_model_class
 
 Q8_0, Q4_0, Q4_1, F32, F16 = (
     GGMLQuantizationType.Q8_0,

@@ -15,7 +15,7 @@ Llama):
   576-wide rows: every projection but ffn_down);
 * norms F32; q and k rows permuted as convert_hf_to_gguf.py does.
 
-The folder next to each file names it (services/model_prep.GGUF_MARKER) and
+The folder next to each file names it (services/cli/model_prep.GGUF_MARKER) and
 holds the checkpoint's config and tokenizer, so kvmesh serves it like any
 GGUF; ``reference`` is a float32 checkpoint of exactly the weights the
 ``gguf`` package dequantizes from the file (the accuracy oracle). Files live in
@@ -38,10 +38,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
-from kernels.ggml_quantize import quantize
-from services.config.process import MODEL_CACHE
-from services.model_prep import GGUF_MARKER, default_model_path
-from worker.models.llama import LlamaForCausalLM
+from kvmesh.kernels.ggml_quantize import quantize
+from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path
+from kvmesh.services.runtime.config.process import MODEL_CACHE
+from kvmesh.worker.models.llama import LlamaForCausalLM
 
 Q = GGMLQuantizationType
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")

@@ -10,9 +10,14 @@ from contextlib import contextmanager
 
 import torch
 
-from services.step import KVConnectorMetadata, KVConnectorOutput, KVTransfer, SchedulerOutput
-from worker.kv_cache import KVCache
-from worker.kv_connector import KVConnectorWorker
+from kvmesh.services.contracts.step import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransfer,
+    SchedulerOutput,
+)
+from kvmesh.worker.kv_cache import KVCache
+from kvmesh.worker.kv_connector import KVConnectorWorker
 
 
 class InMemoryKVBlockStore:

@@ -17,19 +17,19 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmesh.engine import InProcessEngine
-from services.config import SpeculativeConfig
-from services.lora_request import LoRARequest
-from services.sampling_params import SamplingParams
-from services.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.runtime.config import SpeculativeConfig
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.driver import lead_or_follow
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.local_replica import run_local_replica
+from kvmesh.worker.step_in_flight import StepInFlight
 from tests.lora_adapters import lora_request
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.parallel.collectives import Collectives
-from worker.parallel.driver import lead_or_follow
-from worker.parallel.layout import RankLayout
-from worker.parallel.local_replica import run_local_replica
-from worker.step_in_flight import StepInFlight
 
 MAX_NEW_TOKENS = 6
 TOP_LOGPROBS = 5

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 FIXED_TEXT = (
     "The Industrial Revolution began in Great Britain in the late eighteenth century and "

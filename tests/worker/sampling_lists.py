@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from services.sampling_params import SamplingParams
-from worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 
 def sampling_metadata_from_lists(

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import batch_invariant, native
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
+from kvmesh.kernels import batch_invariant, native
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
 
 from .batch_invariance import (
     TARGET,

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.models.linear import MAX_BLOCK_CODE_ROWS_BF16
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.linear import MAX_BLOCK_CODE_ROWS_BF16
 
 from .conftest import hf_greedy_tokens
 

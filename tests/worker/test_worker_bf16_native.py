@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from services.sampling_params import SamplingParams
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 from .test_worker_model_loader import _our_logits
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.block_codes import find_block_codes
+from kvmesh.kernels.block_codes import find_block_codes
 from tests.kernels.test_kernels_block_codes import q8_0_weight
 from tests.worker.conftest import make_tiny_checkpoint
 from tests.worker.dense_checkpoint import is_projection, make_dense

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.config import WorkerConfig
-from services.cpu_features import CpuFeatures
-from worker.config import ModelConfig
-from worker.dtype_choice import choose_dtype
+from kvmesh.services.runtime.config import WorkerConfig
+from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.dtype_choice import choose_dtype
 
 XEON_AMX = CpuFeatures(
     "Intel Xeon Platinum 8481C",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling_params import SamplingParams
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 from .conftest import truncate_at_eos
 

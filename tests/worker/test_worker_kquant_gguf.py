@@ -18,12 +18,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from kernels.ggml_blocks import GGMLRows
+from kvmesh.kernels.ggml_blocks import GGMLRows
+from kvmesh.worker.gguf_weights import UnsupportedGGUFType, iterate_gguf_weights
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
+from kvmesh.worker.models.llama import LlamaForCausalLM
 from tests.worker.kquant_files import MIXES, MixFiles, write_mix
-from worker.gguf_weights import UnsupportedGGUFType, iterate_gguf_weights
-from worker.model_runner import ModelRunner
-from worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
-from worker.models.llama import LlamaForCausalLM
 
 from .test_worker_model_loader import _our_logits
 
@@ -37,7 +37,7 @@ LLAMA = LlamaForCausalLM.declaration  # the default model's family: its GGUF nam
 
 
 def _runner(folder: Path) -> ModelRunner:
-    from worker.config import CacheConfig, ModelConfig
+    from kvmesh.worker.config import CacheConfig, ModelConfig
 
     return ModelRunner(
         ModelConfig.from_pretrained(folder, max_model_len=256),
@@ -55,7 +55,7 @@ def test_kquant_logits_are_the_dequantized_weights(
     mix_files: tuple[str, MixFiles], prompts: list[list[int]], caplog
 ) -> None:
     mix, files = mix_files
-    with caplog.at_level(logging.INFO, logger="worker.model_loader"):
+    with caplog.at_level(logging.INFO, logger="kvmesh.worker.model_loader"):
         ours = _runner(files.folder)
     assert files.reference is not None
     reference = _runner(files.reference)

@@ -16,8 +16,18 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from services.sampling_params import SamplingParams
-from services.step import KVConnectorMetadata, KVConnectorOutput, KVTransfer, SchedulerOutput
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransfer,
+    SchedulerOutput,
+)
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.kv_connector import KVConnectorWorker, leading_intact_blocks
+from kvmesh.worker.kv_layout import KVBlockCodec, worker_kv_layout
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 from tests.worker.kv_connector_helpers import (
     InMemoryKVBlockStore,
     block_bits,
@@ -29,11 +39,6 @@ from tests.worker.kv_connector_helpers import (
     same_bits,
     settle,
 )
-from worker.config import CacheConfig, ModelConfig
-from worker.kv_connector import KVConnectorWorker, leading_intact_blocks
-from worker.kv_layout import KVBlockCodec, worker_kv_layout
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
 
 
 @pytest.fixture
@@ -143,7 +148,7 @@ def test_store_errors_and_timeouts_load_nothing_and_never_fail_the_step(
     before = block_bits(target, 0)
     loader = KVConnectorWorker(target, store, loop, load_timeout_s=0.05)
     store.error = ConnectionError("kvstore down")
-    with caplog.at_level(logging.WARNING, logger="worker.kv_connector"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.worker.kv_connector"):
         assert _load(loader, [0, 1], hashes) == 0
         assert _load(loader, [0, 1], hashes) == 0
     # One warning for a kind of failure, however often it repeats.

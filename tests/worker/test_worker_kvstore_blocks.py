@@ -7,11 +7,11 @@ import hashlib
 import pytest
 import torch
 
-from kvstore.client import KVStoreClient, KVStoreError
-from kvstore.testing import serve_store
-from kvstore.tiered import TieredStore
-from worker.kv_layout import worker_kv_layout
-from worker.kvstore_blocks import KVStoreBlocks
+from kvmesh.kvstore.client import KVStoreClient, KVStoreError
+from kvmesh.kvstore.testing import serve_store
+from kvmesh.kvstore.tiered import TieredStore
+from kvmesh.worker.kv_layout import worker_kv_layout
+from kvmesh.worker.kvstore_blocks import KVStoreBlocks
 
 LAYOUT = worker_kv_layout("m", torch.float32, 16, 2, 1, 4)
 OTHER = worker_kv_layout("m", torch.bfloat16, 16, 2, 1, 4)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 PROMPTS = {"a": [3, 17, 42, 99, 5, 8, 11, 2, 70, 31], "b": [7, 1, 64, 20, 9]}
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
-from services.lora_request import LoRARequest
-from services.sampling_params import SamplingParams
+from kvmesh.kernels import native
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 from tests.lora_adapters import lora_request, make_lora_adapter
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
 
 from .conftest import hf_greedy_tokens, make_tiny_checkpoint
 
@@ -163,9 +163,9 @@ def test_worker_without_lora_refuses_adapter_requests(tiny) -> None:
 
 def test_failure_on_another_rank_frees_the_slot_here() -> None:
     # LoRASlots alone: "b" loads here but another rank reports it failed.
-    from services.lora_files import AdapterConfig
-    from worker.lora.adapter import LoRAAdapter
-    from worker.lora.slots import LoRASlots, ProjectionShape
+    from kvmesh.services.contracts.lora_files import AdapterConfig
+    from kvmesh.worker.lora.adapter import LoRAAdapter
+    from kvmesh.worker.lora.slots import LoRASlots, ProjectionShape
 
     loaded: list[str] = []
 

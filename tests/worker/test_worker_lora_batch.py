@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import native
-from kernels.lora_reference import add_lora_reference
-from services.lora_files import AdapterConfig
+from kvmesh.kernels import native
+from kvmesh.kernels.lora_reference import add_lora_reference
+from kvmesh.services.contracts.lora_files import AdapterConfig
+from kvmesh.worker.lora.adapter import LoRAAdapter
+from kvmesh.worker.lora.setup import native_lora_unavailable_reason
+from kvmesh.worker.lora.slots import ProjectionShape, ProjectionSlots
+from kvmesh.worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 from tests.kernels.ulp import assert_bf16_close
-from worker.lora.adapter import LoRAAdapter
-from worker.lora.setup import native_lora_unavailable_reason
-from worker.lora.slots import ProjectionShape, ProjectionSlots
-from worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 
 # A fused projection of three slices, as the model's q/k/v.
 SHAPE = ProjectionShape(12, (("q_proj", 0, 8), ("k_proj", 8, 4), ("v_proj", 12, 4)))

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.config_checks import UnsupportedModelError
+from kvmesh.worker.models.features import Features
+from kvmesh.worker.models.registry import check_model, get_model_class
 from tests.lora_adapters import lora_request, make_lora_adapter
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.models.config_checks import UnsupportedModelError
-from worker.models.features import Features
-from worker.models.registry import check_model, get_model_class
 
 from .conftest import hf_greedy_tokens
 from .gguf_files import write_tiny_gguf

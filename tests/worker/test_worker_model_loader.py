@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from services.math_utils import cdiv
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
-from worker.step_inputs import prepare_step_inputs
+from kvmesh.services.contracts.math_utils import cdiv
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.step_inputs import prepare_step_inputs
 
 from .conftest import hf_greedy_tokens, make_tiny_checkpoint
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.worker.parallel.collectives import STEP_CHUNK_BYTES, Collectives
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.local_replica import run_local_replica
 from tests.lora_adapters import make_lora_adapter
-from worker.parallel.collectives import STEP_CHUNK_BYTES, Collectives
-from worker.parallel.layout import RankLayout
-from worker.parallel.local_replica import run_local_replica
 
 from .conftest import make_tiny_checkpoint
 from .gguf_files import write_tiny_gguf

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.pooling_params import PoolingParams
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData, SchedulerOutput
+from kvmesh.services.contracts.pooling_params import PoolingParams
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData, SchedulerOutput
+from kvmesh.worker.pooling_runner import PoolingRunner
 from tests.encoder_checkpoints import CORPUS, build_cross_encoder, build_embedding_model
-from worker.pooling_runner import PoolingRunner
 
 pytest.importorskip("sentence_transformers")
 

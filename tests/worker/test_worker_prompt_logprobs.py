@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
-from services.step import Logprobs
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.prompt_logprobs import PromptLogprobsSpan, compute_prompt_logprobs
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import Logprobs
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.prompt_logprobs import PromptLogprobsSpan, compute_prompt_logprobs
 
 pytestmark = pytest.mark.model
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.block_codes import RowCodes, quantize_int8
+from kvmesh.kernels.block_codes import RowCodes, quantize_int8
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models import linear
+from kvmesh.worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 from tests.worker.quant_accuracy import agreement
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
-from worker.models import linear
-from worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 
 from .conftest import make_tiny_checkpoint
 from .gguf_files import F16, Q8_0, write_tiny_gguf

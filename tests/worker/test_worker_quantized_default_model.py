@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from detokenizer.tokenizer_loader import load_tokenizer
-from gateway.tokenizer import Tokenizer
-from services.model_prep import _installed_gguf, resolve_model_path
+from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
+from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.services.cli.model_prep import _installed_gguf, resolve_model_path
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
 from tests.worker.quant_accuracy import (
     FIXED_TEXT,
@@ -24,8 +26,6 @@ from tests.worker.quant_accuracy import (
     make_runner,
     perplexity,
 )
-from worker.model_runner import ModelRunner
-from worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 
 from .test_worker_model_loader import _our_logits
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from worker.rejection_sampler import rejection_sample, split_runs
+from kvmesh.worker.rejection_sampler import rejection_sample, split_runs
 
 NUM_REQUESTS = 40_000
 P_FIRST = torch.tensor([0.10, 0.20, 0.30, 0.15, 0.25])

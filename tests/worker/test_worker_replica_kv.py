@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from services.step import KVConnectorOutput
-from worker.kv_layout import worker_kv_layout
-from worker.parallel.replica_kv_connector import TransferTally
+from kvmesh.services.contracts.step import KVConnectorOutput
+from kvmesh.worker.kv_layout import worker_kv_layout
+from kvmesh.worker.parallel.replica_kv_connector import TransferTally
 
 
 def _layout(tp_rank: int = 0, tp_size: int = 1, layers: range | None = None):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling_params import SamplingParams
-from services.step import NewRequestData, SchedulerOutput
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import NewRequestData, SchedulerOutput
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 PROMPT = [3, 17, 42, 99, 5, 8]
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.sampler import Sampler, apply_logits_processors, random_sampling_logits
 from tests.worker.sampling_lists import sampling_metadata_from_lists
-from worker.sampler import Sampler, apply_logits_processors, random_sampling_logits
 
 VOCAB = 200
 EOS = (2,)

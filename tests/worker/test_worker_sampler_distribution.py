@@ -15,10 +15,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.native import ensure_loaded
-from services.sampling_params import SamplingParams
+from kvmesh.kernels.native import ensure_loaded
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.sampler import Sampler
 from tests.worker.sampling_lists import sampling_metadata_from_lists
-from worker.sampler import Sampler
 
 VOCAB = 4096  # 128 chunks of 32: top_k up to 128 takes the candidate path
 DRAWS = 24_000

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import worker.sampler
-from services.sampling_params import SamplingParams
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
+import kvmesh.worker.sampler
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
         raise AssertionError("the torch sampling path ran")
 
     for name in ("random_sampling_logits", "inverse_transform"):
-        monkeypatch.setattr(worker.sampler, name, no_fallback)
+        monkeypatch.setattr(kvmesh.worker.sampler, name, no_fallback)
     return calls
 
 

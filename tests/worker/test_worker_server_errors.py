@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from protos import common_pb2, worker_pb2
-from services.errors import InvalidRequestError, UnavailableError
-from worker.server import WorkerServicer
+from kvmesh.protos import common_pb2, worker_pb2
+from kvmesh.services.contracts.errors import InvalidRequestError, UnavailableError
+from kvmesh.worker.server import WorkerServicer
 
 
 def _servicer_whose_compiler_raises(error: Exception) -> WorkerServicer:

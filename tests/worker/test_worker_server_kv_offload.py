@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.layout import KVLayout
-from protos import worker_pb2
-from services.config import WorkerConfig
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.protos import worker_pb2
+from kvmesh.services.runtime.config import WorkerConfig
+from kvmesh.worker.server import WorkerServicer, attach_kv_connector, build_runner, runner_kv_layout
 from tests.worker.kv_connector_helpers import (
     InMemoryKVBlockStore,
     block_hashes,
     drain,
     loop_thread,
 )
-from worker.server import WorkerServicer, attach_kv_connector, build_runner, runner_kv_layout
 
 from .conftest import make_tiny_checkpoint
 

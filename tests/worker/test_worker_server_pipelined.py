@@ -11,10 +11,10 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from protos import worker_pb2
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import scheduler_output_to_proto
-from worker.server import WorkerServicer
+from kvmesh.protos import worker_pb2
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step_codec import scheduler_output_to_proto
+from kvmesh.worker.server import WorkerServicer
 
 
 class FakeStep:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from worker.models.phi3 import Phi3ForCausalLM
-from worker.parallel.layout import RankLayout
-from worker.parallel.sharding import ShardPlan, partition_heads, split_range
+from kvmesh.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from kvmesh.worker.models.phi3 import Phi3ForCausalLM
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.sharding import ShardPlan, partition_heads, split_range
 
 HEAD_DIM = 4
 HIDDEN = 12

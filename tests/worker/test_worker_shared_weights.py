@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
+from kvmesh.kernels import native
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.linear import PackedLinear, onednn_available, pair_kernel_loaded
+from kvmesh.worker.models.quantized import is_placeholder
 from tests.kernels.test_kernels_block_codes import q8_0_weight
-from worker.config import CacheConfig, ModelConfig
-from worker.model_runner import ModelRunner
-from worker.models.linear import PackedLinear, onednn_available, pair_kernel_loaded
-from worker.models.quantized import is_placeholder
 
 from .conftest import make_tiny_checkpoint
 from .test_worker_model_loader import PROMPTS, _our_logits

@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from scheduler.spec_decode.speculator import SpecDecodingStats
-from services.config import SpeculativeConfig
-from services.sampling_params import SamplingParams
-from services.step import Logprobs
-from worker.model_runner import ModelRunner
+from kvmesh.scheduler.config import SchedulerConfig
+from kvmesh.scheduler.request import Request
+from kvmesh.scheduler.scheduler import Scheduler
+from kvmesh.scheduler.spec_decode.speculator import SpecDecodingStats
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import Logprobs
+from kvmesh.services.runtime.config import SpeculativeConfig
+from kvmesh.worker.model_runner import ModelRunner
 
 from .conftest import PROMPT_TEXTS, truncate_at_eos
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.cpu_features import CpuFeatures
-from worker.step_budget import LONG_STEP_TOKENS, SHORT_STEP_TOKENS, preferred_step_tokens
+from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.worker.step_budget import LONG_STEP_TOKENS, SHORT_STEP_TOKENS, preferred_step_tokens
 
 AMX_XEON = CpuFeatures(
     "Intel(R) Xeon(R) Platinum 8488C",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.grpc_server import LIVENESS_SERVICE, GrpcService
-from services.healthcheck import check_grpc
-from services.step_deadline import StepDeadline, StepDeadlinePolicy
-from worker.step_watchdog import StepWatchdog
+from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
+from kvmesh.services.runtime.grpc_server import LIVENESS_SERVICE, GrpcService
+from kvmesh.services.runtime.healthcheck import check_grpc
+from kvmesh.worker.step_watchdog import StepWatchdog
 
 
 class Clock:

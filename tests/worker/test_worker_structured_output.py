@@ -11,13 +11,13 @@ import jsonschema
 import pytest
 import torch
 
-from services.sampling_params import SamplingParams, StructuredOutputSpec
+from kvmesh.services.contracts.sampling_params import SamplingParams, StructuredOutputSpec
+from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.local_driver import LocalDriver
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.sampler import Sampler, apply_logits_processors
+from kvmesh.worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 from tests.worker.sampling_lists import sampling_metadata_from_lists
-from worker.config import CacheConfig, ModelConfig
-from worker.local_driver import LocalDriver
-from worker.model_runner import ModelRunner
-from worker.sampler import Sampler, apply_logits_processors
-from worker.structured_output import GrammarCompilerCache, StructuredOutputManager
 
 from .conftest import truncate_at_eos
 

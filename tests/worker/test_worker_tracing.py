@@ -3,11 +3,11 @@ ended when the request leaves the batch or the scheduler detaches."""
 
 from __future__ import annotations
 
-from services.sampling_params import SamplingParams
-from services.step import CachedRequestData, NewRequestData, SchedulerOutput
-from services.tracing import Tracing
+from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import CachedRequestData, NewRequestData, SchedulerOutput
+from kvmesh.services.runtime.tracing import Tracing
+from kvmesh.worker.request_tracing import WorkerRequestTraces
 from tests.services.tracing_helpers import memory_tracing, only_span, spans_named
-from worker.request_tracing import WorkerRequestTraces
 
 
 def _step(
@@ -34,7 +34,7 @@ def _new(rid: str, trace_context: dict[str, str]) -> NewRequestData:
 def test_a_traced_request_spans_its_stay_in_the_batch() -> None:
     tracing, exporter = memory_tracing("worker")
     traces = WorkerRequestTraces(tracing)
-    with tracing.span("scheduler.request") as upstream:
+    with tracing.span("kvmesh.scheduler.request") as upstream:
         carrier = Tracing.carrier(upstream)
     traces.on_step(_step(1, [_new("t", carrier), _new("u", {})], {"t": 3, "u": 3}), 0.02)
     traces.on_step(_step(2, scheduled={"t": 1, "u": 1}), 0.01)
@@ -51,7 +51,7 @@ def test_a_traced_request_spans_its_stay_in_the_batch() -> None:
 def test_a_detaching_scheduler_ends_every_span() -> None:
     tracing, exporter = memory_tracing("worker")
     traces = WorkerRequestTraces(tracing)
-    with tracing.span("scheduler.request") as upstream:
+    with tracing.span("kvmesh.scheduler.request") as upstream:
         carrier = Tracing.carrier(upstream)
     traces.on_step(_step(1, [_new("a", carrier), _new("b", carrier)], {"a": 3, "b": 3}), 0.02)
     traces.on_detached()

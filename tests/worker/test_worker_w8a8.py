@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.block_codes import quantize_int8
-from kernels.int8_reference import w8a8_reference
+from kvmesh.kernels.block_codes import quantize_int8
+from kvmesh.kernels.int8_reference import w8a8_reference
+from kvmesh.worker.gguf_weights import CODE_TYPES, block_codes
+from kvmesh.worker.models import linear
+from kvmesh.worker.models.linear import PackedLinear
 from tests.worker.quant_accuracy import agreement
-from worker.gguf_weights import CODE_TYPES, block_codes
-from worker.models import linear
-from worker.models.linear import PackedLinear
 
 from .conftest import make_tiny_checkpoint
 from .gguf_files import write_tiny_gguf

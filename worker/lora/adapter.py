@@ -25,9 +25,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.lora_files import ADAPTER_WEIGHTS, ALL_LINEAR, AdapterConfig, read_adapter_config
-from worker.models.declaration import ModelDeclaration
-from worker.parallel.sharding import ShardPlan
+from kvmesh.services.contracts.lora_files import (
+    ADAPTER_WEIGHTS,
+    ALL_LINEAR,
+    AdapterConfig,
+    read_adapter_config,
+)
+from kvmesh.worker.models.declaration import ModelDeclaration
+from kvmesh.worker.parallel.sharding import ShardPlan
 
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight")
 

@@ -6,11 +6,11 @@ import logging
 
 import torch
 
-from kernels import native
-from services.lora_request import LoRARequest
-from worker.lora.adapter import LoRAAdapter, load_adapter, shard_adapter
-from worker.lora.slots import AgreeOnFailures, LoRASlots
-from worker.models.decoder import DecoderForCausalLM, full_plan
+from kvmesh.kernels import native
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.worker.lora.adapter import LoRAAdapter, load_adapter, shard_adapter
+from kvmesh.worker.lora.slots import AgreeOnFailures, LoRASlots
+from kvmesh.worker.models.decoder import DecoderForCausalLM, full_plan
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native as native_kernels
-from services.lora_request import LoRARequest
-from worker.lora.adapter import LoRAAdapter
-from worker.lora.step_batch import LoRABatch
+from kvmesh.kernels import native as native_kernels
+from kvmesh.services.contracts.lora_request import LoRARequest
+from kvmesh.worker.lora.adapter import LoRAAdapter
+from kvmesh.worker.lora.step_batch import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ProjectionSlots:
         kernels serves every adapter.
         """
         if batch.token_slots is not None:
-            from kernels.triton_lora import add_lora_triton  # imports triton
+            from kvmesh.kernels.triton_lora import add_lora_triton  # imports triton
 
             add_lora_triton(y, x, self.lora_a, self.lora_b, batch.token_slots)
             return

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.parallel.sharding import ShardPlan
+from kvmesh.worker.parallel.sharding import ShardPlan
 
 
 class Split(enum.Enum):

@@ -20,25 +20,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.block_codes import RowCodes, quantize_int8
-from kernels.ggml_blocks import GGMLRows
-from worker.config import ModelConfig
-from worker.lora.slots import ProjectionShape, ProjectionSlots
-from worker.lora.step_batch import LoRABatch
-from worker.models.config_checks import (
+from kvmesh.kernels import native
+from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kernels.block_codes import RowCodes, quantize_int8
+from kvmesh.kernels.ggml_blocks import GGMLRows
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.lora.slots import ProjectionShape, ProjectionSlots
+from kvmesh.worker.lora.step_batch import LoRABatch
+from kvmesh.worker.models.config_checks import (
     UnsupportedModelError,
     check_common,
     check_windows,
     sliding_window_of,
 )
-from worker.models.declaration import LayerKVSpec, ModelDeclaration, split_keep
-from worker.models.features import Features, RopeSpec
-from worker.models.ggml_linear import GGMLLinear
-from worker.models.linear import PackedLinear
-from worker.models.moe import grouped_experts
-from worker.models.quantized import (
+from kvmesh.worker.models.declaration import LayerKVSpec, ModelDeclaration, split_keep
+from kvmesh.worker.models.features import Features, RopeSpec
+from kvmesh.worker.models.ggml_linear import GGMLLinear
+from kvmesh.worker.models.linear import PackedLinear
+from kvmesh.worker.models.moe import grouped_experts
+from kvmesh.worker.models.quantized import (
     CODE_PIECES,
     WeightPiece,
     assemble,
@@ -46,8 +46,8 @@ from worker.models.quantized import (
     placeholder,
     release,
 )
-from worker.models.rotary import RotaryEmbedding
-from worker.parallel.sharding import ShardPlan, partition_heads
+from kvmesh.worker.models.rotary import RotaryEmbedding
+from kvmesh.worker.parallel.sharding import ShardPlan, partition_heads
 
 logger = logging.getLogger(__name__)
 

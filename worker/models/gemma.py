@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.config import ModelConfig
-from worker.models.config_checks import check_rope, refuse
-from worker.models.declaration import (
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import check_rope, refuse
+from kvmesh.worker.models.declaration import (
     CheckpointTensor,
     LayerKVSpec,
     ModelDeclaration,
     Split,
     vector,
 )
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.features import Features, RopeSpec
-from worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.features import Features, RopeSpec
+from kvmesh.worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
 
 _HIDDEN = ("hidden", Split.HIDDEN)
 SANDWICH_NORMS = {

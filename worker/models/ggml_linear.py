@@ -22,9 +22,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.ggml_blocks import GGMLRows
-from worker.models.linear import PackedLinear, onednn_available
+from kvmesh.kernels import native
+from kvmesh.kernels.ggml_blocks import GGMLRows
+from kvmesh.worker.models.linear import PackedLinear, onednn_available
 
 # Up to this many rows the kernel over the blocks runs the projection; past it,
 # tiles rebuilt into scratch and a GEMM. `benchmarks/decode_bandwidth.py

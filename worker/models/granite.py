@@ -4,11 +4,11 @@ place of 1/sqrt(head_dim)) and the logits (divided)."""
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import refuse
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.features import Features
-from worker.models.llama import llama_declaration
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.features import Features
+from kvmesh.worker.models.llama import llama_declaration
 
 
 class GraniteForCausalLM(DecoderForCausalLM):

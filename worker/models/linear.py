@@ -56,10 +56,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import batch_invariant, native
-from kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
-from kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
-from services.config.process import AMX_LINEAR
+from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
+from kvmesh.kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
+from kvmesh.services.runtime.config.process import AMX_LINEAR
 
 # The reorder is tuned for a typical decode batch; any batch size works with it.
 _BATCH_SIZE_HINT = 16

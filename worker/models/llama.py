@@ -6,9 +6,9 @@ into ``qkv_proj`` and ``gate_up_proj``, two norms per layer, SwiGLU.
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import refuse
-from worker.models.declaration import (
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.declaration import (
     CheckpointTensor,
     LoRATarget,
     ModelDeclaration,
@@ -17,7 +17,7 @@ from worker.models.declaration import (
     proj,
     vector,
 )
-from worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.decoder import DecoderForCausalLM
 
 H, Q, KV, MLP = Split.HIDDEN, Split.Q_HEADS, Split.KV_HEADS, Split.INTERMEDIATE
 

@@ -4,12 +4,12 @@ of the sums of squares, worker/models/decoder.py)."""
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import refuse
-from worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.features import Features
-from worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.features import Features
+from kvmesh.worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):

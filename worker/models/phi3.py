@@ -4,9 +4,9 @@ tensors), LongRoPE below its original length (worker/models/rotary.py)."""
 
 from __future__ import annotations
 
-from worker.models.declaration import CheckpointTensor, LoRATarget, ModelDeclaration
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS
+from kvmesh.worker.models.declaration import CheckpointTensor, LoRATarget, ModelDeclaration
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.block_codes import RowCodes
-from kernels.ggml_blocks import GGMLRows
+from kvmesh.kernels.block_codes import RowCodes
+from kvmesh.kernels.ggml_blocks import GGMLRows
 
 # A checkpoint tensor as the loader hands it over: dense, or codes.
 WeightPiece = torch.Tensor | RowCodes | GGMLRows

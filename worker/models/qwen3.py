@@ -3,12 +3,12 @@ rotation, and an explicit ``head_dim`` (not hidden_size / heads)."""
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import refuse
-from worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.features import Features
-from worker.models.llama import (
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.features import Features
+from kvmesh.worker.models.llama import (
     GGUF_SPLIT_NAMES,
     NORM_TENSORS,
     NORMS,

@@ -4,9 +4,9 @@ norms; Mixtral's is Mistral's), the MLP a router over experts
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import refuse
-from worker.models.declaration import (
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.declaration import (
     CheckpointTensor,
     ModelDeclaration,
     ParamDecl,
@@ -14,9 +14,9 @@ from worker.models.declaration import (
     Split,
     vector,
 )
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.features import Features
-from worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.features import Features
+from kvmesh.worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
 
 _ATTENTION = ("qkv_proj", "o_proj")
 _EXPERT = Split.EXPERT_INTERMEDIATE

@@ -7,16 +7,16 @@ with its declaration and features), its line in MODEL_REGISTRY below, and its pa
 
 from __future__ import annotations
 
-from worker.config import ModelConfig
-from worker.models.config_checks import UnsupportedModelError
-from worker.models.decoder import DecoderForCausalLM
-from worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from worker.models.granite import GraniteForCausalLM
-from worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from worker.models.olmo2 import Olmo2ForCausalLM
-from worker.models.phi3 import Phi3ForCausalLM
-from worker.models.qwen3 import Qwen3ForCausalLM
-from worker.models.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.config_checks import UnsupportedModelError
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvmesh.worker.models.granite import GraniteForCausalLM
+from kvmesh.worker.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from kvmesh.worker.models.olmo2 import Olmo2ForCausalLM
+from kvmesh.worker.models.phi3 import Phi3ForCausalLM
+from kvmesh.worker.models.qwen3 import Qwen3ForCausalLM
+from kvmesh.worker.models.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from worker.parallel.layout import RankLayout
-from worker.parallel.sharding import vocab_shard_size
-from worker.step_in_flight import Arrival
+from kvmesh.worker.parallel.layout import RankLayout
+from kvmesh.worker.parallel.sharding import vocab_shard_size
+from kvmesh.worker.step_in_flight import Arrival
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,16 @@ from typing import TypeVar
 
 import numpy as np
 
-from protos import worker_pb2
-from services.step import ModelRunnerOutput, SchedulerOutput
-from services.step_codec import scheduler_output_from_proto, scheduler_output_to_proto
-from worker.model_runner import ModelRunner
-from worker.parallel.collectives import Collectives
-from worker.parallel.step_messages import MessageKind, encode_message, parse_message
-from worker.step_in_flight import StepInFlight
+from kvmesh.protos import worker_pb2
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from kvmesh.services.contracts.step_codec import (
+    scheduler_output_from_proto,
+    scheduler_output_to_proto,
+)
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.step_messages import MessageKind, encode_message, parse_message
+from kvmesh.worker.step_in_flight import StepInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class StepBroadcaster:
 
 
 class BroadcastingRunner:
-    """What ``worker.local_driver.LocalDriver`` (and benchmarks' in-process engines)
+    """What ``kvmesh.worker.local_driver.LocalDriver`` (and benchmarks' in-process engines)
     need of a runner, over the driver's broadcast path: an in-process scheduler
     for a parallel replica (tests, benchmarks)."""
 

@@ -11,14 +11,14 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-from services.local_stack import free_ports
-from worker.parallel.layout import RankLayout
+from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.worker.parallel.layout import RankLayout
 
 # Ranks fork from a server process that imported these once, instead of each
 # spawned rank importing torch and the model code again (~4-5 s of CPU per rank).
 # Importing torch starts no threads, so forking after it is safe; a rank's
 # threads and its process group are created after the fork.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "worker.model_runner"]
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "kvmesh.worker.model_runner"]
 
 
 def run_local_replica(

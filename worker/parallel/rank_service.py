@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from services.config import WorkerConfig
-from worker.model_runner import ModelRunner
-from worker.parallel.collectives import Collectives
-from worker.parallel.driver import follow_driver
-from worker.parallel.layout import RankLayout
+from kvmesh.services.runtime.config import WorkerConfig
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel.collectives import Collectives
+from kvmesh.worker.parallel.driver import follow_driver
+from kvmesh.worker.parallel.layout import RankLayout
 
 logger = logging.getLogger(__name__)
 

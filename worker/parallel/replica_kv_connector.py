@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.step import KVConnectorOutput, SchedulerOutput
-from worker.kv_connector import KVConnectorWorker
-from worker.parallel.collectives import Collectives
+from kvmesh.services.contracts.step import KVConnectorOutput, SchedulerOutput
+from kvmesh.worker.kv_connector import KVConnectorWorker
+from kvmesh.worker.parallel.collectives import Collectives
 
 
 @dataclass

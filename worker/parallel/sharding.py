@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.math_utils import cdiv
+from kvmesh.services.contracts.math_utils import cdiv
 
 
 def split_range(size: int, parts: int, index: int) -> range:

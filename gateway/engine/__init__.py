@@ -1,0 +1,2 @@
+"""The gateway's side of the engine: the EngineClient protocol, its gRPC and routed
+implementations, disaggregation, migration, stream replay."""

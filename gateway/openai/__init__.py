@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP API: protocol models, routes, serving of completions and
+chat, error bodies."""
