@@ -378,6 +378,7 @@ def _sampling_proto(p: SamplingParams) -> generation_pb2.SamplingParameters:
         top_p=p.top_p,
         top_k=p.top_k,
         min_p=p.min_p,
+        top_n_sigma=p.top_n_sigma,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

@@ -36,6 +36,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
+    # Top-n-sigma (llama.cpp's top_n_sigma): keep tokens whose logit is at least
+    # the top logit minus this many standard deviations of the logits; 0: off.
+    top_n_sigma: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,6 +68,10 @@ class SamplingParams:
         _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
+            0 <= self.top_n_sigma < float("inf"),
+            f"top_n_sigma must be finite and >= 0, got {self.top_n_sigma}",
+        )
+        _check(
             -2 <= self.presence_penalty <= 2,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
         )
@@ -90,6 +97,7 @@ class SamplingParams:
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             min_p=self.min_p,
+            top_n_sigma=self.top_n_sigma,
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x12kvmesh.internal.v1\"\xe8\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x1c\n\x14logit_bias_token_ids\x18\r \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0e \x03(\x02\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12?\n\x11structured_output\x18\x10 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x34\n\tbad_words\x18\x13 \x03(\x0b\x32!.kvmesh.internal.v1.TokenSequence\x12\x32\n\x07pooling\x18\x14 \x01(\x0b\x32!.kvmesh.internal.v1.PoolingParamsB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa1\x01\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\ndimensions\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x11\x66irst_segment_len\x18\x04 \x01(\x05H\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x14\n\x12_first_segment_len\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"P\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x1f\n\x17reasoning_end_token_ids\x18\x03 \x03(\x05\"\x88\x01\n\x10\x44\x65tokenizeParams\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"D\n\x0bLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0f\n\x07lora_id\x18\x02 \x01(\t\x12\x11\n\tlora_path\x18\x03 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x12kvmesh.internal.v1\"\xfd\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x13\n\x0btop_n_sigma\x18( \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x1c\n\x14logit_bias_token_ids\x18\r \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0e \x03(\x02\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12?\n\x11structured_output\x18\x10 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x34\n\tbad_words\x18\x13 \x03(\x0b\x32!.kvmesh.internal.v1.TokenSequence\x12\x32\n\x07pooling\x18\x14 \x01(\x0b\x32!.kvmesh.internal.v1.PoolingParamsB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa1\x01\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\ndimensions\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x11\x66irst_segment_len\x18\x04 \x01(\x05H\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x14\n\x12_first_segment_len\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"P\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x1f\n\x17reasoning_end_token_ids\x18\x03 \x03(\x05\"\x88\x01\n\x10\x44\x65tokenizeParams\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"D\n\x0bLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x0f\n\x07lora_id\x18\x02 \x01(\t\x12\x11\n\tlora_path\x18\x03 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1265
-  _globals['_FINISHREASON']._serialized_end=1410
+  _globals['_FINISHREASON']._serialized_start=1286
+  _globals['_FINISHREASON']._serialized_end=1431
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=660
-  _globals['_POOLINGPARAMS']._serialized_start=663
-  _globals['_POOLINGPARAMS']._serialized_end=824
-  _globals['_TOKENSEQUENCE']._serialized_start=826
-  _globals['_TOKENSEQUENCE']._serialized_end=860
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=862
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=942
-  _globals['_DETOKENIZEPARAMS']._serialized_start=945
-  _globals['_DETOKENIZEPARAMS']._serialized_end=1081
-  _globals['_TOKENLOGPROBS']._serialized_start=1083
-  _globals['_TOKENLOGPROBS']._serialized_end=1192
-  _globals['_LORAREQUEST']._serialized_start=1194
-  _globals['_LORAREQUEST']._serialized_end=1262
+  _globals['_SAMPLINGPARAMS']._serialized_end=681
+  _globals['_POOLINGPARAMS']._serialized_start=684
+  _globals['_POOLINGPARAMS']._serialized_end=845
+  _globals['_TOKENSEQUENCE']._serialized_start=847
+  _globals['_TOKENSEQUENCE']._serialized_end=881
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=883
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=963
+  _globals['_DETOKENIZEPARAMS']._serialized_start=966
+  _globals['_DETOKENIZEPARAMS']._serialized_end=1102
+  _globals['_TOKENLOGPROBS']._serialized_start=1104
+  _globals['_TOKENLOGPROBS']._serialized_end=1213
+  _globals['_LORAREQUEST']._serialized_start=1215
+  _globals['_LORAREQUEST']._serialized_end=1283
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,11 @@
 raw logprobs snapshot -> float32 -> structured-output grammar bitmask and
 allowed/banned token masks -> min_tokens
 and logit_bias -> repetition/presence/frequency penalties -> (greedy argmax
-here) -> temperature -> min_p -> top_k/top_p -> sample.
+here) -> top-n-sigma -> temperature -> min_p -> top_k/top_p -> sample.
+
+Top-n-sigma comes first among the filters, where llama.cpp's sampler chain puts
+it: a threshold of max - n * std on the logits keeps the same tokens at any
+temperature, so only its place relative to top_k/top_p/min_p matters.
 
 A failure while sampling the batch costs only the rows that fail: the batch
 is sampled again row by row, and a row that fails alone is reported in
@@ -143,6 +147,26 @@ def apply_logits_processors(
     return apply_penalties(logits, metadata, native)
 
 
+def apply_top_n_sigma(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Drop tokens whose logit is below max - n * std, the statistics taken over each
+    row's finite logits (tokens a mask already removed do not count), the population
+    standard deviation as llama.cpp takes it. Rows with n = 0 and greedy rows (whose
+    token is the argmax, which the filter always keeps) pass unchanged; a new tensor
+    is returned, ``logits`` is never modified."""
+    n_sigma = metadata.top_n_sigma
+    if n_sigma is None:
+        return logits
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
+    values = logits.masked_fill(~finite, 0.0)
+    mean = values.sum(dim=-1, keepdim=True) / count
+    variance = ((values - mean).square() * finite).sum(dim=-1, keepdim=True) / count
+    threshold = logits.amax(dim=-1, keepdim=True) - n_sigma.unsqueeze(1) * variance.sqrt()
+    active = (n_sigma > 0) & ~metadata.is_greedy
+    drop = (logits < threshold) & active.unsqueeze(1)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 def apply_temperature(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     # Greedy rows divide by 1: their token comes from argmax before this step.
     temperature = torch.where(
@@ -184,7 +208,7 @@ def apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 
 def random_sampling_logits(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution (as logits) that random rows sample from, given processed logits."""
-    logits = apply_temperature(processed, metadata)
+    logits = apply_temperature(apply_top_n_sigma(processed, metadata), metadata)
     logits = apply_min_p(logits, metadata)
     return apply_top_k_top_p(logits, metadata)
 
@@ -329,8 +353,12 @@ class Sampler:
         if metadata.all_greedy:
             token_ids = row_argmax(logits, self.native)
         elif self.native and _native_rows(logits):
+            # Top-n-sigma is a mask before the fused kernel (which has no
+            # statistics pass); it costs nothing unless a row asks for it.
             token_ids = fused_sample(
-                logits, metadata, draw_keys(metadata.num_rows, metadata.generators)
+                apply_top_n_sigma(logits, metadata),
+                metadata,
+                draw_keys(metadata.num_rows, metadata.generators),
             )
         else:
             token_ids = self._sample_with_torch(logits, metadata)

@@ -27,6 +27,8 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {params.top_k}")
     if not 0.0 <= params.min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if not 0.0 <= params.top_n_sigma < float("inf"):
+        raise ValueError(f"top_n_sigma must be finite and >= 0, got {params.top_n_sigma}")
     if params.repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.min_tokens < 0:
@@ -60,6 +62,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None  # [n] int64, vocab_size where disabled
     top_p: torch.Tensor | None = None  # [n] float32
     min_p: torch.Tensor | None = None  # [n] float32
+    top_n_sigma: torch.Tensor | None = None  # [n] float32, 0 where off
     # Penalties: all four are set together, or none.
     repetition_penalty: torch.Tensor | None = None  # [n] float32
     presence_penalty: torch.Tensor | None = None
@@ -169,6 +172,8 @@ def build_sampling_metadata(
             metadata.top_p = torch.tensor([p.top_p for p in params], device=device)
         if any(p.min_p > 0.0 for p in params):
             metadata.min_p = torch.tensor([p.min_p for p in params], device=device)
+        if any(p.top_n_sigma > 0.0 for p in params):
+            metadata.top_n_sigma = torch.tensor([p.top_n_sigma for p in params], device=device)
     if any(
         p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         for p in params

@@ -410,6 +410,7 @@ def sampling_params(
         top_p=1.0 if request.top_p is None else _positive_float32(request.top_p),
         top_k=request.top_k or 0,
         min_p=request.min_p or 0.0,
+        top_n_sigma=request.top_n_sigma or 0.0,
         seed=request.seed,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,

@@ -54,6 +54,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "top_p",
     "top_k",
     "min_p",
+    "top_n_sigma",
     "seed",
     "presence_penalty",
     "frequency_penalty",

@@ -156,6 +156,11 @@ class _SamplingFields(_Request):
         default=None, description="0 or -1 disables top-k."
     )
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_n_sigma: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="Top-n-sigma (llama.cpp's top_n_sigma): keep tokens whose logit is at least "
+        "the top logit minus top_n_sigma standard deviations of the logits. 0 or unset: off.",
+    )
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None

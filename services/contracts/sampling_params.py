@@ -54,6 +54,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables top-k
     min_p: float = 0.0
+    # Top-n-sigma (llama.cpp's top_n_sigma): keep the tokens whose logit is at least
+    # max - top_n_sigma * std over the finite logits. 0 disables it.
+    top_n_sigma: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -31,10 +31,11 @@ def test_models_lists_the_served_model_with_its_length(client) -> None:
 
 
 def test_truncation_parameters_reduce_to_greedy(client) -> None:
-    """top_p near 0 and min_p = 1 keep only the most likely token: the output is greedy."""
+    """top_p near 0, min_p = 1 and a tiny top_n_sigma keep only the most likely token:
+    the output is greedy."""
     prompt = "The largest planet in the solar system is"
     greedy = _greedy_text(client, prompt, 8)
-    for extra in ({"top_p": 1e-6}, {"min_p": 1.0}):
+    for extra in ({"top_p": 1e-6}, {"min_p": 1.0}, {"top_n_sigma": 1e-6}):
         top_p = extra.pop("top_p", None)
         out = client.completions.create(
             model=MODEL,

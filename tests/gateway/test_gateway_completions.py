@@ -61,6 +61,7 @@ async def test_sampling_parameters_reach_the_engine(
             "top_p": 0.9,
             "top_k": 40,
             "min_p": 0.05,
+            "top_n_sigma": 1.5,
             "presence_penalty": 0.5,
             "frequency_penalty": -0.5,
             "repetition_penalty": 1.1,
@@ -83,6 +84,7 @@ async def test_sampling_parameters_reach_the_engine(
     params = sent.sampling_params
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.7, 0.9, 40)
     assert (params.min_p, params.presence_penalty, params.frequency_penalty) == (0.05, 0.5, -0.5)
+    assert params.top_n_sigma == 1.5
     assert (params.repetition_penalty, params.seed, params.min_tokens) == (1.1, 1234, 2)
     assert params.ignore_eos
     assert params.stop_token_ids == (7, 9)

@@ -28,6 +28,7 @@ def test_request_mapping_matches_the_http_fields() -> None:
             n=2,
             max_tokens=7,
             temperature=0.5,
+            top_n_sigma=1.25,
             seed=11,
             stop=["x"],
             echo=True,
@@ -43,6 +44,7 @@ def test_request_mapping_matches_the_http_fields() -> None:
     assert request.structured_outputs is not None
     assert request.structured_outputs.model_dump(exclude_none=True) == {"regex": "[ab]+"}
     assert request.logit_bias == {"5": 1.5}
+    assert request.top_n_sigma == 1.25
 
 
 async def test_api_key_is_required_on_every_call(engine, tokenizer, registry) -> None:

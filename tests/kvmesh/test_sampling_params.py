@@ -33,6 +33,8 @@ def test_a_single_stop_string_and_lists_become_tuples() -> None:
         {"top_p": 1.5},
         {"top_k": -2},
         {"min_p": 1.5},
+        {"top_n_sigma": -1.0},
+        {"top_n_sigma": float("inf")},
         {"presence_penalty": 2.5},
         {"frequency_penalty": -3},
         {"repetition_penalty": 0},
@@ -68,8 +70,11 @@ def test_engine_and_detokenizer_halves() -> None:
 
 
 def test_the_wire_form_carries_every_field() -> None:
-    p = SamplingParams(n=2, max_tokens=5, temperature=0.5, seed=11, stop=["x"], min_tokens=1)
+    p = SamplingParams(
+        n=2, max_tokens=5, temperature=0.5, seed=11, stop=["x"], min_tokens=1, top_n_sigma=1.5
+    )
     proto = _sampling_proto(p)
+    assert proto.top_n_sigma == 1.5 and p.engine_params().top_n_sigma == 1.5
     assert (proto.n, proto.max_tokens, proto.seed, list(proto.stop)) == (2, 5, 11, ["x"])
     assert proto.temperature == pytest.approx(0.5)
     assert proto.HasField("skip_special_tokens") and proto.skip_special_tokens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvmesh.protos import common_pb2
@@ -42,6 +44,7 @@ def _params(**kw) -> SamplingParams:
         top_p=0.75,
         top_k=7,
         min_p=0.125,
+        top_n_sigma=1.5,
         seed=1234,
         presence_penalty=0.5,
         frequency_penalty=-0.25,
@@ -60,6 +63,16 @@ def _params(**kw) -> SamplingParams:
 
 def test_sampling_params_round_trip() -> None:
     p = _params()
+    # Every field away from its default (the ones with their own tests aside), so a
+    # field added to SamplingParams but not to the codec fails here.
+    own_tests = {"structured_output", "pooling"}
+    defaults = SamplingParams()
+    at_default = [
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if f.name not in own_tests and getattr(p, f.name) == getattr(defaults, f.name)
+    ]
+    assert not at_default, f"set these in _params: {at_default}"
     assert sampling_params_from_proto(sampling_params_to_proto(p)) == p
     plain = SamplingParams()
     back = sampling_params_from_proto(sampling_params_to_proto(plain))

@@ -40,6 +40,10 @@ def reference_processed_logits(
         x[token] -= params.frequency_penalty * count + params.presence_penalty
     if params.is_greedy:
         return x
+    if params.top_n_sigma > 0:
+        finite = x[torch.isfinite(x)]
+        std = math.sqrt(sum((v - finite.mean().item()) ** 2 for v in finite.tolist()) / len(finite))
+        x[x < finite.max() - params.top_n_sigma * std] = -math.inf
     x = x / params.temperature
     if params.min_p > 0:
         probs = torch.softmax(x, dim=0)
@@ -74,6 +78,9 @@ MIXED_PARAMS = [
     SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0),
     SamplingParams(temperature=0.0, allowed_token_ids=(3, 50, 51, 199)),
     SamplingParams(temperature=0.9, top_k=30, bad_words_token_ids=((40,), (12, 13, 41), (9, 42))),
+    SamplingParams(temperature=1.0, top_n_sigma=1.0),
+    SamplingParams(temperature=1.5, top_n_sigma=0.5, top_p=0.9, allowed_token_ids=(3, 50, 51, 199)),
+    SamplingParams(temperature=0.0, top_n_sigma=0.1),
 ]
 
 
@@ -204,7 +211,9 @@ def test_logprobs_are_the_raw_distribution_with_rank_and_top_k() -> None:
     logits, prompts, outputs = _random_batch(6, len(MIXED_PARAMS))
     params = [
         SamplingParams(**{**p.__dict__, "logprobs": k})
-        for p, k in zip(MIXED_PARAMS, [0, 1, 5, None, 3, 20, 2, 1, 0, 4, 7, 2, None], strict=True)
+        for p, k in zip(
+            MIXED_PARAMS, [0, 1, 5, None, 3, 20, 2, 1, 0, 4, 7, 2, None, 1, 0, 3], strict=True
+        )
     ]
     result = Sampler()(logits, _metadata(params, prompts, outputs))
     raw = torch.log_softmax(logits, dim=-1)

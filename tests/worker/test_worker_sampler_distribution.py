@@ -31,6 +31,9 @@ def filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     x = logits.double() / params.temperature
     probs = torch.softmax(x, dim=0)
     keep = torch.ones_like(x, dtype=torch.bool)
+    if params.top_n_sigma > 0:  # on the logits before temperature, as llama.cpp
+        raw = logits.double()
+        keep &= raw >= raw.max() - params.top_n_sigma * raw.std(unbiased=False)
     if params.min_p > 0:
         keep &= probs >= params.min_p * probs.max()
     if 0 < params.top_k < len(x):
@@ -103,6 +106,11 @@ COMBINATIONS = {
     ),
     "top_k 1000 + top_p 0.8": (SamplingParams(temperature=1.0, top_k=1000, top_p=0.8), 1.0),
     "min_p 0.1 + top_p 0.7": (SamplingParams(temperature=1.2, top_p=0.7, min_p=0.1), 1.5),
+    "top_n_sigma 1": (SamplingParams(temperature=1.0, top_n_sigma=1.0), 1.0),
+    "top_n_sigma 2 + top_p 0.9, hot": (
+        SamplingParams(temperature=1.5, top_n_sigma=2.0, top_p=0.9),
+        1.0,
+    ),
 }
 
 
@@ -122,7 +130,9 @@ def test_native_sampler_draws_the_filtered_distribution(native: bool, name: str)
     )
 
 
-@pytest.mark.parametrize("name", ["temperature 0.7", "top_k 50", "top_p 0.9", "min_p 0.05"])
+@pytest.mark.parametrize(
+    "name", ["temperature 0.7", "top_k 50", "top_p 0.9", "min_p 0.05", "top_n_sigma 1"]
+)
 def test_torch_sampler_draws_the_filtered_distribution(name: str) -> None:
     params, scale = COMBINATIONS[name]
     logits = _logits(scale, seed=len(name))
