@@ -161,14 +161,22 @@ def prepare_gguf_folder(gguf_path: Path) -> Path:
     out_dir = _gguf_folder(gguf_path)
     if (out_dir / GGUF_MARKER).is_file():
         return out_dir
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("reading config and tokenizer of %s into %s", gguf_path, out_dir)
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     write_gguf_config(gguf_path, tmp_dir)  # refuses an architecture no family reads
     source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
-    AutoTokenizer.from_pretrained(**source).save_pretrained(tmp_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+    except ValueError as error:
+        # transformers reads the config of only some GGUF architectures (not
+        # OLMo 2's or Granite's), but builds any file's tokenizer from its
+        # tokenizer.ggml.* metadata alone.
+        logger.info("%s: %s; building the tokenizer from its metadata", gguf_path.name, error)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(**source)
+    tokenizer.save_pretrained(tmp_dir)
     try:
         tmp_dir.rename(out_dir)
     except OSError:  # another service finished first: its folder is the same

@@ -28,6 +28,8 @@ from gguf import (
     MODEL_ARCH,
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
     GGUFWriter,
     get_tensor_name_map,
 )
@@ -133,8 +135,38 @@ def _metadata(writer: GGUFWriter, hf: dict[str, Any], architecture: str) -> None
         writer.add_expert_weights_norm(bool(hf["norm_topk_prob"]))
 
 
-def write_family_gguf(checkpoint: Path, out_dir: Path, quant: str) -> FamilyGGUF:
-    """``checkpoint`` converted (and quantized: ``quant`` in QUANTS) the way llama.cpp does."""
+# A GGUF file's tokenizer.* metadata: (key, value type, value).
+TokenizerFields = list[tuple[str, GGUFValueType, Any]]
+
+
+def tokenizer_fields(source: Path) -> TokenizerFields:
+    """The ``tokenizer.*`` metadata of a GGUF file (the default model's: the
+    converter's gpt2 BPE vocabulary, merges and special ids), read once."""
+    reader = GGUFReader(str(source))
+    return [
+        (name, field.types[0], field.contents())
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    ]
+
+
+def _copy_tokenizer(writer: GGUFWriter, fields: TokenizerFields) -> None:
+    for name, kind, value in fields:
+        if kind == GGUFValueType.ARRAY:
+            writer.add_array(name, value)
+        elif kind == GGUFValueType.STRING:
+            writer.add_string(name, value)
+        elif kind == GGUFValueType.BOOL:
+            writer.add_bool(name, value)
+        else:
+            writer.add_uint32(name, int(value))
+
+
+def write_family_gguf(
+    checkpoint: Path, out_dir: Path, quant: str, tokenizer: TokenizerFields | None = None
+) -> FamilyGGUF:
+    """``checkpoint`` converted (and quantized: ``quant`` in QUANTS) the way
+    llama.cpp does, carrying ``tokenizer`` (tokenizer_fields) if given."""
     from safetensors.torch import load_file, save_file
 
     hf = json.loads((checkpoint / "config.json").read_text())
@@ -151,6 +183,8 @@ def write_family_gguf(checkpoint: Path, out_dir: Path, quant: str) -> FamilyGGUF
     names = get_tensor_name_map(converter.arch, layers)
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[converter.arch])
     _metadata(writer, hf, architecture)
+    if tokenizer is not None:
+        _copy_tokenizer(writer, tokenizer)
     reference: dict[str, torch.Tensor] = {}
 
     tied = "lm_head.weight" not in state

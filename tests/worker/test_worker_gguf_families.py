@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from gguf import GGUFWriter
+from transformers import AutoTokenizer
 
-from kvmesh.services.cli.model_prep import write_gguf_config
+from kvmesh.services.cli.model_prep import _installed_gguf, write_gguf_config
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.gguf_config import gguf_hf_config
 from kvmesh.worker.model_runner import ModelRunner
@@ -31,7 +33,7 @@ from kvmesh.worker.models.config_checks import UnsupportedModelError
 from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
 from kvmesh.worker.models.registry import get_model_class
 
-from .gguf_family_files import write_family_gguf
+from .gguf_family_files import TokenizerFields, tokenizer_fields, write_family_gguf
 from .model_families import make_family_checkpoint
 from .test_worker_model_loader import _our_logits
 
@@ -160,3 +162,42 @@ def test_a_partial_rotary_is_refused(family: tuple[str, Path], tmp_path: Path) -
     writer.close()
     with pytest.raises(UnsupportedModelError, match=r"rope\.dimension_count 8"):
         gguf_hf_config(path)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer() -> tuple[TokenizerFields, Any]:
+    """The default model's GGUF tokenizer metadata, and transformers' tokenizer of it."""
+    source = _installed_gguf()
+    if source is None:
+        pytest.skip("the default model's GGUF is not installed")
+    theirs = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return tokenizer_fields(source), theirs
+
+
+@pytest.mark.model
+def test_a_granite_gguf_file_serves_from_its_path_alone(
+    default_tokenizer: tuple[TokenizerFields, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--model x.gguf``: the config from the metadata, the tokenizer from its
+    tokenizer.ggml.* keys (transformers reads no Granite GGUF config, so not
+    through AutoTokenizer's GGUF path), and the weights from the file."""
+    architecture = "GraniteForCausalLM"
+    fields, theirs = default_tokenizer
+    monkeypatch.setenv("KVMESH_MODEL_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "checkpoint"
+    make_family_checkpoint(checkpoint, architecture, **SIZES)
+    files = write_family_gguf(checkpoint, tmp_path / "gguf", "Q8_0", tokenizer=fields)
+    config = ModelConfig.from_pretrained(files.gguf, max_model_len=256)
+    assert config.architecture == architecture
+    assert config.gguf_file == str(files.gguf.resolve())
+    assert config.eos_token_ids == (2,)  # the tokenizer's <|im_end|>, from the metadata
+    folder = Path(config.path)
+    ours = AutoTokenizer.from_pretrained(folder)
+    for text in ("Hello world", "  spaced  out\n\nünïcode 123", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours(text).input_ids == theirs(text).input_ids
+    runner = _runner(folder)
+    reference = _runner(files.reference)
+    got, want = _our_logits(runner, PROMPT[:5]), _our_logits(reference, PROMPT[:5])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
