@@ -35,7 +35,9 @@ from kvmesh.worker.models.registry import get_model_class
 
 from .gguf_family_files import TokenizerFields, tokenizer_fields, write_family_gguf
 from .model_families import make_family_checkpoint
+from .parallel_ranks import RunSpec, run_replica, run_single
 from .test_worker_model_loader import _our_logits
+from .test_worker_parallel_replica import assert_same_outputs
 
 FAMILIES = [
     "LlamaForCausalLM",
@@ -57,6 +59,7 @@ _GEMMA = {"query_pre_attn_scalar": 16, "tie_word_embeddings": True}
 OVERRIDES = {"Gemma2ForCausalLM": _GEMMA, "Gemma3ForCausalLM": _GEMMA}
 PROMPT = [(7 * i + 3) % 160 for i in range(MAX_GGML_KERNEL_ROWS + 8)]
 PROMPT_LENGTHS = (5, len(PROMPT))  # the block kernel; tiles + GEMM
+TP_PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7] * 20 + [1, 2, 3], [100, 30]]
 # Facts compared between the two configs (the rest name the files).
 _SKIPPED_FIELDS = ("path", "gguf_file", "hf_config", "checkpoint_dtype")
 
@@ -201,3 +204,19 @@ def test_a_granite_gguf_file_serves_from_its_path_alone(
     reference = _runner(files.reference)
     got, want = _our_logits(runner, PROMPT[:5]), _our_logits(reference, PROMPT[:5])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(
+    "architecture", ["Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"]
+)
+def test_family_gguf_blocks_shard_over_two_ranks(architecture: str, tmp_path: Path) -> None:
+    """TP=2 over a family's Q8_0 file gives TP=1's tokens: Phi-3's fused
+    blocks cut run by run, Gemma's offset norms, MoE expert stacks sliced
+    (columns split on 32-wide blocks: hidden 64, MLP 128)."""
+    checkpoint = tmp_path / "checkpoint"
+    make_family_checkpoint(
+        checkpoint, architecture, intermediate_size=128, **OVERRIDES.get(architecture, {})
+    )
+    files = write_family_gguf(checkpoint, tmp_path / "gguf", "Q8_0")
+    spec = RunSpec(str(_named(files.gguf, tmp_path / "named")), TP_PROMPTS, chunk_size=8)
+    assert_same_outputs(run_single(spec), run_replica(2, 1, spec))

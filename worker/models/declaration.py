@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.worker.models.quantized import join_rows
 from kvmesh.worker.parallel.sharding import ShardPlan
 
 
@@ -244,8 +245,9 @@ class ModelDeclaration:
             keep = split_keep(split, plan, hidden_size)
             pieces.append(tensor[start + keep.start : start + keep.stop])
             start += size
-        # One run slices (a GGUF file's codes too); fused runs are dense tensors.
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        # One run slices (a GGUF file's codes too); the runs of a fused tensor
+        # join again (a GGUF file's fused blocks stay blocks: Phi-3's attn_qkv).
+        return pieces[0] if len(pieces) == 1 else join_rows(pieces)
 
     def shard_cols(
         self, name: str, tensor: torch.Tensor, plan: ShardPlan, hidden_size: int
