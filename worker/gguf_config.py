@@ -86,6 +86,32 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     )
 
 
+def _frequency_factors(reader: GGUFReader, hf: dict[str, Any]) -> dict[str, Any] | None:
+    """llama.cpp's ``rope_freqs`` tensor: per rotary pair, the divisor of its
+    frequency. The converter writes Llama 3.x's ``llama3`` rope scaling only
+    this way (no keys), so it is read as what it is, fixed per-pair divisors:
+    LongRoPE's form with one factor list and no length switch or attention
+    factor (the same tables; float32 rounding of the divisors aside)."""
+    found = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    if not found:
+        return None
+    if "rope_scaling" in hf:
+        raise UnsupportedModelError(
+            f"GGUF with both rope_freqs and rope.scaling.type {hf['rope_scaling']['rope_type']!r} "
+            "is not supported; supported: one of them"
+        )
+    factors = [float(f) for f in np.asarray(found[0].data, dtype=np.float32)]
+    if len(factors) != int(hf["head_dim"]) // 2:
+        raise ValueError(f"rope_freqs has {len(factors)} factors, not head_dim / 2")
+    return {
+        "rope_type": "longrope",
+        "short_factor": factors,
+        "long_factor": factors,
+        "original_max_position_embeddings": int(hf["max_position_embeddings"]),
+        "attention_factor": 1.0,
+    }
+
+
 def gguf_hf_config(path: Path) -> dict[str, Any]:
     """The config.json dict of the checkpoint ``path`` (a .gguf file) was converted from."""
     reader = GGUFReader(str(path))
@@ -125,6 +151,9 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
     scaling = _rope_scaling(meta, arch)
     if scaling is not None:
         hf["rope_scaling"] = scaling
+    factors = _frequency_factors(reader, hf)
+    if factors is not None:
+        hf["rope_scaling"] = factors
     if layout.config_hook is not None:
         layout.config_hook(meta, shapes, hf)
     return hf

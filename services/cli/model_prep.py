@@ -142,14 +142,15 @@ def write_gguf_config(gguf_path: Path, out_dir: Path) -> None:
     its metadata stands for, as the family that reads it declares the keys
     (worker/gguf_config.py): an architecture no family reads is refused here,
     by name with the supported list, before anything else starts."""
-    from transformers import GenerationConfig, PretrainedConfig
+    from transformers import GenerationConfig
 
     from kvmesh.worker.gguf_config import gguf_hf_config
 
     hf_config = gguf_hf_config(gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    GenerationConfig.from_model_config(PretrainedConfig(**hf_config)).save_pretrained(out_dir)
+    ids = {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    GenerationConfig(**ids).save_pretrained(out_dir)
     marker = {"gguf_file": str(gguf_path.resolve())}
     (out_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
 

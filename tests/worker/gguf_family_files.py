@@ -93,6 +93,26 @@ def _permute(weight: np.ndarray, num_heads: int, inverse: bool = False) -> np.nd
     )
 
 
+def _llama3_rope_freqs(hf: dict[str, Any]) -> np.ndarray | None:
+    """The converter's ``rope_freqs`` for a ``llama3`` rope scaling: per rotary
+    pair, 1 for short wavelengths, ``factor`` for long ones, a smooth blend
+    between (its only record of the scaling: no metadata keys)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    base = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    wavelengths = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (original / wavelengths - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(
+        wavelengths < original / high, 1.0, np.where(wavelengths > original / low, factor, blended)
+    )
+    return factors.astype(np.float32)
+
+
 def _metadata(writer: GGUFWriter, hf: dict[str, Any], architecture: str) -> None:
     """The converter's set_gguf_parameters for these architectures."""
     heads = hf["num_attention_heads"]
@@ -186,6 +206,9 @@ def write_family_gguf(
     if tokenizer is not None:
         _copy_tokenizer(writer, tokenizer)
     reference: dict[str, torch.Tensor] = {}
+    rope_freqs = _llama3_rope_freqs(hf)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
 
     tied = "lm_head.weight" not in state
 

@@ -220,3 +220,30 @@ def test_family_gguf_blocks_shard_over_two_ranks(architecture: str, tmp_path: Pa
     files = write_family_gguf(checkpoint, tmp_path / "gguf", "Q8_0")
     spec = RunSpec(str(_named(files.gguf, tmp_path / "named")), TP_PROMPTS, chunk_size=8)
     assert_same_outputs(run_single(spec), run_replica(2, 1, spec))
+
+
+def test_llama3_rope_freqs_give_the_scaled_rope(tmp_path: Path) -> None:
+    """Llama 3.x's rope scaling travels only as the converter's rope_freqs
+    tensor: read as per-pair divisors, the logits are the checkpoint's (within
+    the float32 rounding of the divisors), and far from plain rope's."""
+    checkpoint = tmp_path / "checkpoint"
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 10_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    make_family_checkpoint(checkpoint, "LlamaForCausalLM", **SIZES, rope_parameters=llama3)
+    files = write_family_gguf(checkpoint, tmp_path / "gguf", "F32")
+    named = _named(files.gguf, tmp_path / "named")
+    assert (
+        json.loads((named / "config.json").read_text())["rope_scaling"]["rope_type"] == "longrope"
+    )
+    got = _our_logits(_runner(named), PROMPT)
+    want = _our_logits(_runner(checkpoint), PROMPT)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    plain = tmp_path / "plain"
+    make_family_checkpoint(plain, "LlamaForCausalLM", **SIZES)
+    assert not torch.allclose(_our_logits(_runner(plain), PROMPT), want, rtol=1e-3, atol=1e-3)
