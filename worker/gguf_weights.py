@@ -26,9 +26,14 @@ F32, F16 and BF16 tensors are dense (read in the load dtype). Any other type
 allows dense weights (an explicit ``--dtype``): then the ``gguf`` package
 dequantizes it to a dense tensor, said so in the log.
 
-llama.cpp's converter permutes the rows of a Llama's q and k projections
-(interleaved rotary halves); transformers' GGUF loader undoes it, and so do we,
-on the codes' rows.
+Names and layout quirks are the family's (its declaration's ``GGUFLayout``,
+worker/models/<family>.py); this module only applies them: q/k rows the
+converter permuted for a Llama-style rope (interleaved rotary halves) are put
+back, on the codes' rows; a norm stored as ``w + offset`` (Gemma) gets its
+offset back; an expert stack (``ffn_*_exps``, [experts, rows, cols]) is read
+as one matrix per expert. The MoE path multiplies dense expert stacks
+(torch._grouped_mm), so a quantized expert stack is dequantized to the load
+dtype, said so in the log; every other projection stays blocks.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from kvmesh.kernels.block_codes import BLOCK, RowCodes
@@ -52,6 +57,7 @@ GGUFTensor = torch.Tensor | RowCodes | GGMLRows
 
 # Tensors llama.cpp adds that the model does not load (rotary factors come from config.json).
 _SKIPPED = ("rope_freqs.weight",)
+EXPERT = "{e}"  # in a checkpoint name: the expert index of a stack's slice
 
 # Bytes of one 32-weight block: (type, float16 fields before the codes, code bytes).
 _Q8_0, _Q4_0, _Q4_1 = (
@@ -94,6 +100,14 @@ def _unpermute_rows(tensor: GGUFTensor, num_heads: int) -> GGUFTensor:
     return tensor[order.reshape(-1)]
 
 
+def _dense(
+    tensor: ReaderTensor, kind: GGMLQuantizationType, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The tensor in float32 (a writable copy)."""
+    dense = dequantize(tensor.data, kind).reshape(shape)
+    return torch.from_numpy(np.array(dense, dtype=np.float32))
+
+
 def iterate_gguf_weights(
     path: Path,
     declaration: ModelDeclaration,
@@ -106,18 +120,18 @@ def iterate_gguf_weights(
     for every weight, named by the family's declaration (``gguf_name``).
     ``allow_dense``: dequantize types without a block kernel (else they are
     refused with their name: UnsupportedGGUFType)."""
+    layout = declaration.gguf
     reader = GGUFReader(str(path))
+    architecture = str(reader.fields["general.architecture"].contents())
+    if layout is None or architecture != layout.architecture:
+        raise ValueError(
+            f"GGUF architecture {architecture!r} in {path} is not one this model family reads "
+            f"(it reads {layout.architecture if layout else 'no GGUF files'!r})"
+        )
     # One representation per file (see the module docstring).
     as_blocks = any(
         GGMLQuantizationType(t.tensor_type) not in CODE_TYPES + DENSE_TYPES for t in reader.tensors
     )
-    architecture = str(reader.fields["general.architecture"].contents())
-    if architecture not in declaration.gguf_architectures:
-        raise ValueError(
-            f"GGUF architecture {architecture!r} in {path} is not one this model family reads "
-            f"(it reads {list(declaration.gguf_architectures) or 'no GGUF files'})"
-        )
-    permuted = architecture in declaration.gguf_permuted_qk
     for tensor in reader.tensors:
         name = declaration.gguf_name(tensor.name)
         if name is None:
@@ -126,6 +140,23 @@ def iterate_gguf_weights(
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne: innermost first
         kind = GGMLQuantizationType(tensor.tensor_type)
+        if EXPERT in name:
+            if len(shape) != 3:
+                raise ValueError(
+                    f"{tensor.name} in {path}: shape {shape}, not [experts, rows, cols]"
+                )
+            if kind not in DENSE_TYPES:
+                logger.info(
+                    "%s: %s is %s: dequantized to %s (the expert path runs dense weights)",
+                    path.name,
+                    tensor.name,
+                    kind.name,
+                    dense_dtype,
+                )
+            stack = _dense(tensor, kind, shape).to(dense_dtype)
+            for expert in range(shape[0]):
+                yield name.replace(EXPERT, str(expert)), stack[expert]
+            continue
         value: GGUFTensor
         if kind in CODE_TYPES and len(shape) == 2 and not as_blocks:
             value = block_codes(tensor.data, kind, *shape)
@@ -147,9 +178,10 @@ def iterate_gguf_weights(
                     kind.name,
                     dense_dtype,
                 )
-            dense = dequantize(tensor.data, kind).reshape(shape)
-            value = torch.from_numpy(np.array(dense, dtype=np.float32))  # a writable copy
+            value = _dense(tensor, kind, shape)
+            if layout.norm_offset and name.endswith("norm.weight"):
+                value = value - layout.norm_offset  # in float32, as it was added
             value = value.to(dense_dtype)
-        if permuted and (".q_proj." in name or ".k_proj." in name):
+        if layout.permuted_qk and (".q_proj." in name or ".k_proj." in name):
             value = _unpermute_rows(value, num_heads if "q_proj" in name else num_kv_heads)
         yield name, value

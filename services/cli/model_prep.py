@@ -3,8 +3,10 @@
 Every service turns ``--model`` into a folder through ``resolve_model_path``:
 the folder's ``config.json`` and tokenizer files are what the worker, gateway
 and detokenizer read. A ``.gguf`` file gets a folder of its own in the model
-cache holding only the config and tokenizer transformers reads out of the
-GGUF, plus a marker naming the file (``gguf_weights_file``): its weights are
+cache holding only its config (from the GGUF metadata, as the family that
+reads the architecture declares it: worker/gguf_config.py), the tokenizer
+transformers reads out of the GGUF, and a marker naming the file
+(``gguf_weights_file``): its weights are
 read from the GGUF itself by the worker (worker/gguf_weights.py), never
 written out.
 
@@ -135,6 +137,24 @@ def _gguf_folder(gguf_path: Path) -> Path:
     return MODEL_CACHE.get() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
+def write_gguf_config(gguf_path: Path, out_dir: Path) -> None:
+    """``out_dir`` names ``gguf_path`` (GGUF_MARKER) and holds the config.json
+    its metadata stands for, as the family that reads it declares the keys
+    (worker/gguf_config.py): an architecture no family reads is refused here,
+    by name with the supported list, before anything else starts."""
+    from transformers import GenerationConfig
+
+    from kvmesh.worker.gguf_config import gguf_hf_config
+
+    hf_config = gguf_hf_config(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    ids = {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    GenerationConfig(**ids).save_pretrained(out_dir)
+    marker = {"gguf_file": str(gguf_path.resolve())}
+    (out_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
+
+
 def prepare_gguf_folder(gguf_path: Path) -> Path:
     """The config/tokenizer folder of a GGUF file, written once (idempotent and
     safe when several services start at once: each writes its own temporary
@@ -142,23 +162,22 @@ def prepare_gguf_folder(gguf_path: Path) -> Path:
     out_dir = _gguf_folder(gguf_path)
     if (out_dir / GGUF_MARKER).is_file():
         return out_dir
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("reading config and tokenizer of %s into %s", gguf_path, out_dir)
-    source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
-    config = AutoConfig.from_pretrained(**source)
-    if not getattr(config, "architectures", None):
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    # Dense tensors load as float32; quantized ones stay codes (worker/gguf_weights.py).
-    config.dtype = "float32"
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    config.save_pretrained(tmp_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
-    AutoTokenizer.from_pretrained(**source).save_pretrained(tmp_dir)
-    marker = {"gguf_file": str(gguf_path.resolve())}
-    (tmp_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
+    write_gguf_config(gguf_path, tmp_dir)  # refuses an architecture no family reads
+    source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+    except ValueError as error:
+        # transformers reads the config of only some GGUF architectures (not
+        # OLMo 2's or Granite's), but builds any file's tokenizer from its
+        # tokenizer.ggml.* metadata alone.
+        logger.info("%s: %s; building the tokenizer from its metadata", gguf_path.name, error)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(**source)
+    tokenizer.save_pretrained(tmp_dir)
     try:
         tmp_dir.rename(out_dir)
     except OSError:  # another service finished first: its folder is the same

@@ -58,10 +58,10 @@ def write_tiny_gguf(
     gguf_path = out_dir / "tiny.gguf"
     # The family's llama.cpp names (its declaration), as llama.cpp's converter
     # writes them: q/k rows permuted for the "llama" architecture only.
-    declaration = get_model_class(config["architectures"][0]).declaration
-    architecture = declaration.gguf_architectures[-1]
-    permuted = architecture in declaration.gguf_permuted_qk
-    writer = GGUFWriter(gguf_path, architecture)
+    layout = get_model_class(config["architectures"][0]).declaration.gguf
+    assert layout is not None
+    permuted = layout.permuted_qk
+    writer = GGUFWriter(gguf_path, layout.architecture)
     reference: dict[str, torch.Tensor] = {}
 
     def add(gguf_name: str, hf_name: str, kind: GGMLQuantizationType, permute: int = 0) -> None:
@@ -85,7 +85,7 @@ def write_tiny_gguf(
     if "lm_head.weight" in state:
         add("output.weight", "lm_head.weight", Q8_0)
     for layer in range(config["num_hidden_layers"]):
-        for part, hf_part in declaration.gguf_layer_names.items():
+        for part, hf_part in layout.layer_names.items():
             kind = LAYER_TYPES.get(part, F32)
             permute = {"attn_q": heads, "attn_k": kv_heads}.get(part, 0) if permuted else 0
             add(

@@ -41,7 +41,7 @@ from gguf.quants import dequantize
 from kvmesh.kernels.ggml_quantize import quantize
 from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path
 from kvmesh.services.runtime.config.process import MODEL_CACHE
-from kvmesh.worker.models.llama import LlamaForCausalLM
+from kvmesh.worker.models.llama import LLAMA_GGUF
 
 Q = GGMLQuantizationType
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
@@ -140,7 +140,7 @@ def write_mix(
     if not tied:
         add("output.weight", "lm_head.weight", head_kind)
     for layer in range(layers):
-        for part, hf_part in LlamaForCausalLM.declaration.gguf_layer_names.items():
+        for part, hf_part in LLAMA_GGUF.layer_names.items():
             name = f"model.layers.{layer}.{hf_part}.weight"
             cols = state[name].shape[-1]
             kind = Q.F32 if state[name].dim() == 1 else tensor_type(mix, part, layer, layers, cols)

@@ -32,6 +32,8 @@ def family_config(architecture: str, **overrides: Any) -> Any:
         return transformers.Qwen3Config(**{"head_dim": 24, **common})  # head_dim != 64 / 4
     if architecture == "LlamaForCausalLM":
         return transformers.LlamaConfig(**common)
+    if architecture == "Qwen2ForCausalLM":
+        return transformers.Qwen2Config(**common)
     if architecture == "Gemma2ForCausalLM":
         return transformers.Gemma2Config(
             **{

@@ -18,11 +18,13 @@ split one shard alike.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvmesh.worker.models.quantized import join_rows
 from kvmesh.worker.parallel.sharding import ShardPlan
 
 
@@ -131,6 +133,44 @@ class LayerKVSpec:
     sliding_window: int | None = None
 
 
+# A GGUF file's metadata (key -> value, e.g. ``qwen3.block_count`` -> 28) and
+# tensor names -> shapes (Hugging Face order), as a family's config hook reads them.
+GGUFMetadata = Mapping[str, Any]
+GGUFShapes = Mapping[str, tuple[int, ...]]
+GGUFConfigHook = Callable[[GGUFMetadata, GGUFShapes, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp's converter (convert_hf_to_gguf.py) writes one family:
+    the names, the layout quirks the loader undoes, and the metadata keys that
+    become config.json fields (worker/gguf_config.py reads the keys every
+    architecture shares; these are the family's own)."""
+
+    # ``general.architecture`` and the Hugging Face names it stands for.
+    architecture: str
+    hf_architecture: str
+    model_type: str
+    # llama.cpp's per-layer tensor names (``blk.N.<name>``) -> the checkpoint
+    # suffix. A suffix with ``experts.{e}`` names a stack of every expert's
+    # matrix (``ffn_gate_exps``: [experts, rows, cols]), read expert by expert.
+    layer_names: Mapping[str, str]
+    # The converter permuted q/k rows (Llama-style rope as interleaved halves).
+    permuted_qk: bool = False
+    # The converter stored ``w + norm_offset`` for every ``*norm.weight``
+    # (Gemma's (1 + w) RMSNorms): the loader subtracts it back.
+    norm_offset: float = 0.0
+    # ``<arch>.<key>`` -> config.json field, for the family's own facts.
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    # config.json fields llama.cpp never stores but assumes for the architecture.
+    config_fixed: Mapping[str, Any] = field(default_factory=dict)
+    # Facts that need more than a key (layer patterns, model-size rules).
+    config_hook: GGUFConfigHook | None = None
+    # Whether this layout is the architecture's mixture-of-experts reading
+    # (Mixtral is llama.cpp's "llama" with ``llama.expert_count`` set).
+    experts: bool = False
+
+
 @dataclass(frozen=True)
 class ModelDeclaration:
     """Everything about a family's layout that is not its forward."""
@@ -141,12 +181,8 @@ class ModelDeclaration:
     layer_tensors: Mapping[str, CheckpointTensor]
     # PEFT module name -> what it adapts.
     lora_targets: Mapping[str, LoRATarget]
-    # llama.cpp's per-layer tensor names (``blk.N.<name>``) -> the checkpoint suffix,
-    # for the GGUF architectures (``general.architecture``) this family reads.
-    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
-    gguf_architectures: tuple[str, ...] = ()
-    # GGUF architectures whose converter permuted q/k rows (interleaved rotary halves).
-    gguf_permuted_qk: tuple[str, ...] = ()
+    # How llama.cpp writes the family as GGUF (None: llama.cpp has no such architecture).
+    gguf: GGUFLayout | None = None
     # Global checkpoint names (embedding, final norm, LM head): fixed by the HF layout.
     embed_name: str = "model.embed_tokens.weight"
     norm_name: str = "model.norm.weight"
@@ -209,8 +245,9 @@ class ModelDeclaration:
             keep = split_keep(split, plan, hidden_size)
             pieces.append(tensor[start + keep.start : start + keep.stop])
             start += size
-        # One run slices (a GGUF file's codes too); fused runs are dense tensors.
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        # One run slices (a GGUF file's codes too); the runs of a fused tensor
+        # join again (a GGUF file's fused blocks stay blocks: Phi-3's attn_qkv).
+        return pieces[0] if len(pieces) == 1 else join_rows(pieces)
 
     def shard_cols(
         self, name: str, tensor: torch.Tensor, plan: ShardPlan, hidden_size: int
@@ -282,7 +319,8 @@ class ModelDeclaration:
     # -- GGUF ----------------------------------------------------------------
 
     def gguf_name(self, gguf_name: str) -> str | None:
-        """The checkpoint name of a GGUF tensor (None: not a model weight)."""
+        """The checkpoint name of a GGUF tensor (None: not a model weight); an
+        expert stack's name keeps ``{e}`` for the reader to fill."""
         globals_ = {
             "token_embd.weight": self.embed_name,
             "output_norm.weight": self.norm_name,
@@ -293,7 +331,7 @@ class ModelDeclaration:
         pieces = gguf_name.split(".")
         if len(pieces) != 4 or pieces[0] != "blk" or not pieces[1].isdigit():
             return None
-        suffix = self.gguf_layer_names.get(pieces[2])
+        suffix = None if self.gguf is None else self.gguf.layer_names.get(pieces[2])
         if suffix is None:
             return None
         return f"{self.layer_prefix}{pieces[1]}.{suffix}.{pieces[3]}"

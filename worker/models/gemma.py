@@ -13,6 +13,9 @@ from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.models.config_checks import check_rope, refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
+    GGUFLayout,
+    GGUFMetadata,
+    GGUFShapes,
     LayerKVSpec,
     ModelDeclaration,
     Split,
@@ -20,7 +23,8 @@ from kvmesh.worker.models.declaration import (
 )
 from kvmesh.worker.models.decoder import DecoderForCausalLM
 from kvmesh.worker.models.features import Features, RopeSpec
-from kvmesh.worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.llama import GGUF_SPLIT_NAMES, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.qwen3 import GGUF_QK_NORM_NAMES
 
 _HIDDEN = ("hidden", Split.HIDDEN)
 SANDWICH_NORMS = {
@@ -36,6 +40,69 @@ SANDWICH_TENSORS = {
     "post_feedforward_layernorm.weight": CheckpointTensor("post_mlp_norm", ("hidden",)),
 }
 SLIDING = "sliding_attention"
+GGUF_SANDWICH_NAMES = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's model-size rule: its 27B Gemmas (by layer count) scale attention
+# by hidden / heads, every other size by head_dim; query_pre_attn_scalar is
+# not in the file.
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_gguf_config(meta: GGUFMetadata, shapes: GGUFShapes, hf: dict[str, Any]) -> None:
+    arch = str(meta["general.architecture"])
+    if hf["num_hidden_layers"] == _GGUF_27B_LAYERS[arch]:
+        hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    else:
+        hf["query_pre_attn_scalar"] = hf["head_dim"]
+
+
+def _gemma3_gguf_config(meta: GGUFMetadata, shapes: GGUFShapes, hf: dict[str, Any]) -> None:
+    """Gemma 3's layer pattern and its two rotary tables: the global one from
+    ``rope.freq_base`` (and its linear scaling), the local one from
+    ``rope.freq_base_swa`` (llama.cpp's 10,000 when absent)."""
+    _gemma_gguf_config(meta, shapes, hf)
+    layers = hf["num_hidden_layers"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: True = sliding window
+        sliding = [bool(flag) for flag in pattern]
+    else:  # every pattern-th layer global (llama.cpp's set_swa_pattern)
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    hf["layer_types"] = [SLIDING if s else "full_attention" for s in sliding]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": hf.pop("rope_theta")}
+    scaling = hf.pop("rope_scaling", None)
+    if scaling is not None:
+        full.update(scaling)
+    local = {
+        "rope_type": "default",
+        "rope_theta": float(meta.get("gemma3.rope.freq_base_swa", 1e4)),
+    }
+    hf["rope_parameters"] = {"full_attention": full, SLIDING: local}
+
+
+def _gemma_gguf(arch: str, hf_architecture: str, names: dict[str, str]) -> GGUFLayout:
+    """The converter's Gemma 2/3: ``w + 1`` stored for every norm, rows kept,
+    the embedding scale applied by the model (not stored)."""
+    return GGUFLayout(
+        architecture=arch,
+        hf_architecture=hf_architecture,
+        model_type=arch if arch == "gemma2" else "gemma3_text",
+        layer_names={**GGUF_SANDWICH_NAMES, **GGUF_SPLIT_NAMES, **names},
+        norm_offset=1.0,
+        config_keys={
+            "attn_logit_softcapping": "attn_logit_softcapping",
+            "final_logit_softcapping": "final_logit_softcapping",
+        },
+        config_fixed={
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+        },
+        config_hook=_gemma_gguf_config if arch == "gemma2" else _gemma3_gguf_config,
+    )
 
 
 def _layer_types(hf: dict[str, Any], num_layers: int, pattern: int) -> list[str]:
@@ -96,6 +163,7 @@ class Gemma2ForCausalLM(_GemmaBase):
         params={**SANDWICH_NORMS, **PROJECTIONS},
         layer_tensors={**SANDWICH_TENSORS, **SPLIT_TENSORS},
         lora_targets=SPLIT_LORA,
+        gguf=_gemma_gguf("gemma2", "Gemma2ForCausalLM", {}),
     )
 
     @classmethod
@@ -139,6 +207,7 @@ class Gemma3ForCausalLM(_GemmaBase):
             "self_attn.k_norm.weight": CheckpointTensor("k_norm", ("head",)),
         },
         lora_targets=SPLIT_LORA,
+        gguf=_gemma_gguf("gemma3", "Gemma3ForCausalLM", GGUF_QK_NORM_NAMES),
     )
 
     @classmethod

@@ -10,6 +10,7 @@ from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.models.config_checks import refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
+    GGUFLayout,
     LoRATarget,
     ModelDeclaration,
     ParamDecl,
@@ -61,6 +62,11 @@ GGUF_SPLIT_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's names of the two pre-norms.
+GGUF_NORM_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 NORMS: dict[str, ParamDecl] = {
     "input_norm": vector(("hidden", H)),
     "pre_mlp_norm": vector(("hidden", H)),
@@ -71,7 +77,24 @@ NORM_TENSORS: dict[str, CheckpointTensor] = {
 }
 
 
-def llama_declaration(qkv_bias: bool) -> ModelDeclaration:
+# llama.cpp's "llama" (Llama 1-3, Mistral: the converter's LlamaModel, which
+# permutes q/k rows for its interleaved rope); "qwen2" keeps rows as they are.
+LLAMA_GGUF = GGUFLayout(
+    architecture="llama",
+    hf_architecture="LlamaForCausalLM",
+    model_type="llama",
+    layer_names={**GGUF_NORM_NAMES, **GGUF_SPLIT_NAMES},
+    permuted_qk=True,
+)
+QWEN2_GGUF = GGUFLayout(
+    architecture="qwen2",
+    hf_architecture="Qwen2ForCausalLM",
+    model_type="qwen2",
+    layer_names={**GGUF_NORM_NAMES, **GGUF_SPLIT_NAMES},
+)
+
+
+def llama_declaration(qkv_bias: bool, gguf: GGUFLayout | None) -> ModelDeclaration:
     params = {**NORMS, **PROJECTIONS}
     tensors = {**NORM_TENSORS, **SPLIT_TENSORS}
     if qkv_bias:
@@ -81,20 +104,14 @@ def llama_declaration(qkv_bias: bool) -> ModelDeclaration:
         params=params,
         layer_tensors=tensors,
         lora_targets=SPLIT_LORA,
-        gguf_layer_names={
-            "attn_norm": "input_layernorm",
-            "ffn_norm": "post_attention_layernorm",
-            **GGUF_SPLIT_NAMES,
-        },
-        gguf_architectures=("mistral", "qwen2", "llama"),
-        gguf_permuted_qk=("llama",),
+        gguf=gguf,
     )
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama and Mistral (whose ``sliding_window`` is checked like any window)."""
 
-    declaration = llama_declaration(qkv_bias=False)
+    declaration = llama_declaration(qkv_bias=False, gguf=LLAMA_GGUF)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -107,4 +124,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
 class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2/2.5: Llama with q/k/v biases (``attention_bias`` unset in its config)."""
 
-    declaration = llama_declaration(qkv_bias=True)
+    declaration = llama_declaration(qkv_bias=True, gguf=QWEN2_GGUF)

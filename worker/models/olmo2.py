@@ -6,10 +6,30 @@ from __future__ import annotations
 
 from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.models.config_checks import refuse
-from kvmesh.worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
+from kvmesh.worker.models.declaration import (
+    CheckpointTensor,
+    GGUFLayout,
+    ModelDeclaration,
+    Split,
+    vector,
+)
 from kvmesh.worker.models.decoder import DecoderForCausalLM
 from kvmesh.worker.models.features import Features
-from kvmesh.worker.models.llama import PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.llama import GGUF_SPLIT_NAMES, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.qwen3 import GGUF_QK_NORM_NAMES
+
+# The converter's Olmo2Model: plain names (its q/k norms span every head), rows kept.
+OLMO2_GGUF = GGUFLayout(
+    architecture="olmo2",
+    hf_architecture="Olmo2ForCausalLM",
+    model_type="olmo2",
+    layer_names={
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        **GGUF_QK_NORM_NAMES,
+        **GGUF_SPLIT_NAMES,
+    },
+)
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
@@ -29,6 +49,7 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
             **SPLIT_TENSORS,
         },
         lora_targets=SPLIT_LORA,
+        gguf=OLMO2_GGUF,
     )
 
     @classmethod

@@ -47,6 +47,12 @@ def assemble(pieces: dict[int, WeightPiece], rows: int) -> WeightPiece:
     ordered = [pieces[row] for row in sorted(pieces)]
     if sum(p.shape[0] for p in ordered) != rows:
         raise ValueError(f"pieces cover {sum(p.shape[0] for p in ordered)} of {rows} rows")
+    return join_rows(ordered)
+
+
+def join_rows(ordered: list[WeightPiece]) -> WeightPiece:
+    """Pieces stacked by rows: codes when every piece is codes of one kind
+    (a TP shard of a fused GGUF tensor stays blocks), else dense."""
     if all(isinstance(p, RowCodes) for p in ordered):
         return RowCodes.cat(ordered)  # type: ignore[arg-type]
     if all(isinstance(p, GGMLRows) for p in ordered):

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.models.config_checks import refuse
-from kvmesh.worker.models.declaration import CheckpointTensor, ModelDeclaration, Split, vector
+from kvmesh.worker.models.declaration import (
+    CheckpointTensor,
+    GGUFLayout,
+    ModelDeclaration,
+    Split,
+    vector,
+)
 from kvmesh.worker.models.decoder import DecoderForCausalLM
 from kvmesh.worker.models.features import Features
 from kvmesh.worker.models.llama import (
+    GGUF_NORM_NAMES,
     GGUF_SPLIT_NAMES,
     NORM_TENSORS,
     NORMS,
@@ -16,6 +23,9 @@ from kvmesh.worker.models.llama import (
     SPLIT_LORA,
     SPLIT_TENSORS,
 )
+
+# llama.cpp's names of the per-head q/k norms.
+GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
@@ -33,14 +43,12 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
             "self_attn.k_norm.weight": CheckpointTensor("k_norm", ("head",)),
         },
         lora_targets=SPLIT_LORA,
-        gguf_layer_names={
-            "attn_norm": "input_layernorm",
-            "ffn_norm": "post_attention_layernorm",
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
-            **GGUF_SPLIT_NAMES,
-        },
-        gguf_architectures=("qwen3",),
+        gguf=GGUFLayout(
+            architecture="qwen3",
+            hf_architecture="Qwen3ForCausalLM",
+            model_type="qwen3",
+            layer_names={**GGUF_NORM_NAMES, **GGUF_QK_NORM_NAMES, **GGUF_SPLIT_NAMES},
+        ),
     )
 
     @classmethod

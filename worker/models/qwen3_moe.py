@@ -8,6 +8,7 @@ from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.models.config_checks import refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
+    GGUFLayout,
     ModelDeclaration,
     ParamDecl,
     Part,
@@ -16,7 +17,16 @@ from kvmesh.worker.models.declaration import (
 )
 from kvmesh.worker.models.decoder import DecoderForCausalLM
 from kvmesh.worker.models.features import Features
-from kvmesh.worker.models.llama import NORM_TENSORS, NORMS, PROJECTIONS, SPLIT_LORA, SPLIT_TENSORS
+from kvmesh.worker.models.llama import (
+    GGUF_NORM_NAMES,
+    GGUF_SPLIT_NAMES,
+    NORM_TENSORS,
+    NORMS,
+    PROJECTIONS,
+    SPLIT_LORA,
+    SPLIT_TENSORS,
+)
+from kvmesh.worker.models.qwen3 import GGUF_QK_NORM_NAMES
 
 _ATTENTION = ("qkv_proj", "o_proj")
 _EXPERT = Split.EXPERT_INTERMEDIATE
@@ -29,8 +39,25 @@ EXPERT_PARAMS = {
 }
 
 
+def gguf_moe_names(block: str, router: str, gate: str, up: str, down: str) -> dict[str, str]:
+    """llama.cpp's MoE tensors: the router, and each expert matrix kind as one
+    stack over the experts (``ffn_*_exps``: [experts, rows, cols])."""
+    return {
+        "ffn_gate_inp": f"{block}.{router}",
+        "ffn_gate_exps": f"{block}.experts.{{e}}.{gate}",
+        "ffn_up_exps": f"{block}.experts.{{e}}.{up}",
+        "ffn_down_exps": f"{block}.experts.{{e}}.{down}",
+    }
+
+
 def moe_declaration(
-    block: str, router: str, gate: str, up: str, down: str, qk_norm: bool
+    block: str,
+    router: str,
+    gate: str,
+    up: str,
+    down: str,
+    qk_norm: bool,
+    gguf: GGUFLayout,
 ) -> ModelDeclaration:
     """A MoE family's declaration: its MLP's module ``block`` with a ``router``
     and experts whose gate/up/down matrices are named ``gate``/``up``/``down``."""
@@ -56,11 +83,50 @@ def moe_declaration(
         params=params,
         layer_tensors=tensors,
         lora_targets={k: v for k, v in SPLIT_LORA.items() if v.param in _ATTENTION},
+        gguf=gguf,
     )
 
 
+# llama.cpp's qwen3moe graph always renormalizes the top-k weights (the file
+# may say so with expert_weights_norm); Mixtral is its "llama" with experts.
+QWEN3_MOE_GGUF = GGUFLayout(
+    architecture="qwen3moe",
+    hf_architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    layer_names={
+        **GGUF_NORM_NAMES,
+        **GGUF_QK_NORM_NAMES,
+        **GGUF_SPLIT_NAMES,
+        **gguf_moe_names("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    },
+    config_keys={
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_weights_norm": "norm_topk_prob",
+    },
+    config_fixed={"norm_topk_prob": True},
+    experts=True,
+)
+MIXTRAL_GGUF = GGUFLayout(
+    architecture="llama",
+    hf_architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    layer_names={
+        **GGUF_NORM_NAMES,
+        **GGUF_SPLIT_NAMES,
+        **gguf_moe_names("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    },
+    permuted_qk=True,
+    config_keys={"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    experts=True,
+)
+
+
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    declaration = moe_declaration("mlp", "gate", "gate_proj", "up_proj", "down_proj", True)
+    declaration = moe_declaration(
+        "mlp", "gate", "gate_proj", "up_proj", "down_proj", True, QWEN3_MOE_GGUF
+    )
 
     @classmethod
     def family_features(cls, config: ModelConfig) -> Features:
@@ -85,7 +151,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
-    declaration = moe_declaration("block_sparse_moe", "gate", "w1", "w3", "w2", False)
+    declaration = moe_declaration("block_sparse_moe", "gate", "w1", "w3", "w2", False, MIXTRAL_GGUF)
 
     @classmethod
     def family_features(cls, config: ModelConfig) -> Features:

@@ -42,6 +42,32 @@ def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
     return model_class
 
 
+def gguf_architectures() -> list[str]:
+    """The GGUF architectures (``general.architecture``) families read, each
+    with the Hugging Face architecture it loads as."""
+    layouts = [c.declaration.gguf for c in _gguf_classes()]
+    return sorted(f"{g.architecture} ({g.hf_architecture})" for g in layouts if g is not None)
+
+
+def _gguf_classes() -> list[type[DecoderForCausalLM]]:
+    unique = {id(c): c for c in MODEL_REGISTRY.values() if c.declaration.gguf is not None}
+    return list(unique.values())
+
+
+def gguf_model_class(architecture: str, has_experts: bool) -> type[DecoderForCausalLM]:
+    """The family reading a GGUF file of ``architecture`` (llama.cpp's name;
+    ``has_experts``: its ``<arch>.expert_count`` is set, Mixtral's "llama")."""
+    for model_class in _gguf_classes():
+        layout = model_class.declaration.gguf
+        assert layout is not None
+        if layout.architecture == architecture and layout.experts == has_experts:
+            return model_class
+    kind = " with experts" if has_experts else ""
+    raise UnsupportedModelError(
+        f"unsupported GGUF architecture {architecture!r}{kind}; supported: {gguf_architectures()}"
+    )
+
+
 def check_model(config: ModelConfig) -> type[DecoderForCausalLM]:
     """The checkpoint's model class, after refusing anything in its config that
     the class does not implement (UnsupportedModelError names the field)."""
