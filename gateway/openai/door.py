@@ -14,13 +14,20 @@ The door uses the gate's own count and paths, so it refuses exactly the calls
 the middleware would refuse at that instant; a call it lets through may still
 be refused by the middleware (slots taken since), never the other way round.
 Calls without the API key are let through to get their 401 from the app.
+
+``kvmesh_gateway_door_refusal_seconds`` times each refusal from the
+connection's accept (``connection_made``) to its 429 written: the part of a
+refusal's latency the gateway owns. A client's connect-to-429 minus it is time
+in the kernel's accept queue and in the client itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
+from prometheus_client import Histogram
 from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
@@ -32,6 +39,14 @@ from kvmesh.gateway.admission import AdmissionGate
 from kvmesh.gateway.openai.errors import RETRY_AFTER_S, error_body
 
 _OVERLOADED = 429
+
+# Exposed as kvmesh_gateway_door_refusal_seconds_{bucket,count,sum}.
+DOOR_REFUSAL_SECONDS = Histogram(
+    "kvmesh_gateway_door_refusal_seconds",
+    "Seconds from a connection's accept to the 429 the full gateway wrote on it "
+    "(calls refused before the ASGI app).",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
 
 
 def _refusal_head_and_body(gate: AdmissionGate) -> tuple[bytes, bytes]:
@@ -53,6 +68,12 @@ def door_protocol(gate: AdmissionGate, api_key: str | None) -> type[HttpToolsPro
     head, body = _refusal_head_and_body(gate)
 
     class DoorProtocol(HttpToolsProtocol):
+        accepted_at = 0.0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            self.accepted_at = self.loop.time()
+            super().connection_made(transport)  # type: ignore[arg-type]
+
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
             if gate.guards(cycle.scope["path"]) and self._authorized(cycle) and gate.refuses():
                 self._refuse(cycle)
@@ -82,5 +103,6 @@ def door_protocol(gate: AdmissionGate, api_key: str | None) -> type[HttpToolsPro
             if not cycle.keep_alive:
                 self.transport.close()
             cycle.on_response()
+            DOOR_REFUSAL_SECONDS.observe(self.loop.time() - self.accepted_at)
 
     return DoorProtocol

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.gateway.admission import AdmissionGate
@@ -72,6 +72,10 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], by
     )
 
 
+def _door_refusals_timed() -> float:
+    return REGISTRY.get_sample_value("kvmesh_gateway_door_refusal_seconds_count") or 0.0
+
+
 async def test_a_full_gate_answers_429_without_the_app_and_keeps_the_connection(
     engine: FakeEngineClient, tokenizer: Tokenizer
 ) -> None:
@@ -82,6 +86,7 @@ async def test_a_full_gate_answers_429_without_the_app_and_keeps_the_connection(
     async with _serving(app, gate, None) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         assert gate.try_enter()  # the one slot is taken
+        timed_before = _door_refusals_timed()
         writer.write(_request("/v1/completions", BODY))
         status, headers, body = await _answer(reader)
         assert status == 429
@@ -89,6 +94,7 @@ async def test_a_full_gate_answers_429_without_the_app_and_keeps_the_connection(
         assert headers["content-type"] == "application/json"
         assert json.loads(body) == error_body(gate.refusal())
         assert app.calls == 0 and engine.requests == [] and gate.refused == 1
+        assert _door_refusals_timed() == timed_before + 1
         # Ungated routes still reach the app while the gate is full.
         writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
         assert (await _answer(reader))[0] == 200
