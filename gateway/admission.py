@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 POOLING_PATHS = frozenset(
     {"/v1/embeddings", "/pooling", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
 )
+# Set in a call's scope["extensions"] by the HTTP door (gateway/openai/door.py),
+# which took the call's slot already and gives it back when the call ends.
+ADMITTED_EXTENSION = "kvmesh.admitted"
 GENERATION_PATHS = (
     frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"}) | POOLING_PATHS
 )
@@ -82,7 +85,11 @@ class AdmissionMiddleware:
         self.gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.gate.guards(scope["path"]):
+        if (
+            scope["type"] != "http"
+            or not self.gate.guards(scope["path"])
+            or ADMITTED_EXTENSION in scope.get("extensions", {})
+        ):
             await self.app(scope, receive, send)
             return
         if not self.gate.try_enter():

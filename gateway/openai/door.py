@@ -10,10 +10,13 @@ task, no middleware, one ``transport.write`` of prebuilt bytes. The body is
 never looked at (httptools skips it while the answer is complete), so the
 same connection can carry the next request when the client kept it alive.
 
-The door uses the gate's own count and paths, so it refuses exactly the calls
-the middleware would refuse at that instant; a call it lets through may still
-be refused by the middleware (slots taken since), never the other way round.
-Calls without the API key are let through to get their 401 from the app.
+The door takes the gate's slot itself, when the headers are parsed: a burst
+has thousands of requests parsed before the first of their tasks runs, so a
+slot taken later (as the middleware does) leaves the door seeing an empty gate
+(measured: 0 of 5,400 refusals came from a door that only looked). The slot is
+held until the call's ASGI task ends, as the middleware holds it, and the
+middleware skips calls that carry ``ADMITTED_EXTENSION``. Calls without the
+API key are let through without a slot to get their 401 from the app.
 
 ``kvmesh_gateway_door_refusal_seconds`` times each refusal from the
 connection's accept (``connection_made``) to its 429 written: the part of a
@@ -28,14 +31,14 @@ import hmac
 import json
 
 from prometheus_client import Histogram
-from uvicorn._types import ASGI3Application
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 
-from kvmesh.gateway.admission import AdmissionGate
+from kvmesh.gateway.admission import ADMITTED_EXTENSION, AdmissionGate
 from kvmesh.gateway.openai.errors import RETRY_AFTER_S, error_body
 
 _OVERLOADED = 429
@@ -67,18 +70,43 @@ def door_protocol(gate: AdmissionGate, api_key: str | None) -> type[HttpToolsPro
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
     head, body = _refusal_head_and_body(gate)
 
+    def holding_the_slot(app: ASGI3Application) -> ASGI3Application:
+        async def admitted(
+            scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+        ) -> None:
+            try:
+                await app(scope, receive, send)
+            finally:
+                gate.leave()
+
+        return admitted
+
     class DoorProtocol(HttpToolsProtocol):
-        accepted_at = 0.0
+        # When this request started: the connection's accept for its first
+        # request, the request's first byte for later ones (keep-alive).
+        started_at = 0.0
+        requests_begun = 0
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-            self.accepted_at = self.loop.time()
+            self.started_at = self.loop.time()
             super().connection_made(transport)  # type: ignore[arg-type]
 
+        def on_message_begin(self) -> None:
+            if self.requests_begun:
+                self.started_at = self.loop.time()
+            self.requests_begun += 1
+            super().on_message_begin()
+
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-            if gate.guards(cycle.scope["path"]) and self._authorized(cycle) and gate.refuses():
+            if not (gate.guards(cycle.scope["path"]) and self._authorized(cycle)):
+                super()._start_asgi_task(cycle, app)
+            elif gate.try_enter():
+                # The slot is taken here, not when the task first runs: a burst
+                # parses thousands of requests before any of their tasks starts.
+                cycle.scope.setdefault("extensions", {})[ADMITTED_EXTENSION] = {}
+                super()._start_asgi_task(cycle, holding_the_slot(app))
+            else:
                 self._refuse(cycle)
-                return
-            super()._start_asgi_task(cycle, app)
 
         def _authorized(self, cycle: RequestResponseCycle) -> bool:
             if expected_auth is None:
@@ -103,6 +131,6 @@ def door_protocol(gate: AdmissionGate, api_key: str | None) -> type[HttpToolsPro
             if not cycle.keep_alive:
                 self.transport.close()
             cycle.on_response()
-            DOOR_REFUSAL_SECONDS.observe(self.loop.time() - self.accepted_at)
+            DOOR_REFUSAL_SECONDS.observe(self.loop.time() - self.started_at)
 
     return DoorProtocol

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -41,7 +41,12 @@ async def _serving(app: ASGIApp, gate: AdmissionGate, api_key: str | None) -> As
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
-        app, http=door_protocol(gate, api_key), log_level="warning", lifespan="off"
+        app,
+        http=door_protocol(gate, api_key),
+        log_level="warning",
+        lifespan="off",
+        # A failed test must not hang on a call still in flight.
+        timeout_graceful_shutdown=1,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -106,8 +111,40 @@ async def test_a_full_gate_answers_429_without_the_app_and_keeps_the_connection(
         status, _, body = await _answer(reader)
         assert status == 200, body
         assert json.loads(body)["object"] == "text_completion"
-        assert gate.in_use == 0 and gate.refused == 1
+        await _until(lambda: gate.in_use == 0)  # the door's slot is back once the call ends
+        assert gate.refused == 1
         writer.close()
+
+
+async def test_the_door_takes_the_slot_before_any_task_runs(
+    engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    """A burst: requests parsed back to back, before the first one's task starts."""
+    gate = AdmissionGate(1)
+    app = _CountingApp(
+        build_app(engine, tokenizer, MODEL_NAME, CollectorRegistry(), admission=gate)
+    )
+    engine.hang_after_deltas = 1
+    async with _serving(app, gate, None) as port:
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        for _, writer in connections:
+            writer.write(_request("/v1/completions", BODY))
+        await engine.hanging.wait()
+        answers = [await _answer(reader) for reader, _ in connections[1:]]
+        # The first took the slot at its headers; the others never reached the
+        # app (a door that only looked at the count let all three in, and the
+        # middleware refused two of them from their tasks).
+        assert [status for status, _, _ in answers] == [429, 429]
+        assert app.calls == 1 and len(engine.requests) == 1 and gate.refused == 2
+        for _, writer in connections:
+            writer.close()
+        await _until(lambda: gate.in_use == 0)  # the hanging call's client left
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 async def test_the_door_closes_a_connection_the_client_asked_to_close(
