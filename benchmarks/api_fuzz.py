@@ -22,12 +22,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-examples", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=3600.0,
+        help="stop schemathesis after this long and print what it found so far",
+    )
     args = parser.parse_args()
     stack = LocalStack(FUZZ_STACK_ARGS)
     try:
         stack.wait_ready(600)
         warm_up(stack.http_url)
-        run = run_schemathesis(stack.http_url, args.max_examples, args.seed)
+        run = run_schemathesis(stack.http_url, args.max_examples, args.seed, args.timeout_s)
     finally:
         code = stack.stop()
     print(run.summary)

@@ -14,7 +14,9 @@ admitted requests' throughput in the burst is reported against it.
     python -m benchmarks.burst --requests 6000 --processes 4
     python -m benchmarks.burst --requests 2000 --max-inflight-requests 200
 
-Prints one table (status, count, p50/p99/max latency, max connect) and each
+Prints one table (status, count, p50/p99/max latency, max connect), the
+gateway's own account of the refusals it wrote before the ASGI app (from its
+accept of the connection to the 429 written, gateway/openai/door.py), and each
 service's RSS before and after.
 """
 
@@ -141,6 +143,29 @@ def served_throughput(outcomes: list[Outcome]) -> float:
     return len(served) / max(served) if served else 0.0
 
 
+DOOR_METRIC = "kvmesh_gateway_door_refusal_seconds"
+
+
+def door_refusals(metrics_text: str) -> str:
+    """The door's refusal count and the bucket bounds its median and slowest fall under."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics_text.splitlines():
+        if line.startswith(f"{DOOR_METRIC}_bucket"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return "gateway: no refusal written before the ASGI app"
+
+    def under(fraction: float) -> float:
+        return next(bound for bound, count in buckets if count >= fraction * total)
+
+    return (
+        f"gateway, accept to 429 written, for the {total:.0f} refused before the app: "
+        f"p50 <= {under(0.5):g} s, max <= {under(1.0):g} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=6000)
@@ -167,6 +192,7 @@ def main() -> None:
         outcomes = burst(port, body, args.requests, args.processes, args.timeout_s)
         seconds = time.monotonic() - started
         after = {name: rss_mib(pid) for name, pid in pids.items()}
+        door = door_refusals(httpx.get(f"{stack.http_url}/metrics", timeout=60).text)
         bound = sum(o.status == 200 for o in outcomes)
         unloaded = burst(port, body, bound, args.processes, args.timeout_s) if bound else []
     finally:
@@ -180,6 +206,7 @@ def main() -> None:
             f"{served_throughput(unloaded):.1f} req/s for {bound} alone "
             f"({ratio:.2f}x; statuses alone {dict(Counter(o.status for o in unloaded))})"
         )
+    print(door)
     for name in SERVICES:
         print(f"{name:12s} RSS MiB: before {before[name]:.0f}, after {after[name]:.0f}")
 

@@ -4,9 +4,11 @@ Past the bound a call is refused with 429 before its body is read, tokenized
 or sent anywhere, so that refusing costs microseconds however deep the
 overload (measured before this gate: with 2,000 calls at once, 429s came 9 s
 late, behind the parsing, tokenizing and AddRequest round trips of calls that
-were refused anyway). The bound defaults to what the engine can hold, its
-running batch plus its waiting queue (``SchedulerInfo``); the scheduler stays
-the authority and still answers 429 itself when several gateways share it.
+were refused anyway). Without tracing, a full gate refuses even earlier, from
+the HTTP protocol object (gateway/openai/door.py). The bound defaults to what
+the engine can hold, its running batch plus its waiting queue
+(``SchedulerInfo``); the scheduler stays the authority and still answers 429
+itself when several gateways share it.
 
 A call holds one slot from its first byte to its last (a stream's last event),
 whatever its ``n`` or number of prompts: slots bound this gateway's memory and
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 POOLING_PATHS = frozenset(
     {"/v1/embeddings", "/pooling", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"}
 )
+# Set in a call's scope["extensions"] by the HTTP door (gateway/openai/door.py),
+# which took the call's slot already and gives it back when the call ends.
+ADMITTED_EXTENSION = "kvmesh.admitted"
 GENERATION_PATHS = (
     frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"}) | POOLING_PATHS
 )
@@ -50,6 +55,18 @@ class AdmissionGate:
         self.in_use += 1
         return True
 
+    def refuses(self) -> bool:
+        """True, and counted as a refusal, when no slot is left; takes no slot either way."""
+        if self.in_use >= self.limit:
+            self.refused += 1
+            return True
+        return False
+
+    @staticmethod
+    def guards(path: str) -> bool:
+        """Whether a call to ``path`` needs a slot (the generation and pooling APIs)."""
+        return path in GENERATION_PATHS
+
     def leave(self) -> None:
         self.in_use -= 1
 
@@ -68,7 +85,11 @@ class AdmissionMiddleware:
         self.gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if (
+            scope["type"] != "http"
+            or not self.gate.guards(scope["path"])
+            or ADMITTED_EXTENSION in scope.get("extensions", {})
+        ):
             await self.app(scope, receive, send)
             return
         if not self.gate.try_enter():

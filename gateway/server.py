@@ -17,6 +17,7 @@ from kvmesh.gateway.engine_params.limits import GatewayLimits
 from kvmesh.gateway.engine_params.served_models import ServedModels, read_lora_request
 from kvmesh.gateway.grpc.servicer import GenerationServicer
 from kvmesh.gateway.openai.app import build_app
+from kvmesh.gateway.openai.door import door_protocol
 from kvmesh.gateway.openai.output_parsing import resolve_output_parsing
 from kvmesh.gateway.responses.kvstore_store import KVStoreResponseStore
 from kvmesh.gateway.responses.store import MemoryResponseStore, ResponseStore, ResponseStoreConfig
@@ -172,8 +173,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             port=config.http_port,
             log_level=config.log_level.lower(),
             access_log=False,
-            # The C parser (a pinned dependency), never a silent fall-back to h11.
-            http="httptools",
+            # The C parser (a pinned dependency), never a silent fall-back to h11;
+            # without tracing (whose spans cover refusals) a full gate answers
+            # 429 from the protocol object, before any ASGI work (issue 43).
+            http="httptools" if tracing is not None else door_protocol(admission, config.api_key),
             timeout_graceful_shutdown=5,
             # A burst past the accept queue is not refused but left to the
             # clients' SYN retries (issue 43: 429s up to 143 s late).

@@ -4,7 +4,8 @@ The request models mark the bounds that depend on the served model or on the
 server's limits with ``x-kvmesh-limit`` (gateway/openai/protocol.py); here they become
 plain JSON Schema for this server: the model name as an enum, token ids below
 the vocabulary size, output lengths below the context length and
-``--max-tokens-limit``, ``n`` up to ``--max-n``. The one bound no JSON Schema
+``--max-tokens-limit``, ``n`` up to ``--max-n``, prompt and input lists up to
+``--max-prompts-per-request``. The one bound no JSON Schema
 keyword can state, ``--max-tokens-per-request`` (a sum over the call's choices),
 is published as ``x-max-tokens-per-request`` on the request object. FastAPI documents a 422 for
 every route with a body, which this server never answers (a refused body is a
@@ -72,6 +73,8 @@ def _apply_limits(node: Any, server: _ServerLimits) -> None:
         node["maximum"] = server.max_model_len
     elif kind == "n":
         node["maximum"] = server.limits.max_n
+    elif kind == "prompts":
+        node["maxItems"] = server.limits.max_prompts_per_request
     elif kind == "request_tokens":
         node[REQUEST_TOKENS_KEY] = server.limits.max_tokens_per_request
     elif kind is not None:

@@ -76,6 +76,12 @@ def _limit(kind: str) -> dict[str, str]:
     return {"x-kvmesh-limit": kind}
 
 
+def prompt_batch_limit() -> dict[str, str]:
+    """Marks a list of prompts (or pooling inputs) in one call: at most
+    ``--max-prompts-per-request`` items (``maxItems`` in the served schema)."""
+    return _limit("prompts")
+
+
 # A token id of the served model's vocabulary: [0, vocab_size).
 TokenId = json_int(ge=0, json_schema_extra=_limit("token_id"))
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -216,9 +222,11 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: (
         NonEmptyString
-        | Annotated[list[NonEmptyString], Field(min_length=1)]
+        | Annotated[
+            list[NonEmptyString], Field(min_length=1, json_schema_extra=prompt_batch_limit())
+        ]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=prompt_batch_limit())]
     )
     echo: bool = False
     logprobs: Logprobs | None = None

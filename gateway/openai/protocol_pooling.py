@@ -8,13 +8,22 @@ Pydantic models, so the OpenAPI schema documents them.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvmesh.gateway.openai.protocol import prompt_batch_limit
+
 TokenIds = list[int]
+# Inputs of one call: at most --max-prompts-per-request (the served schema's maxItems).
+Texts = Annotated[list[str], Field(json_schema_extra=prompt_batch_limit())]
 # OpenAI's input: a string, strings, token ids, or lists of token ids.
-EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
+EmbeddingInput = (
+    str
+    | Texts
+    | TokenIds
+    | Annotated[list[TokenIds], Field(json_schema_extra=prompt_batch_limit())]
+)
 
 
 class _PoolingRequest(BaseModel):
@@ -45,22 +54,22 @@ class PoolingRequest(EmbeddingRequest):
 class ScoreRequest(_PoolingRequest):
     """vLLM's /score: text_1 against each text_2 (or queries against documents)."""
 
-    text_1: str | list[str] | None = None
-    text_2: str | list[str] | None = None
-    queries: str | list[str] | None = None
-    documents: str | list[str] | None = None
+    text_1: str | Texts | None = None
+    text_2: str | Texts | None = None
+    queries: str | Texts | None = None
+    documents: str | Texts | None = None
 
 
 class RerankRequest(_PoolingRequest):
     query: str
-    documents: list[str]
+    documents: Texts
     # Keep the best top_n (None or 0: all), sorted by relevance.
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
 
 
 class ClassifyRequest(_PoolingRequest):
-    input: str | list[str]
+    input: str | Texts
 
 
 class PoolingUsage(BaseModel):

@@ -151,7 +151,8 @@ class PoolingServing(Serving):
         """OpenAI's input: a string, strings, token ids or lists of token ids."""
         if isinstance(raw, str):
             raw = [raw]
-        self._check_count(len(raw), param)
+        # One list of token ids is one input, however many tokens it has.
+        self._check_count(1 if raw and all(isinstance(x, int) for x in raw) else len(raw), param)
         if all(isinstance(x, int) for x in raw):
             token_lists = [list(raw)]
         elif all(isinstance(x, list) for x in raw):

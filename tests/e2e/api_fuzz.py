@@ -29,10 +29,10 @@ from kvmesh.services.runtime.config import environment_without_options
 # what keeps each generated generation under a second on 2 cores.
 FUZZ_STACK_ARGS = [
     *("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256"),
-    # --max-tokens-per-request also bounds the prompts per call (it is in the
-    # schema); --max-prompts-per-request is not stated there yet, so it keeps
-    # its default (128) rather than a value a schema-valid call could pass.
+    # Every bound here is in the served schema (maxItems on the prompt lists
+    # for --max-prompts-per-request), so a schema-valid call never passes one.
     *("--max-n", "2", "--max-tokens-limit", "8", "--max-tokens-per-request", "1024"),
+    *("--max-prompts-per-request", "4"),
 ]
 HOOKS_MODULE = "tests.gateway.schemathesis_hooks"
 MAX_RESPONSE_TIME_S = 60

@@ -85,6 +85,18 @@ def test_bad_embedding_requests_are_400(embedder) -> None:
     )
     assert truncated.status_code == 200, truncated.text
     assert truncated.json()["usage"]["prompt_tokens"] == 16
+    # One flat list of token ids is one input, not 600 against --max-prompts-per-request.
+    flat = httpx.post(url, json={"input": [5] * 600, "truncate_prompt_tokens": 16}, timeout=60)
+    assert flat.status_code == 200, flat.text
+    assert flat.json()["usage"]["prompt_tokens"] == 16
+
+
+def test_the_schema_bounds_the_inputs_of_one_call(embedder) -> None:
+    stack, _ = embedder
+    schema = httpx.get(f"{stack.http_url}/openapi.json", timeout=60).json()
+    inputs = schema["components"]["schemas"]["EmbeddingRequest"]["properties"]["input"]["anyOf"]
+    # Strings and lists of token ids: --max-prompts-per-request's default.
+    assert sorted(a.get("maxItems", 0) for a in inputs) == [0, 0, 128, 128]
 
 
 def test_rerank_and_score_equal_the_cross_encoder(reranker) -> None:

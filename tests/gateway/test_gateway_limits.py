@@ -17,6 +17,7 @@ from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai.app import build_app
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.protos import generation_pb2, generation_pb2_grpc
+from kvmesh.services.runtime.config import GatewayConfig
 from kvmesh.services.runtime.grpc_server import GrpcService
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
@@ -87,6 +88,29 @@ async def test_too_many_prompts_in_one_call_is_400(
         ok = await http.post("/v1/completions", json={**BODY, "prompt": ["a", "b"]})
         assert ok.status_code == 200
     assert len(engine.requests) == 2
+
+
+async def test_the_served_schema_states_the_prompt_bound_the_gateway_enforces(
+    engine: FakeEngineClient, tokenizer: Tokenizer
+) -> None:
+    config = GatewayConfig(max_prompts_per_request=2)
+    limits = GatewayLimits.from_config(config)
+    app = build_app(engine, tokenizer, MODEL_NAME, CollectorRegistry(), limits=limits)
+    async with _client(app) as http:
+        schema = (await http.get("/openapi.json")).json()["components"]["schemas"]
+        prompt = schema["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+        batches = [alternative for alternative in prompt if "maxItems" in alternative]
+        # The list of strings and the list of token-id lists; a single list of
+        # token ids is one prompt, bounded by the context length instead.
+        assert [b["items"].get("type") for b in batches] == ["string", "array"]
+        assert {b["maxItems"] for b in batches} == {2}
+        assert "x-kvmesh-limit" not in str(schema)
+        for prompts in (["a", "b", "c"], [[1, 2], [3], [4]]):
+            refused = await http.post("/v1/completions", json={**BODY, "prompt": prompts})
+            assert refused.status_code == 400
+            assert "at most 2 prompts" in refused.json()["error"]["message"]
+        one_long = await http.post("/v1/completions", json={**BODY, "prompt": [5, 6, 7, 8]})
+        assert one_long.status_code == 200
 
 
 async def test_public_grpc_is_bounded_too(engine: FakeEngineClient, tokenizer: Tokenizer) -> None:
