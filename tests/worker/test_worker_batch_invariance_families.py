@@ -1,8 +1,11 @@
 """Batch-invariant mode on the model zoo's tiny checkpoints, float32 and bfloat16.
 
-Qwen3 (per-head q/k norms), Gemma 3 (offset norms, GELU, embedding scale,
-logit soft-cap, per-layer rope) and Qwen3-MoE (a router and experts grouped
-per step): one target prompt runs alone, then inside batches of 1-64 others,
+Every family of tests/worker/model_families.py but Llama (the default model's
+family, tests/worker/test_worker_batch_invariance.py): Qwen3 (per-head q/k
+norms), Gemma 3 and 2 (offset norms, GELU, embedding scale, logit soft-cap,
+per-layer rope), Qwen3-MoE and Mixtral (a router and experts grouped per
+step), Phi-3, OLMo 2 (norms after attention and MLP) and Granite
+(multipliers): one target prompt runs alone, then inside batches of 1-64 others,
 chunked at several budgets, after a prefix-cache hit, after a kvstore load
 and after a preemption (tests/worker/batch_invariance.py); in the mode every
 logits row it samples from equals the lone run's in every bit.
@@ -39,7 +42,16 @@ GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 5
 ALONE = Scenario("alone")
 BLOCK = 4
-FAMILIES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
+FAMILIES = (
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "MixtralForCausalLM",
+)
 SCENARIOS = (
     Scenario("batch of 2", others=1),
     Scenario("batch of 17, middle", others=16, before=8),
