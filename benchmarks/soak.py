@@ -1,7 +1,7 @@
 """The soak (issue 14): nothing lost while clients walk away and services get SIGKILLed.
 
 Usage: .venv/bin/python benchmarks/soak.py [--requests 2000] [--concurrency 32]
-           [--kills 3] [--disconnect-fraction 0.2] [--seed 0] [--batch-invariant]
+           [--kills 3] [--disconnect-fraction 0.2] [--prompts 16] [--seed 0] [--batch-invariant]
            [--no-solo-reference] [--stack-args "..."]
 (``make soak``, with flags through ``SOAK_ARGS``: ``make soak
 SOAK_ARGS=--batch-invariant``; tests/e2e/test_e2e_soak.py runs a short one in
@@ -38,6 +38,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=SoakPlan.concurrency)
     parser.add_argument("--kills", type=int, default=SoakPlan.num_kills)
     parser.add_argument("--disconnect-fraction", type=float, default=SoakPlan.disconnect_fraction)
+    parser.add_argument(
+        "--prompts", type=int, default=SoakPlan.num_prompts, help="distinct prompts drawn from"
+    )
     parser.add_argument("--seed", type=int, default=SoakPlan.seed)
     parser.add_argument("--request-timeout-s", type=float, default=SoakPlan.request_timeout_s)
     parser.add_argument(
@@ -56,6 +59,7 @@ def main() -> int:
         concurrency=args.concurrency,
         disconnect_fraction=args.disconnect_fraction,
         num_kills=args.kills,
+        num_prompts=args.prompts,
         seed=args.seed,
         request_timeout_s=args.request_timeout_s,
         solo_reference=args.solo_reference,
