@@ -254,6 +254,25 @@ def _judge(request: SoakRequest, result: StreamResult | BaseException, expected:
     return None
 
 
+def differ_from_solo(
+    requests: list[SoakRequest],
+    results: list[StreamResult | BaseException],
+    solo: dict[tuple[str, int], StreamResult],
+) -> tuple[int, int]:
+    """(complete texts that differ from the solo run of their pair, complete
+    texts): requests that errored or that their client abandoned have no
+    complete text to compare."""
+    texts = [
+        (request, result)
+        for request, result in zip(requests, results, strict=True)
+        if isinstance(result, StreamResult) and result.completed and not result.disconnected
+    ]
+    differ = sum(
+        result.text != solo[(request.prompt, request.max_tokens)].text for request, result in texts
+    )
+    return differ, len(texts)
+
+
 async def run_soak(stack: LocalStack, plan: SoakPlan) -> SoakReport:
     requests = make_requests(plan)
     report = SoakReport(num_requests=len(requests))
@@ -304,16 +323,8 @@ async def run_soak(stack: LocalStack, plan: SoakPlan) -> SoakReport:
                     if result.ttft_s is not None:
                         report.ttfts.append(result.ttft_s)
         if solo is not None:
-            texts = [
-                (request, result)
-                for request, result in zip(requests, results, strict=True)
-                if isinstance(result, StreamResult) and result.completed
-                if not result.disconnected
-            ]
-            report.completed_texts = len(texts)
-            report.differ_from_solo = sum(
-                result.text != solo[(request.prompt, request.max_tokens)].text
-                for request, result in texts
+            report.differ_from_solo, report.completed_texts = differ_from_solo(
+                requests, results, solo
             )
         report.leaked_blocks, report.stuck_in_scheduler = await _await_idle(
             stack, plan.idle_timeout_s
