@@ -48,8 +48,10 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 # Nothing lost under chaos: 2,000 streams, client hang-ups, SIGKILLs (benchmarks/soak.py).
+# Its flags go through SOAK_ARGS, e.g. `make soak SOAK_ARGS=--batch-invariant`.
+SOAK_ARGS ?=
 soak: install
-	$(BIN)/python benchmarks/soak.py
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

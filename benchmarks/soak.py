@@ -1,8 +1,16 @@
 """The soak (issue 14): nothing lost while clients walk away and services get SIGKILLed.
 
 Usage: .venv/bin/python benchmarks/soak.py [--requests 2000] [--concurrency 32]
-           [--kills 3] [--disconnect-fraction 0.2] [--seed 0] [--stack-args "..."]
-(``make soak``; tests/e2e/test_e2e_soak.py runs a short one in ``make test``.)
+           [--kills 3] [--disconnect-fraction 0.2] [--prompts 16] [--seed 0] [--batch-invariant]
+           [--no-solo-reference] [--stack-args "..."]
+(``make soak``, with flags through ``SOAK_ARGS``: ``make soak
+SOAK_ARGS=--batch-invariant``; tests/e2e/test_e2e_soak.py runs a short one in
+``make test``.)
+
+``--batch-invariant`` serves with the worker's batch-invariant mode
+(kernels/batch_invariant.py). Every pair also runs alone first (unless
+``--no-solo-reference``), and the table counts the complete texts that differ
+from that solo run: how many answers depended on the batch.
 The soak itself (what it runs and how it judges) is ``tests/e2e/soak.py``,
 shared with that test.
 
@@ -30,8 +38,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=SoakPlan.concurrency)
     parser.add_argument("--kills", type=int, default=SoakPlan.num_kills)
     parser.add_argument("--disconnect-fraction", type=float, default=SoakPlan.disconnect_fraction)
+    parser.add_argument(
+        "--prompts", type=int, default=SoakPlan.num_prompts, help="distinct prompts drawn from"
+    )
     parser.add_argument("--seed", type=int, default=SoakPlan.seed)
     parser.add_argument("--request-timeout-s", type=float, default=SoakPlan.request_timeout_s)
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="serve with `kvmesh up --batch-invariant`"
+    )
+    parser.add_argument(
+        "--solo-reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every pair alone too and count the texts that differ from it",
+    )
     parser.add_argument("--stack-args", default="", help="extra `kvmesh up` flags")
     args = parser.parse_args()
     plan = SoakPlan(
@@ -39,15 +59,19 @@ def main() -> int:
         concurrency=args.concurrency,
         disconnect_fraction=args.disconnect_fraction,
         num_kills=args.kills,
+        num_prompts=args.prompts,
         seed=args.seed,
         request_timeout_s=args.request_timeout_s,
+        solo_reference=args.solo_reference,
     )
-    stack = LocalStack([*STACK_ARGS, *shlex.split(args.stack_args)])
+    invariant = ["--batch-invariant"] if args.batch_invariant else []
+    stack = LocalStack([*STACK_ARGS, *invariant, *shlex.split(args.stack_args)])
     try:
         stack.wait_ready(900)
         report = asyncio.run(run_soak(stack, plan))
     finally:
         code = stack.stop()
+    print(f"soak: batch-invariant mode {'on' if args.batch_invariant else 'off'}")
     print(summary_table(report))
     for line in report.lost[:20]:
         print("lost", line)

@@ -16,9 +16,15 @@ On one fresh stack (``kvmesh up``):
    detokenizer) is SIGKILLed; the next kill waits until the stack is ready
    again. A request refused at admission (429/503, e.g. while a stage is down)
    is retried as a client would; the retries are counted.
+   With ``solo_reference`` (``benchmarks/soak.py``'s default), every pair is
+   first run once more alone (concurrency 1): what the same request gives
+   with nothing beside it in any step.
 3. Verdict: lost = every request neither completed with exactly the
    reference's text and token count nor disconnected by its own client
-   (errors, wrong output, stuck past ``--request-timeout-s``). Then, once idle:
+   (errors, wrong output, stuck past ``--request-timeout-s``). With the solo
+   run, also how many complete texts (of the load and of the reference run)
+   differ from it: the requests whose answer depended on the batch they ran
+   in (0 with ``--batch-invariant``, kernels/batch_invariant.py). Then, once idle:
    leaked KV blocks (``vllm:kv_cache_usage_perc`` times the pool: must be 0),
    requests still running or waiting in the scheduler (stuck), and each
    service's resident memory (sampled every 2 s: after the reference run, at
@@ -68,6 +74,8 @@ class SoakPlan:
     max_tokens_choices: tuple[int, ...] = (8, 24, 48)
     seed: int = 0
     request_timeout_s: float = 600.0
+    # Run every pair alone too, and count the texts that differ from it.
+    solo_reference: bool = False
     # After the load: how long the scheduler may take to drain to idle.
     idle_timeout_s: float = 60.0
 
@@ -101,6 +109,12 @@ class SoakReport:
     # service -> (after the reference run, at the end, max) in MiB
     rss: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     wall_s: float = 0.0
+    # With a solo run: complete texts that differ from it (-1: no solo run), of
+    # the load's requests and of the concurrent reference run's pairs.
+    differ_from_solo: int = -1
+    completed_texts: int = 0
+    reference_differ_from_solo: int = -1
+    num_pairs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -240,6 +254,25 @@ def _judge(request: SoakRequest, result: StreamResult | BaseException, expected:
     return None
 
 
+def differ_from_solo(
+    requests: list[SoakRequest],
+    results: list[StreamResult | BaseException],
+    solo: dict[tuple[str, int], StreamResult],
+) -> tuple[int, int]:
+    """(complete texts that differ from the solo run of their pair, complete
+    texts): requests that errored or that their client abandoned have no
+    complete text to compare."""
+    texts = [
+        (request, result)
+        for request, result in zip(requests, results, strict=True)
+        if isinstance(result, StreamResult) and result.completed and not result.disconnected
+    ]
+    differ = sum(
+        result.text != solo[(request.prompt, request.max_tokens)].text for request, result in texts
+    )
+    return differ, len(texts)
+
+
 async def run_soak(stack: LocalStack, plan: SoakPlan) -> SoakReport:
     requests = make_requests(plan)
     report = SoakReport(num_requests=len(requests))
@@ -247,7 +280,13 @@ async def run_soak(stack: LocalStack, plan: SoakPlan) -> SoakReport:
     async with httpx.AsyncClient(
         base_url=stack.http_url, timeout=plan.request_timeout_s, limits=limits
     ) as client:
+        solo = await _reference(client, requests, 1) if plan.solo_reference else None
         reference = await _reference(client, requests, plan.concurrency)
+        report.num_pairs = len(reference)
+        if solo is not None:
+            report.reference_differ_from_solo = sum(
+                reference[pair].text != solo[pair].text for pair in reference
+            )
         sampler = RssSampler(stack)
         sampler.sample()
         warm = {name: samples[-1] for name, samples in sampler.samples.items() if samples}
@@ -283,6 +322,10 @@ async def run_soak(stack: LocalStack, plan: SoakPlan) -> SoakReport:
                     report.completed += 1
                     if result.ttft_s is not None:
                         report.ttfts.append(result.ttft_s)
+        if solo is not None:
+            report.differ_from_solo, report.completed_texts = differ_from_solo(
+                requests, results, solo
+            )
         report.leaked_blocks, report.stuck_in_scheduler = await _await_idle(
             stack, plan.idle_timeout_s
         )
@@ -311,6 +354,20 @@ def summary_table(report: SoakReport) -> str:
         ("stuck in the scheduler", str(report.stuck_in_scheduler)),
         ("SIGKILLs", "; ".join(report.kills) or "none"),
         ("admissions retried (429/503)", str(report.admission_retries)),
+        *(
+            [
+                (
+                    "complete texts that differ from a solo run",
+                    f"{report.differ_from_solo} of {report.completed_texts}",
+                ),
+                (
+                    "reference run (concurrent) texts that differ from a solo run",
+                    f"{report.reference_differ_from_solo} of {report.num_pairs}",
+                ),
+            ]
+            if report.differ_from_solo >= 0
+            else []
+        ),
         ("p99 TTFT (completed)", f"{_p99(report.ttfts):.2f} s"),
         ("wall time", f"{report.wall_s:.0f} s"),
     ]

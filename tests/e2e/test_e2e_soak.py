@@ -9,7 +9,15 @@ import asyncio
 import pytest
 
 from tests.e2e.conftest import start_stack, stop_stack
-from tests.e2e.soak import NUM_KV_BLOCKS, SoakPlan, run_soak, summary_table
+from tests.e2e.soak import (
+    NUM_KV_BLOCKS,
+    SoakPlan,
+    SoakRequest,
+    differ_from_solo,
+    run_soak,
+    summary_table,
+)
+from tests.e2e.soak_client import StreamResult
 
 pytestmark = pytest.mark.e2e
 
@@ -28,3 +36,17 @@ def test_a_short_soak_loses_nothing() -> None:
     assert report.disconnected > 0 and len(report.kills) == 1
     assert report.leaked_blocks == 0 and report.stuck_in_scheduler == 0
     assert code == 0
+
+
+def test_texts_that_differ_from_the_solo_run_are_counted() -> None:
+    """Only complete texts count: an abandoned or failed request has none."""
+    a, b = SoakRequest("a", 8, None), SoakRequest("b", 8, None)
+    solo = {("a", 8): StreamResult(200, "x", "length"), ("b", 8): StreamResult(200, "y", "length")}
+    results: list[StreamResult | BaseException] = [
+        StreamResult(200, "x", "length"),  # same
+        StreamResult(200, "z", "length"),  # differs
+        StreamResult(200, "q", None, disconnected=True),  # abandoned by its client
+        StreamResult(500, "", None, error="boom"),  # failed
+        TimeoutError("stuck"),
+    ]
+    assert differ_from_solo([a, b, a, b, a], results, solo) == (1, 2)

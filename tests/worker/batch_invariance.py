@@ -3,8 +3,10 @@
 ``Scenario``s run one target request through a :class:`LocalDriver` on a given
 runner: alone, inside batches of other requests (before and after it in the
 batch), with its prompt chunked at a token budget, after a prefix-cache hit
-(its first blocks filled by an earlier request with the same prompt), and
-after a preemption (dropped after some tokens and recomputed from its prompt
+(its first blocks filled by an earlier request with the same prompt), after a
+load from the kvstore (those blocks saved through the worker's KV connector,
+wiped, and loaded into other blocks, as a second worker would), and after a
+preemption (dropped after some tokens and recomputed from its prompt
 plus what it had generated, as the scheduler resumes a preempted request).
 ``LogitsRecorder`` keeps every logits row the runner samples from, keyed by
 request and sequence length, so two runs compare position by position, bit
@@ -22,8 +24,19 @@ import numpy as np
 import torch
 
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.step import KVTransfer
+from kvmesh.worker.kv_connector import KVConnectorWorker
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner
+
+from .kv_connector_helpers import (
+    InMemoryKVBlockStore,
+    block_hashes,
+    connector_step,
+    drain,
+    loop_thread,
+    settle,
+)
 
 TARGET = "target"
 # Positions are sequence lengths when the logits were taken: the logits that
@@ -67,13 +80,15 @@ class Scenario:
     """One way to run the target request: ``others`` prompts run beside it
     (``before`` of them ahead of it in the batch), its prompt chunked at
     ``chunk_size`` tokens per step, ``prefix_blocks`` of it already in the cache,
-    or preempted after ``preempt_after`` generated tokens."""
+    ``kvstore_blocks`` of it loaded from the kvstore, or preempted after
+    ``preempt_after`` generated tokens."""
 
     name: str
     others: int = 0
     before: int = 0
     chunk_size: int | None = None
     prefix_blocks: int = 0
+    kvstore_blocks: int = 0
     preempt_after: int = 0
     threads: int | None = None
 
@@ -126,6 +141,10 @@ def _drive(runner: ModelRunner, workload: Workload, scenario: Scenario) -> None:
         prefix = driver.finished["donor"].block_ids[: scenario.prefix_blocks]
         computed = len(prefix) * driver.block_size
         assert computed < len(prompt), "the prefix must leave a prompt token to compute"
+    if scenario.kvstore_blocks:
+        prefix = _load_from_kvstore(runner, driver, prompt, params, scenario.kvstore_blocks)
+        computed = len(prefix) * driver.block_size
+        assert computed < len(prompt), "the prefix must leave a prompt token to compute"
     others = workload.others(scenario.others)
     for index, other in enumerate(others[: scenario.before]):
         driver.add_request(f"other-{index}", other, params, 3 + index % 7)
@@ -136,6 +155,38 @@ def _drive(runner: ModelRunner, workload: Workload, scenario: Scenario) -> None:
         _step_until(driver, lambda: _generated(driver) >= scenario.preempt_after)
         _preempt(driver, TARGET)
     driver.run()
+
+
+def _load_from_kvstore(
+    runner: ModelRunner,
+    driver: LocalDriver,
+    prompt: list[int],
+    params: SamplingParams,
+    num_blocks: int,
+) -> list[int]:
+    """The prompt's first ``num_blocks`` blocks as a kvstore load leaves them:
+    computed by an earlier request, saved through the KV connector, their
+    blocks wiped (NaN: a stale read would show), then loaded into other
+    blocks. Returns the loaded block ids."""
+    driver.add_request("donor", prompt, params, 1)
+    driver.run()
+    donor_blocks = driver.finished["donor"].block_ids[:num_blocks]
+    hashes = block_hashes("batch-invariance-prefix", num_blocks)
+    with loop_thread() as loop:
+        connector = KVConnectorWorker(runner.kv_caches, InMemoryKVBlockStore(), loop)
+        saved = settle(
+            connector, connector_step(connector, saves=[KVTransfer("donor", donor_blocks, hashes)])
+        )
+        assert len(saved.saved_block_hashes) == num_blocks, saved
+        for layer in runner.kv_caches:
+            for cache in layer:
+                cache[donor_blocks] = float("nan")
+        loaded = [driver.free_blocks.popleft() for _ in range(num_blocks)]
+        connector_step(connector, loads=[KVTransfer(TARGET, loaded, hashes)])
+        drain(connector)
+        applied = connector_step(connector)
+        assert applied.finished_loads == {TARGET: num_blocks}, applied
+    return loaded
 
 
 def _generated(driver: LocalDriver) -> int:
@@ -186,6 +237,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("chunked by 16, batch of 8", chunk_size=16, others=7, before=3),
     Scenario("prefix hit, 1 block", prefix_blocks=1),
     Scenario("prefix hit, 3 blocks", prefix_blocks=3),
+    Scenario("kvstore load, 2 blocks", kvstore_blocks=2),
     Scenario("preempted after 3 tokens", preempt_after=3),
     Scenario("preempted after 3, batch of 6", preempt_after=3, others=5, before=2),
     Scenario("2 threads", threads=2),

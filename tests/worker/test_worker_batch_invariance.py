@@ -1,11 +1,13 @@
 """Batch-invariant mode: the same request gets the same logits, bit for bit.
 
 One target prompt runs alone, then inside batches of other requests, chunked
-at several budgets, after a prefix-cache hit, after a preemption (recompute)
-and on two threads (tests/worker/batch_invariance.py): in the mode every
-logits row it samples from equals the lone run's in every bit, for the
-default model in float32 and bfloat16 and for tiny dense checkpoints of the
-Llama and Qwen2 families (the fixed-tile oneDNN path). Without the mode the
+at several budgets, after a prefix-cache hit, after a load from the kvstore,
+after a preemption (recompute) and on two threads
+(tests/worker/batch_invariance.py): in the mode every logits row it samples
+from equals the lone run's in every bit, for the default model in float32 and
+bfloat16 and for tiny dense checkpoints of the Llama and Qwen2 families (the
+fixed-tile oneDNN path; test_worker_batch_invariance_families.py has the
+Qwen3, Gemma 3 and Qwen3-MoE ones). Without the mode the
 same comparison finds differences, so the check can fail.
 """
 
@@ -57,6 +59,7 @@ SCENARIOS = (
     Scenario("preempted after 2 tokens", preempt_after=2),
     Scenario("preempted after 3 in a batch of 6", preempt_after=3, others=5, before=2),
     Scenario("2 threads, batch of 3", threads=2, others=2, before=1),
+    Scenario("kvstore load, 3 blocks", kvstore_blocks=3),
 )
 ALONE = Scenario("alone")
 
@@ -151,7 +154,7 @@ def test_float32_logits_differ_without_the_mode(
 
 @pytest.mark.parametrize(
     "scenario",
-    (SCENARIOS[1], SCENARIOS[2], SCENARIOS[4], SCENARIOS[9], SCENARIOS[11]),
+    (SCENARIOS[1], SCENARIOS[2], SCENARIOS[4], SCENARIOS[9], SCENARIOS[11], SCENARIOS[13]),
     ids=lambda s: s.name,
 )
 def test_bfloat16_logits_are_batch_invariant(
@@ -159,6 +162,21 @@ def test_bfloat16_logits_are_batch_invariant(
 ) -> None:
     workload = Workload(target_prompt, NEW_TOKENS, GREEDY)
     _assert_identical(bfloat16_runner, workload, (scenario,))
+
+
+def test_bfloat16_logits_differ_without_the_mode(
+    bfloat16_runner: ModelRunner, target_prompt: list[int]
+) -> None:
+    """The bfloat16 comparison can fail on this CPU too (no AVX512-BF16 needed):
+    without the mode, chunking changes the kernels a row's sums go through."""
+    workload = Workload(target_prompt, NEW_TOKENS, GREEDY)
+    with batch_invariant.forced(False):
+        reference = _alone(bfloat16_runner, workload)
+        compared, differ, _ = differences(
+            reference, run_scenario(bfloat16_runner, workload, SCENARIOS[5])
+        )
+    assert compared == NEW_TOKENS
+    assert differ > 0
 
 
 def test_seeded_sampling_gets_the_same_tokens(

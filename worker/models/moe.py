@@ -7,12 +7,24 @@ weights per step, no Python loop over experts), and one ``index_add_`` sums
 each token's experts back, in expert order like transformers. Under tensor
 parallelism every rank holds every expert's slice of the MLP width; the
 caller's all-reduce sums the partial outputs as for a dense MLP.
+
+In batch-invariant mode (kernels/batch_invariant.py) the grouped product is
+not: an expert's run is as long as the number of the step's tokens routed to
+it, and ``_grouped_mm`` sums a row's products in an order that changes with
+that length, so a token's output would depend on which other tokens share its
+step. There the router and every expert's run go through fixed
+``ROW_TILE``-row tiles instead (one call per tile, one shape per call), at
+the price of a Python loop over the active experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from kvmesh.kernels import batch_invariant
 
 
 def route(
@@ -20,7 +32,11 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in the hidden dtype, expert ids [T, k]): softmax over the
     router's logits in float32, the top k, renormalized to sum 1 if asked."""
-    probs = F.softmax(F.linear(hidden, router).float(), dim=-1)
+    if batch_invariant.enabled():
+        logits = batch_invariant.tiled_rows(hidden.contiguous(), lambda x: F.linear(x, router))
+    else:
+        logits = F.linear(hidden, router)
+    probs = F.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -42,13 +58,49 @@ def grouped_experts(
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, then token, then rank
     tokens = order // top_k
-    ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
     grouped = hidden[tokens]
-    # The weights' transposed views: the kernel reads them in place ([E, H, 2I]),
-    # each group's product equal to F.linear's.
-    projected = torch._grouped_mm(grouped, gate_up.transpose(1, 2), offs=ends)
-    gate, up = projected.chunk(2, dim=-1)
-    activated = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
-    out = torch._grouped_mm(activated, down.transpose(1, 2), offs=ends)
+    if batch_invariant.enabled():
+        out = _tiled_experts(grouped, counts.tolist(), gate_up, down, gelu)
+    else:
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        # The weights' transposed views: the kernel reads them in place ([E, H, 2I]),
+        # each group's product equal to F.linear's.
+        projected = torch._grouped_mm(grouped, gate_up.transpose(1, 2), offs=ends)
+        out = torch._grouped_mm(_activate(projected, gelu), down.transpose(1, 2), offs=ends)
+    # Each token's experts are summed in expert order (the sort's), one row of
+    # index_add_ after another: the same order whatever else is in the step.
     out = out * weights.reshape(-1)[order].unsqueeze(-1)
     return out.new_zeros(num_tokens, hidden.shape[1]).index_add_(0, tokens, out)
+
+
+def _activate(projected: torch.Tensor, gelu: bool) -> torch.Tensor:
+    gate, up = projected.chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+
+
+def _tiled_experts(
+    grouped: torch.Tensor,  # [T * k, H], sorted by expert
+    counts: list[int],  # rows of each expert, in expert order
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gelu: bool,
+) -> torch.Tensor:
+    """Each active expert's MLP over its run of ``grouped``, on fixed row tiles
+    (batch-invariant mode): a row's sums depend on its expert, not on the run's length."""
+
+    def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: F.linear(x, weight)
+
+    pieces: list[torch.Tensor] = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = grouped[start : start + count].contiguous()
+        start += count
+        activated = _activate(batch_invariant.tiled_rows(rows, linear(gate_up[expert])), gelu)
+        pieces.append(batch_invariant.tiled_rows(activated.contiguous(), linear(down[expert])))
+    if not pieces:
+        return grouped.new_zeros(0, down.shape[1])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
