@@ -52,7 +52,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.baselines import HttpRun, make_prompts  # noqa: E402
+from benchmarks.baselines import GREEDY, HttpRun, make_prompts  # noqa: E402
 from benchmarks.vllm_compare import (  # noqa: E402
     Workload,
     _descendants,
@@ -311,7 +311,7 @@ def main() -> None:
                         order.reverse()
                     runs = {
                         name: measure(
-                            url, workload, prompts, concurrency, f"{name} c={concurrency}"
+                            url, workload, GREEDY, prompts, concurrency, f"{name} c={concurrency}"
                         )
                         for name, url in order
                     }
