@@ -152,13 +152,9 @@ def _pack(
         weight.data = piece.to(weight.dtype)
     if isinstance(piece, GGMLRows):
         # A GGUF file's K-quant (or mixed) blocks: run as they are. --quantization
-        # asks for codes of a dense weight, and these are codes already.
-        if w8a8:
-            raise ValueError(
-                "--quantization w8a8 runs Q8_0/Q4_0/Q4_1 weights; this GGUF holds "
-                f"{'/'.join(sorted({k.name for k in piece.kinds}))} blocks"
-            )
-        return GGMLLinear(piece, bias, dtype, use_block_codes, use_onednn)
+        # asks for codes of a dense weight, and these are codes already; w8a8
+        # runs them on int8 activations (kernels/csrc/ggml_q8_linear.cpp).
+        return GGMLLinear(piece, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8)
     if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
         piece = quantize_int8(weight)
     if isinstance(piece, RowCodes):
