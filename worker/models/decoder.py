@@ -721,19 +721,23 @@ class DecoderForCausalLM(nn.Module):
     def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
         """The embedding table and LM head: a GGUF file's codes stay codes (the
         lookup rebuilds rows, the head runs like any projection); dense pieces
-        fill their parameters. --quantization leaves both as they are."""
+        fill their parameters. --quantization leaves both as they are (but for
+        a head of K-quant blocks under w8a8)."""
         embed = pieces.get("embed_tokens")
         if isinstance(embed, CODE_PIECES):
             self._embed_codes = embed
         elif embed is not None:
             self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
         head = embed if self.config.tie_word_embeddings else pieces.get("lm_head")
+        # A GGUF head kept as K-quant blocks takes int8 activations under w8a8,
+        # as llama.cpp's does: it is the largest weight a decode step reads.
+        w8a8_head = isinstance(head, GGMLRows) and self.config.quantization == "w8a8"
         self._packed_lm_head = _pack(
             self.lm_head,
             head,
             None,
             self.config.dtype,
-            "",
+            "w8a8" if w8a8_head else "",
             use_onednn,
             use_codes,
             self._packed_lm_head,
