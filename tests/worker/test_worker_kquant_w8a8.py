@@ -4,8 +4,9 @@ Decode-sized batches multiply activations quantized to int8 per 32 features
 with the blocks' integer codes (kernels/csrc/ggml_q8_linear.cpp, llama.cpp's
 arithmetic). Against the float32 checkpoint, the teacher-forced top-1
 agreement on FIXED_TEXT (one batch of the kernel: every projection on int8
-activations) must stay near the exact float-activation path's (86.0% in
-docs/performance.md's K-quant table).
+activations) must stay near the exact float-activation path's. Measured on
+the 87 positions: exact 86.2%, w8a8 87.4% (llama.cpp's own Q4_K_M file of the
+model: 87.4% both ways).
 """
 
 from __future__ import annotations
