@@ -229,7 +229,7 @@ def llamacpp_gguf(checkpoint: Path, mix: str) -> tuple[Path, Path]:
 
 @contextlib.contextmanager
 def llama_server(
-    binary: Path, gguf: Path, parallel: int, context: int
+    binary: Path, gguf: Path, parallel: int, context: int, threads: int
 ) -> Iterator[tuple[str, list[int]]]:
     """llama-server on a free port: (its URL, its process ids)."""
     from benchmarks.vllm_compare import _wait_for_models
@@ -248,7 +248,7 @@ def llama_server(
         "-c",
         str(context * parallel),
         "-t",
-        str(os.cpu_count() or 1),
+        str(threads),
         "--cont-batching",
     ]
     with tempfile.NamedTemporaryFile(prefix="llamacpp-", suffix=".log", delete=False) as log:
@@ -276,6 +276,9 @@ def main() -> None:
     parser.add_argument("--kvmesh-args", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--build-only", action="store_true")
+    # Threads of both servers (llama-server -t, kvmesh --num-threads): all cores
+    # unless told; 1 on a box so shared that two threads wait on each other.
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     binary = build_llama_server()
     print(f"llama-server: {binary}", flush=True)
@@ -294,8 +297,8 @@ def main() -> None:
     workloads = [Workload.parse(text) for text in args.workloads]
     context = max(w.input_len + w.output_len for w in workloads) + 16
     with (
-        llama_server(binary, gguf, max(args.concurrency), context) as (llama_url, llama_pids),
-        kvmesh_server(folder, args.kvmesh_args.split()) as (kvmesh_url, kvmesh_pids),
+        llama_server(binary, gguf, max(args.concurrency), context, args.threads) as (llama_url, llama_pids),
+        kvmesh_server(folder, [*args.kvmesh_args.split(), "--num-threads", str(args.threads)]) as (kvmesh_url, kvmesh_pids),
     ):
         for name, pids in (("llama.cpp", llama_pids), ("kvmesh", kvmesh_pids)):
             print(f"{name} idle: {idle_cpu_share(pids, 5.0):.2f} cores busy", flush=True)
