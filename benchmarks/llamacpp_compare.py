@@ -296,9 +296,11 @@ def main() -> None:
     vocab_size = ModelConfig.from_pretrained(folder, dtype="float32").vocab_size
     workloads = [Workload.parse(text) for text in args.workloads]
     context = max(w.input_len + w.output_len for w in workloads) + 16
+    kvmesh_args = [*args.kvmesh_args.split(), "--num-threads", str(args.threads)]
+    parallel = max(args.concurrency)
     with (
-        llama_server(binary, gguf, max(args.concurrency), context, args.threads) as (llama_url, llama_pids),
-        kvmesh_server(folder, [*args.kvmesh_args.split(), "--num-threads", str(args.threads)]) as (kvmesh_url, kvmesh_pids),
+        llama_server(binary, gguf, parallel, context, args.threads) as (llama_url, llama_pids),
+        kvmesh_server(folder, kvmesh_args) as (kvmesh_url, kvmesh_pids),
     ):
         for name, pids in (("llama.cpp", llama_pids), ("kvmesh", kvmesh_pids)):
             print(f"{name} idle: {idle_cpu_share(pids, 5.0):.2f} cores busy", flush=True)
