@@ -417,12 +417,12 @@ int64_t nucleus_by_buckets(const float* x, const float* w, int64_t vocab, float 
     sub_mass[sub] += w[t];
   }
   double above_sub = 0;
-  int32_t sb = boundary_bucket(sub_mass, kSubBuckets, target - above, above_sub);
+  const int32_t sb = boundary_bucket(sub_mass, kSubBuckets, target - above, above_sub);
   const bool short_of_target = sb == kSubBuckets;  // rounding: the whole slice is kept
   s.candidates.clear();
   s.candidate_weights.clear();
   for (size_t j = 0; j < s.boundary_tokens.size(); ++j) {
-    if (short_of_target ? true : s.sub_buckets[j] == sb) {
+    if (short_of_target || s.sub_buckets[j] == sb) {
       s.candidates.push_back(s.boundary_tokens[j]);
       s.candidate_weights.push_back(w[s.boundary_tokens[j]]);
     }
