@@ -5,14 +5,17 @@ the real default model's decode logits (captured from a decode step of the
 ModelRunner on ~128-token prompts) at batch 1, 16 and 64, for what clients send:
 greedy, temperature 1 (no parameters given), top-k 50, temperature 0.7 +
 top-p 0.9, min-p 0.05 and penalties (repetition 1.1, presence 0.5, frequency
-0.5) over a history of 128 prompt + 64 output tokens per row. Each timing is
-the fastest of ``--reps`` calls (on a shared machine the least disturbed one)
-of what ``ModelRunner._sample`` does: gather the rows' parameters into
-tensors (``build_sampling_metadata``) and sample. The
-same run measures the decode step's forward at each batch, so the cost over
-greedy is also printed as a share of the step.
+0.5) over a history of 128 prompt + 64 output tokens per row. ``--logits flat``
+samples standard normal logits instead (a random-weight model's flat rows,
+whose top-p nuclei hold thousands of tokens: top_p's worst case). Each timing
+is the fastest of ``--reps`` calls (on a shared machine the least disturbed
+one) of what ``ModelRunner._sample`` does for a decode step whose rows are the
+previous step's: the cached request columns (``SamplingColumnsCache``) plus
+the step's part of the metadata (``step_sampling_metadata``), then sample.
+The same run measures the decode step's forward at each batch, so the cost
+over greedy is also printed as a share of the step.
 
-    python -m benchmarks.sampler_step [--reps 30] [--threads 2]
+    python -m benchmarks.sampler_step [--reps 30] [--threads 2] [--logits real,flat]
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.sampler import SamplerOutput
-from kvmesh.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kvmesh.worker.sampling_metadata import (
+    SamplingColumnsCache,
+    SamplingMetadata,
+    gather_request_columns,
+    step_sampling_metadata,
+)
 
 BATCH_SIZES = (1, 16, 64)
 SETTINGS: dict[str, SamplingParams] = {
@@ -83,10 +91,14 @@ def sample_step(runner: ModelRunner, logits: torch.Tensor, params: SamplingParam
     prompt_lens = np.full(rows, CONTEXT_LEN, dtype=np.int64)
     token_ids = rng.integers(3, vocab, (rows, CONTEXT_LEN + OUTPUT_LEN + 1)).astype(np.int32)
     eos = runner.model_config.eos_token_ids
+    cache = SamplingColumnsCache()
 
     def step() -> object:
-        metadata = build_sampling_metadata(
-            [params] * rows, token_ids, prompt_lens, num_tokens, {}, eos, vocab
+        columns, generators = cache.get(
+            "unchanged rows", lambda: (gather_request_columns([params] * rows, eos, vocab), {})
+        )
+        metadata = step_sampling_metadata(
+            columns, token_ids, prompt_lens, num_tokens, generators, vocab
         )
         return runner.sampler(logits, metadata).token_ids
 
@@ -97,7 +109,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--logits",
+        default="real",
+        help="comma-separated: real (a decode step's), flat (standard normal)",
+    )
     args = parser.parse_args()
+    kinds = args.logits.split(",")
+    if not set(kinds) <= {"real", "flat"}:
+        parser.error(f"--logits: real and/or flat, got {args.logits}")
     model_path = default_model_path()
     model_config = ModelConfig.from_pretrained(model_path, max_model_len=CONTEXT_LEN + 64)
     blocks = cdiv(CONTEXT_LEN + 16, 16) * max(BATCH_SIZES) + 16
@@ -107,27 +127,35 @@ def main() -> None:
         f"sampler {type(runner.sampler).__name__} {vars(runner.sampler)}"
     )
     header = f"{'setting':<20}" + "".join(f"| b={b:<3} ms  +greedy  %step " for b in BATCH_SIZES)
-    results: dict[int, dict[str, float]] = {}
+    results: dict[tuple[str, int], dict[str, float]] = {}
     steps: dict[int, float] = {}
     for batch_size in BATCH_SIZES:
-        logits, steps[batch_size] = capture_decode_logits(runner, batch_size)
-        torch.manual_seed(0)
-        results[batch_size] = {
-            name: fastest_seconds(sample_step(runner, logits, params), args.reps)
-            for name, params in SETTINGS.items()
-        }
+        real, steps[batch_size] = capture_decode_logits(runner, batch_size)
+        for kind in kinds:
+            logits = real
+            if kind == "flat":
+                generator = torch.Generator().manual_seed(batch_size)
+                logits = torch.randn(real.shape, generator=generator)
+            torch.manual_seed(0)
+            results[kind, batch_size] = {
+                name: fastest_seconds(sample_step(runner, logits, params), args.reps)
+                for name, params in SETTINGS.items()
+            }
     print(
         "decode forward per step: "
         + ", ".join(f"batch {b}: {steps[b] * 1e3:.1f} ms" for b in BATCH_SIZES)
     )
-    print(header)
-    for name in SETTINGS:
-        line = f"{name:<20}"
-        for batch_size in BATCH_SIZES:
-            cost = results[batch_size][name]
-            extra = cost - results[batch_size]["greedy"]
-            line += f"| {cost * 1e3:8.3f}  {extra * 1e3:+7.3f}  {extra / steps[batch_size]:+6.1%} "
-        print(line)
+    for kind in kinds:
+        print(f"{kind} logits")
+        print(header)
+        for name in SETTINGS:
+            line = f"{name:<20}"
+            for batch_size in BATCH_SIZES:
+                cost = results[kind, batch_size][name]
+                extra = cost - results[kind, batch_size]["greedy"]
+                share = extra / steps[batch_size]
+                line += f"| {cost * 1e3:8.3f}  {extra * 1e3:+7.3f}  {share:+6.1%} "
+            print(line)
 
 
 if __name__ == "__main__":

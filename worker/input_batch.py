@@ -53,6 +53,9 @@ class InputBatch:
         self.lora_requests: list[LoRARequest | None] = []
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
+        # Bumped whenever a row's request changes (added or removed): the sampler's
+        # per-request columns are cached per composition (SamplingColumnsCache).
+        self.composition = 0
         self._free_rows: list[int] = []
         self._grow(initial_capacity)
 
@@ -129,6 +132,7 @@ class InputBatch:
         if params.seed is not None:
             self.generators[row] = self._seeded_generator(params.seed, len(new.output_token_ids))
         self.row_of[new.req_id] = row
+        self.composition += 1
 
     def _seeded_generator(self, seed: int, num_sampled: int) -> torch.Generator:
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -161,6 +165,7 @@ class InputBatch:
         self.sampling_params[row] = None
         self.lora_requests[row] = None
         self.generators.pop(row, None)
+        self.composition += 1
         self.num_blocks[row] = 0
         self._free_rows.append(row)
 

@@ -46,7 +46,12 @@ from kvmesh.worker.prompt_logprobs import (
 )
 from kvmesh.worker.rejection_sampler import verify_drafts
 from kvmesh.worker.sampler import Sampler, SamplerOutput
-from kvmesh.worker.sampling_metadata import build_sampling_metadata
+from kvmesh.worker.sampling_metadata import (
+    RequestColumns,
+    SamplingColumnsCache,
+    gather_request_columns,
+    step_sampling_metadata,
+)
 from kvmesh.worker.step_in_flight import StepInFlight
 from kvmesh.worker.step_inputs import check_schedulable, prepare_step_inputs
 from kvmesh.worker.structured_output import GrammarCompilerCache, StructuredOutputManager
@@ -164,6 +169,8 @@ class ModelRunner:
         )
         # The C++ ops' argmax where the model runs them (so they are loaded).
         self.sampler = Sampler(native=self.model.uses_native_ops)
+        # The sampling rows' request columns, per batch composition.
+        self.sampling_columns = SamplingColumnsCache()
         self.structured_output = StructuredOutputManager(
             GrammarCompilerCache(
                 model_config.path, model_config.vocab_size, model_config.eos_token_ids
@@ -664,17 +671,32 @@ class ModelRunner:
         """One token per row of ``logits`` (batch rows ``sample_rows``), grammars applied."""
         sample_started = time.perf_counter()
         batch = self.input_batch
-        params = [batch.sampling_params[row] for row in sample_rows]
-        generators = {
-            i: batch.generators[row] for i, row in enumerate(sample_rows) if row in batch.generators
-        }
-        metadata = build_sampling_metadata(
-            params,  # type: ignore[arg-type]
+
+        def gather() -> tuple[RequestColumns, dict[int, torch.Generator]]:
+            params = [batch.sampling_params[row] for row in sample_rows]
+            columns = gather_request_columns(
+                params,  # type: ignore[arg-type]
+                self.model_config.eos_token_ids,
+                self.vocab_size,
+                self.device,
+            )
+            generators = {
+                i: batch.generators[row]
+                for i, row in enumerate(sample_rows)
+                if row in batch.generators
+            }
+            return columns, generators
+
+        # A decode step with the previous step's rows reuses their columns.
+        columns, generators = self.sampling_columns.get(
+            (batch.composition, sample_rows.tobytes()), gather
+        )
+        metadata = step_sampling_metadata(
+            columns,
             batch.token_ids[sample_rows],
             batch.num_prompt_tokens[sample_rows],
             batch.num_tokens[sample_rows],
             generators,
-            self.model_config.eos_token_ids,
             self.vocab_size,
             self.device,
         )

@@ -85,6 +85,11 @@ def test_a_rows_token_depends_on_its_key_not_on_the_batch(backend) -> None:
         SamplingParams(temperature=0.6, top_k=20),
         SamplingParams(temperature=0.8, top_p=0.9),
         SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95),
+        # Flat enough that the nucleus (hundreds to thousands of tokens) is past
+        # the 64 candidates: the radix selection.
+        SamplingParams(temperature=1.5, top_p=0.9),
+        SamplingParams(temperature=2.5, top_p=0.6, top_k=5000),
+        SamplingParams(temperature=2.0, top_p=0.95, min_p=0.01),
     ],
 )
 def test_the_token_for_a_key_is_the_inverse_transform_of_the_torch_distribution(

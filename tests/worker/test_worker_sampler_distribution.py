@@ -83,8 +83,15 @@ def assert_follows(tokens: torch.Tensor, expected: torch.Tensor) -> None:
     assert result.pvalue > ALPHA, f"chi-square p = {result.pvalue:.2e} over {len(wanted)} bins"
 
 
-def _logits(scale: float, seed: int) -> torch.Tensor:
-    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+def _logits(scale: float, seed: int, shape: str = "normal") -> torch.Tensor:
+    """N(0, scale^2) logits; "ties": rounded to quarters (runs of equal logits at
+    every nucleus boundary); "head": 20 tokens 4 above a flat N(0, scale^2) tail."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+    if shape == "ties":
+        logits = (logits * 4).round() / 4
+    elif shape == "head":
+        logits[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:20]] += 4.0
+    return logits
 
 
 COMBINATIONS = {
@@ -112,6 +119,35 @@ COMBINATIONS = {
         1.0,
     ),
 }
+# Nuclei past the kernel's 64 candidates: its radix selection over (max - x) / T,
+# on flat and peaked rows, alone and with every other filter, and with ties at
+# the boundary: (params, scale, shape of the logits).
+RADIX_COMBINATIONS = {
+    "top_p 0.9, flat": (SamplingParams(temperature=1.0, top_p=0.9), 1.0, "normal"),
+    "top_p 0.5, flat, T 2": (SamplingParams(temperature=2.0, top_p=0.5), 1.0, "normal"),
+    "top_p 0.9, T 0.7, wide": (SamplingParams(temperature=0.7, top_p=0.9), 2.0, "normal"),
+    "top_p 0.95, peaked head, flat tail": (
+        SamplingParams(temperature=1.0, top_p=0.95),
+        0.5,
+        "head",
+    ),
+    "top_p 0.6, ties": (SamplingParams(temperature=1.0, top_p=0.6), 1.0, "ties"),
+    "top_p 0.8 + top_k 2000, flat": (
+        SamplingParams(temperature=1.0, top_p=0.8, top_k=2000),
+        1.0,
+        "normal",
+    ),
+    "top_p 0.9 + min_p 0.05, flat": (
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05),
+        1.0,
+        "normal",
+    ),
+    "top_p 0.7 + top_k 3000 + min_p 0.02, ties": (
+        SamplingParams(temperature=1.3, top_p=0.7, top_k=3000, min_p=0.02),
+        1.0,
+        "ties",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +164,18 @@ def test_native_sampler_draws_the_filtered_distribution(native: bool, name: str)
     assert_follows(
         draw(Sampler(native=True), logits, params), filtered_distribution(logits, params)
     )
+
+
+@pytest.mark.parametrize("name", list(RADIX_COMBINATIONS))
+def test_native_top_p_past_the_candidates_draws_the_filtered_distribution(
+    native: bool, name: str
+) -> None:
+    params, scale, shape = RADIX_COMBINATIONS[name]
+    logits = _logits(scale, seed=len(name), shape=shape)
+    expected = filtered_distribution(logits, params)
+    assert int((expected > 0).sum()) > 64, "the nucleus must be past the candidates"
+    torch.manual_seed(4)
+    assert_follows(draw(Sampler(native=True), logits, params), expected)
 
 
 @pytest.mark.parametrize(
