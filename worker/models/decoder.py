@@ -648,19 +648,26 @@ class DecoderForCausalLM(nn.Module):
         for layer, slots in zip(self.layers, layer_slots, strict=True):
             layer.lora = slots
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for the given rows only (the rows that sample); norm is per row."""
-        features = self.features
-        if features.norm_offset:
-            normed = offset_rms_norm(
-                hidden, self.norm, self.config.rms_norm_eps, features.norm_offset
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last norm over the given rows: transformers' last_hidden_state
+        (what a pooling runner pools) and the LM head's input."""
+        if self.features.norm_offset:
+            return offset_rms_norm(
+                hidden, self.norm, self.config.rms_norm_eps, self.features.norm_offset
             )
-        elif self._native_ops:
-            normed = torch.ops.kvmesh.rms_norm(
+        if self._native_ops:
+            return torch.ops.kvmesh.rms_norm(
                 hidden.contiguous(), self.norm, self.config.rms_norm_eps
             )
-        else:
-            normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the given rows only (the rows that sample); norm is per row."""
+        return self.lm_head_logits(self.final_norm(hidden))
+
+    def lm_head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows already through ``final_norm``."""
+        features = self.features
         if self._packed_lm_head is None:
             logits = F.linear(normed, self.lm_head)
         else:
