@@ -19,6 +19,7 @@ from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.pooling_runner import PoolingRunner
 from kvmesh.worker.runner_choice import choose_runner
 from tests.worker.model_families import make_family_checkpoint
+from tests.worker.word_tokenizer import save_word_tokenizer
 
 QWEN3 = "Qwen3ForCausalLM"
 RERANKER_OVERRIDES = {
@@ -129,22 +130,9 @@ def test_sentence_transformers_pooling_config_is_honoured(qwen3, tmp_path: Path)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def _word_tokenizer(folder: Path, vocab_size: int) -> dict[str, int]:
-    """A word-level tokenizer over the tiny vocabulary, "no" and "yes" among its tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    vocab = {("no" if i == 11 else "yes" if i == 42 else w): i for w, i in vocab.items()}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
-    return vocab
-
-
 def test_yes_no_reranker_scores_from_the_lm_head(tmp_path: Path) -> None:
     hf = make_family_checkpoint(tmp_path, QWEN3)
-    vocab = _word_tokenizer(tmp_path, hf.config.vocab_size)
+    vocab = save_word_tokenizer(tmp_path, hf.config.vocab_size)
     runner = _decoder_runner(tmp_path, hf_overrides=RERANKER_OVERRIDES)
     assert runner.info.tasks == ("classify",)
     assert runner.info.labels == ("LABEL_0",)
