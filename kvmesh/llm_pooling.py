@@ -60,11 +60,13 @@ def build_pooling_engine(
             hf_overrides=choice.hf_overrides,
         )
     else:
-        if quantization:
-            raise ValueError("quantization is not implemented for encoder pooling models")
         config = ModelConfig.from_pretrained(folder, dtype=dtype)
         runner = PoolingRunner(
-            folder, dtype=config.dtype, max_model_len=max_model_len, num_threads=num_threads
+            folder,
+            dtype=config.dtype,
+            max_model_len=max_model_len,
+            num_threads=num_threads,
+            quantization=quantization or "",
         )
     return PoolingEngine(runner, max_num_seqs, max_num_batched_tokens)
 

@@ -55,7 +55,9 @@ class PoolingModelInfo:
 
 class PoolingRunner:
     """Runs an encoder checkpoint folder, or a decoder converted to pooling
-    (``decoder``: its ModelConfig; worker/decoder_pooling.py), over packed steps."""
+    (``decoder``: its ModelConfig, which carries its dtype and quantization;
+    worker/decoder_pooling.py), over packed steps. ``quantization``: an
+    encoder's projections as int8 codes (BertEncoder.quantize)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class PoolingRunner:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         *,
+        quantization: str = "",
         decoder: ModelConfig | None = None,
         convert: str = "embed",
         hf_overrides: dict[str, Any] | None = None,
@@ -80,6 +83,8 @@ class PoolingRunner:
             self.encoder = BertEncoder(self.config)
             self.encoder.load_weights(iterate_weights(self.folder, torch.float32))
             self.encoder.to(dtype).eval()
+            if quantization:
+                self.encoder.quantize(quantization)
             architecture, num_layers = self.config.architecture, self.config.num_layers
             hidden_size, limit = self.config.hidden_size, self.config.max_input_tokens
             self.vocab_size = self.config.vocab_size

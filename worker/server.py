@@ -353,16 +353,17 @@ def build_pooling_runner(
         quantization = model_config.weights_description
         weight_bytes = runner.decoder.model.resident_weight_bytes() if runner.decoder else 0
     else:
-        if config.quantization:
-            raise ValueError("--quantization is not implemented for encoder pooling models")
+        if config.quantization and config.device != "cpu":
+            raise ValueError("--quantization runs on CPU only")
         model_config = ModelConfig.from_pretrained(path, dtype=config.dtype, device=config.device)
         runner = PoolingRunner(
             path,
             dtype=model_config.dtype,
             max_model_len=config.max_model_len or None,
             num_threads=config.num_threads or None,
+            quantization=config.quantization,
         )
-        attention_backend, quantization, weight_bytes = "sdpa-packed", "", 0
+        attention_backend, quantization, weight_bytes = "sdpa-packed", config.quantization, 0
     pooling = runner.info
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,

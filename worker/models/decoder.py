@@ -169,6 +169,17 @@ def _pack(
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
+def quantize_projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quantization: str
+) -> PackedLinear:
+    """A plain (float) projection packed as ``--quantization`` asks ("int8": weight-only
+    codes; "w8a8": the same codes times int8 activations), computing in ``dtype``:
+    the decoders' path (``_pack``) for a model outside this file (worker/models/bert.py)."""
+    use_codes = native.unavailable_reason() is None and weight.device.type == "cpu"
+    param = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+    return _pack(param, None, bias, dtype, quantization, True, use_codes)
+
+
 def share_plain_weight(param: nn.Parameter, packed: PackedLinear, keep: bool = False) -> None:
     """Point ``param`` at ``packed``'s plain weight where it keeps one
     (amx_linear's bfloat16 weight, or the torch linear's): that tensor is the
