@@ -193,3 +193,42 @@ def test_decoder_embeddings_through_the_stack_equal_transformers(decoder_embedde
         timeout=60,
     )
     assert 400 <= completion.status_code < 500, completion.text
+
+
+def test_decoder_yes_no_reranker_through_the_stack(tmp_path: Path) -> None:
+    """--hf-overrides classifier_from_token (Qwen3-Reranker's flags) through
+    `kvmesh up`: /rerank's relevance is P("yes") from the LM head's two logits."""
+    import torch
+
+    from tests.worker.model_families import make_family_checkpoint
+    from tests.worker.word_tokenizer import NO_ID, YES_ID, save_word_tokenizer
+
+    folder = tmp_path / "qwen3-reranker"
+    hf = make_family_checkpoint(folder, "Qwen3ForCausalLM")
+    save_word_tokenizer(folder, hf.config.vocab_size)
+    overrides = (
+        '{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+    )
+    stack = LocalStack(
+        ["--dtype", "float32", "--max-num-batched-tokens", "256", "--hf-overrides", overrides],
+        model=folder,
+    )
+    try:
+        stack.wait_ready(STARTUP_TIMEOUT_S)
+        documents = ["w2 w3", "w100 w101 w102 w7", "w50"]
+        response = httpx.post(
+            f"{stack.http_url}/v1/rerank",
+            json={"model": folder.name, "query": "w5 w9 w33", "documents": documents},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        by_index = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+        for index, document in enumerate(documents):
+            ids = [int(w[1:]) for w in f"w5 w9 w33 {document}".split()]
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+            expected = torch.sigmoid(logits[YES_ID] - logits[NO_ID]).item()
+            assert by_index[index] == pytest.approx(expected, abs=1e-4)
+    finally:
+        assert stack.stop() == 0, "".join(stack.log[-50:])
