@@ -16,22 +16,29 @@ request in the scheduler as the detokenizer service asks it to.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvmesh.detokenizer.incremental import IncrementalDetokenizer
 from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
 from kvmesh.engine import GenerationResult, InProcessEngine
 from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.llm_pooling import PoolingMethods, build_pooling_engine
 from kvmesh.outputs import CompletionOutput, RequestOutput
+from kvmesh.pooling_engine import PoolingEngine
 from kvmesh.sampling_params import SamplingParams, as_list
 from kvmesh.services.cli.model_prep import resolve_model_path
 from kvmesh.services.contracts.finish_reason import FinishReason
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.registry import check_model
+from kvmesh.worker.pooling_runner import checkpoint_architecture
+from kvmesh.worker.runner_choice import choose_runner
 from kvmesh.worker.step_budget import preferred_step_tokens
 
 logger = logging.getLogger(__name__)
@@ -43,8 +50,9 @@ Prompt = str | Sequence[int]
 Message = Mapping[str, Any]
 
 
-class LLM:
-    """A model loaded in this process, generating for batches of prompts.
+class LLM(PoolingMethods):
+    """A model loaded in this process, generating for batches of prompts, or
+    pooling them (``embed``/``score``/``classify``, kvmesh/llm_pooling.py).
 
     ``model``: a Hugging Face checkpoint folder or a ``.gguf`` file (None: the
     prepared default, SmolLM2-135M-Instruct). ``dtype``: "auto" (by the
@@ -53,6 +61,11 @@ class LLM:
     ``kv_cache_memory_bytes`` holds. ``max_num_batched_tokens`` None takes the
     step budget the worker would ask for on this hardware. Loading takes the
     process's torch threads (``num_threads``, None: one per CPU).
+
+    ``runner``/``convert``/``hf_overrides``: vLLM's (worker/runner_choice.py):
+    an encoder checkpoint pools by itself; ``runner="pooling"`` serves a
+    generation checkpoint as an embedding model (last token, normalized),
+    ``hf_overrides={"classifier_from_token": ["no", "yes"]}`` as a yes/no reranker.
     """
 
     def __init__(
@@ -69,8 +82,39 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
+        runner: str = "auto",
+        convert: str = "auto",
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         folder = resolve_model_path(str(model) if model is not None else "")
+        choice = choose_runner(
+            checkpoint_architecture(folder),
+            runner,
+            convert,
+            json.dumps(dict(hf_overrides)) if hf_overrides else "",
+        )
+        self._pooling: PoolingEngine | None = None
+        self._ids = itertools.count()
+        if choice.runner == "pooling":
+            self._pooling = build_pooling_engine(
+                Path(folder),
+                choice,
+                dtype=dtype,
+                quantization=quantization,
+                max_model_len=max_model_len,
+                num_threads=num_threads,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens
+                or preferred_step_tokens("cpu", self._pooling_dtype(folder, dtype)),
+            )
+            self.tokenizer = Tokenizer.from_pretrained(folder)
+            logger.info(
+                "LLM ready (pooling: %s): %s, max_model_len %d",
+                ",".join(self._pooling.runner.info.tasks),
+                folder,
+                self._pooling.max_model_len,
+            )
+            return
         model_config = ModelConfig.from_pretrained(
             model if model is not None else folder,
             dtype=dtype,
@@ -97,7 +141,6 @@ class LLM:
         # comes out exactly as the stack streams it.
         self._detokenizer_tokenizer = load_tokenizer(folder)
         self.model_config = model_config
-        self._ids = itertools.count()
         logger.info(
             "LLM ready: %s, dtype %s, %d KV blocks, max_model_len %d",
             folder,
@@ -106,9 +149,17 @@ class LLM:
             self.max_model_len,
         )
 
+    @staticmethod
+    def _pooling_dtype(folder: str | Path, dtype: str) -> torch.dtype:
+        """The compute dtype ``dtype`` resolves to (what the step budget depends on)."""
+        return ModelConfig.from_pretrained(folder, dtype=dtype).dtype
+
     @property
     def max_model_len(self) -> int:
-        """Longest prompt + output in tokens (the model's, capped by the KV cache)."""
+        """Longest prompt + output in tokens (the model's, capped by the KV cache);
+        for a pooling model, the longest input (capped by the step budget)."""
+        if self._pooling is not None:
+            return self._pooling.max_model_len
         return self.engine.scheduler.config.max_model_len
 
     def generate(
@@ -161,6 +212,10 @@ class LLM:
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
+        if self._pooling is not None:
+            raise ValueError(
+                "this LLM serves a pooling model: use embed/score/classify, not generation"
+            )
         for (_, token_ids), p in zip(prompts, params, strict=True):
             self._check_prompt(token_ids, p)
         batch = next(self._ids)

@@ -38,3 +38,45 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(output.finished for output in self.outputs)
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One input's embedding (``LLM.embed``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """One pair's score (``LLM.score``): a cross-encoder's or a yes/no
+    reranker's probability, or a bi-encoder's cosine similarity."""
+
+    score: float
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    """One input's class probabilities (``LLM.classify``): softmax over the
+    labels, or the one label's sigmoid."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class PoolingRequestOutput:
+    """An input of ``LLM.embed``/``score``/``classify`` and its result, as
+    vLLM's ``EmbeddingRequestOutput``/``ScoringRequestOutput``/``ClassificationRequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput | ClassificationOutput
+    finished: bool = True

@@ -15,11 +15,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvmesh.services.contracts.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.decoder_pooling import DecoderBackbone, TokenClassifier
 from kvmesh.worker.model_loader import iterate_weights
 from kvmesh.worker.models.bert import ENCODER_ARCHITECTURES, BertEncoder, EncoderConfig, PackedBatch
 from kvmesh.worker.pooler import PoolerSpec, finish_embedding
@@ -27,11 +30,16 @@ from kvmesh.worker.pooler import PoolerSpec, finish_embedding
 logger = logging.getLogger(__name__)
 
 
+def checkpoint_architecture(folder: str | Path) -> str:
+    """The first ``architectures`` name of the folder's config.json ("" if none)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    architectures = config.get("architectures") or [""]
+    return str(architectures[0])
+
+
 def is_pooling_checkpoint(folder: str | Path) -> bool:
     """True for an encoder the pooling runner serves (read from config.json)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    architectures = config.get("architectures") or []
-    return bool(architectures) and architectures[0] in ENCODER_ARCHITECTURES
+    return checkpoint_architecture(folder) in ENCODER_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,10 @@ class PoolingModelInfo:
 
 
 class PoolingRunner:
-    """Runs an encoder checkpoint folder over packed steps."""
+    """Runs an encoder checkpoint folder, or a decoder converted to pooling
+    (``decoder``: its ModelConfig, which carries its dtype and quantization;
+    worker/decoder_pooling.py), over packed steps. ``quantization``: an
+    encoder's projections as int8 codes (BertEncoder.quantize)."""
 
     def __init__(
         self,
@@ -54,37 +65,69 @@ class PoolingRunner:
         dtype: torch.dtype = torch.float32,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        *,
+        quantization: str = "",
+        decoder: ModelConfig | None = None,
+        convert: str = "embed",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.folder = Path(folder)
-        self.config = EncoderConfig.from_folder(self.folder)
-        self.dtype = dtype
-        self.model = BertEncoder(self.config)
-        self.model.load_weights(iterate_weights(self.folder, torch.float32))
-        self.model.to(dtype).eval()
-        self.pooler = PoolerSpec.from_folder(self.folder, is_encoder=True)
-        limit = self.config.max_input_tokens
+        self.encoder: BertEncoder | None = None
+        self.decoder: DecoderBackbone | None = None
+        self.token_classifier: TokenClassifier | None = None
+        if decoder is None:
+            self.config = EncoderConfig.from_folder(self.folder)
+            self.dtype = dtype
+            self.encoder = BertEncoder(self.config)
+            self.encoder.load_weights(iterate_weights(self.folder, torch.float32))
+            self.encoder.to(dtype).eval()
+            if quantization:
+                self.encoder.quantize(quantization)
+            architecture, num_layers = self.config.architecture, self.config.num_layers
+            hidden_size, limit = self.config.hidden_size, self.config.max_input_tokens
+            self.vocab_size = self.config.vocab_size
+            is_classifier, labels = self.config.is_classifier, self.config.id2label
+        else:
+            self.dtype = decoder.dtype
+            self.decoder = DecoderBackbone(decoder)
+            architecture, num_layers = decoder.architecture, decoder.num_layers
+            hidden_size, limit = decoder.hidden_size, decoder.max_model_len
+            self.vocab_size = decoder.vocab_size
+            is_classifier = convert == "classify"
+            if is_classifier:
+                from transformers import AutoTokenizer  # the tokens' ids, at start-up only
+
+                self.token_classifier = TokenClassifier.from_overrides(
+                    hf_overrides or {}, AutoTokenizer.from_pretrained(decoder.path)
+                )
+                if self.token_classifier is None:
+                    raise ValueError("--convert classify needs hf_overrides classifier_from_token")
+            num_labels = self.token_classifier.num_labels if self.token_classifier else 0
+            labels = tuple(f"LABEL_{i}" for i in range(num_labels))
+        self.is_classifier = is_classifier
+        self.pooler = PoolerSpec.from_folder(self.folder, is_encoder=decoder is None)
         if self.pooler.max_seq_length:
             limit = min(limit, self.pooler.max_seq_length)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        tasks = ("classify",) if self.config.is_classifier else ("embed",)
+        tasks = ("classify",) if is_classifier else ("embed",)
         self.info = PoolingModelInfo(
             tasks=tasks,
-            embedding_dim=self.pooler.output_dim(self.config.hidden_size),
+            embedding_dim=self.pooler.output_dim(hidden_size),
             matryoshka_dimensions=self.pooler.matryoshka_dimensions,
-            labels=self.config.id2label,
+            labels=labels,
             max_model_len=self.max_model_len,
         )
         logger.info(
             "pooling runner: %s, %d layers, pooling %s%s, tasks %s, max_model_len %d, dtype %s",
-            self.config.architecture,
-            self.config.num_layers,
+            architecture,
+            num_layers,
             self.pooler.pooling_type,
             f" + {len(self.pooler.dense)} Dense" if self.pooler.dense else "",
             ",".join(tasks),
             self.max_model_len,
-            dtype,
+            self.dtype,
         )
 
     def reset(self) -> None:
@@ -117,21 +160,37 @@ class PoolingRunner:
                 output.errors[req.req_id] = refusal
         if not runnable:
             return output
-        batch = PackedBatch.pack(
-            [r.prompt_token_ids for r in runnable],
-            [r.sampling_params.pooling.first_segment_len for r in runnable],  # type: ignore[union-attr]
-        )
-        hidden = self.model(batch)
-        if self.config.is_classifier:
-            starts = torch.tensor(batch.cu_seqlens[:-1])
-            results = self.model.classify(hidden[starts]).float()
-        else:
-            results = self.pooler.pool(hidden, batch.seq_lens).float()
+        results = self._results(runnable)
         for i, req in enumerate(runnable):
             params = req.sampling_params.pooling
             assert params is not None
             vector = results[i]
             if params.task == "embed":
                 vector = finish_embedding(vector, self.pooler, params.normalize, params.dimensions)
-            output.pooled[req.req_id] = vector.numpy().astype(np.float32).tobytes()
+            output.pooled[req.req_id] = vector.cpu().numpy().astype(np.float32).tobytes()
         return output
+
+    def _results(self, runnable: list[NewRequestData]) -> torch.Tensor:
+        """``[num_reqs, dim]``: each request's pooled vector (before its Matryoshka
+        cut and normalization) or its classifier logits, in float32."""
+        prompts = [r.prompt_token_ids for r in runnable]
+        if self.decoder is not None:
+            if self.is_classifier or self.pooler.pooling_type == "last":
+                # Only the last rows are read: the last layer computes just those.
+                last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+                states = self.decoder.forward(prompts, last)
+                if self.token_classifier is not None:
+                    return self.token_classifier.logits(self.decoder.vocab_logits(states))
+                return self.pooler.pool(states, [1] * len(prompts)).float()
+            hidden = self.decoder.forward(prompts)
+            return self.pooler.pool(hidden, [len(p) for p in prompts]).float()
+        assert self.encoder is not None
+        batch = PackedBatch.pack(
+            prompts,
+            [r.sampling_params.pooling.first_segment_len for r in runnable],  # type: ignore[union-attr]
+        )
+        hidden = self.encoder(batch)
+        if self.is_classifier:
+            starts = torch.tensor(batch.cu_seqlens[:-1])
+            return self.encoder.classify(hidden[starts]).float()
+        return self.pooler.pool(hidden, batch.seq_lens).float()

@@ -58,8 +58,13 @@ from kvmesh.worker.parallel.driver import StepBroadcaster
 from kvmesh.worker.parallel.layout import RankLayout
 from kvmesh.worker.parallel.rank_service import FATAL_EXIT_CODE, connect_ranks, serve_rank
 from kvmesh.worker.parallel.replica_kv_connector import ReplicaKVConnector
-from kvmesh.worker.pooling_runner import PoolingRunner, is_pooling_checkpoint
+from kvmesh.worker.pooling_runner import (
+    PoolingRunner,
+    checkpoint_architecture,
+    is_pooling_checkpoint,
+)
 from kvmesh.worker.request_tracing import WorkerRequestTraces
+from kvmesh.worker.runner_choice import RunnerChoice, choose_runner
 from kvmesh.worker.step_budget import preferred_step_tokens
 from kvmesh.worker.step_in_flight import StepInFlight
 from kvmesh.worker.step_watchdog import StepWatchdog
@@ -319,41 +324,67 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def build_pooling_runner(
-    config: WorkerConfig, path: Path
+    config: WorkerConfig, path: Path, choice: RunnerChoice | None = None
 ) -> tuple[PoolingRunner, worker_pb2.WorkerInfo]:
-    """An encoder checkpoint: the pooling runner, no KV cache (worker/pooling_runner.py)."""
-    if config.quantization:
-        raise ValueError("--quantization is not implemented for pooling (encoder) models")
+    """The pooling runner, no KV cache (worker/pooling_runner.py): an encoder
+    checkpoint, or a generation checkpoint converted (``choice``: --runner
+    pooling / --convert), which loads as generation does (--dtype, --quantization)."""
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         raise ValueError("tensor/pipeline parallelism is not implemented for pooling models")
     if config.enable_lora:
         raise ValueError("LoRA is not implemented for pooling models")
-    model_config = ModelConfig.from_pretrained(path, dtype=config.dtype, device=config.device)
-    runner = PoolingRunner(
-        path,
-        dtype=model_config.dtype,
-        max_model_len=config.max_model_len or None,
-        num_threads=config.num_threads or None,
-    )
+    if choice is not None and choice.pools_decoder:
+        model_config = ModelConfig.from_pretrained(
+            path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len or None,
+            device=config.device,
+            quantization=config.quantization or None,
+        )
+        check_model(model_config)
+        runner = PoolingRunner(
+            path,
+            num_threads=config.num_threads or None,
+            decoder=model_config,
+            convert=choice.convert,
+            hf_overrides=choice.hf_overrides,
+        )
+        attention_backend = runner.decoder.backend.name if runner.decoder else ""
+        quantization = model_config.weights_description
+        weight_bytes = runner.decoder.model.resident_weight_bytes() if runner.decoder else 0
+    else:
+        if config.quantization and config.device != "cpu":
+            raise ValueError("--quantization runs on CPU only")
+        model_config = ModelConfig.from_pretrained(path, dtype=config.dtype, device=config.device)
+        runner = PoolingRunner(
+            path,
+            dtype=model_config.dtype,
+            max_model_len=config.max_model_len or None,
+            num_threads=config.num_threads or None,
+            quantization=config.quantization,
+        )
+        attention_backend, quantization, weight_bytes = "sdpa-packed", config.quantization, 0
     pooling = runner.info
     info = worker_pb2.WorkerInfo(
         model_name=config.served_model_name or Path(path).name,
         num_kv_blocks=0,
         block_size=config.block_size,
         max_model_len=pooling.max_model_len,
-        vocab_size=runner.config.vocab_size,
-        attention_backend="sdpa-packed",
+        vocab_size=runner.vocab_size,
+        attention_backend=attention_backend,
         device=config.device,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         dtype=str(model_config.dtype).removeprefix("torch."),
         dtype_reason=model_config.dtype_reason,
+        quantization=quantization,
         step_token_budget=preferred_step_tokens(config.device, model_config.dtype),
         runner="pooling",
         pooling_tasks=list(pooling.tasks),
         embedding_dim=pooling.embedding_dim,
         matryoshka_dimensions=list(pooling.matryoshka_dimensions),
         labels=list(pooling.labels),
+        weight_bytes=weight_bytes,
     )
     return runner, info
 
@@ -363,7 +394,15 @@ def build_runner(
 ) -> tuple[ModelRunner | PoolingRunner, worker_pb2.WorkerInfo]:
     path = resolve_model_path(config.model)
     if is_pooling_checkpoint(path):
+        choose_runner(
+            checkpoint_architecture(path), config.runner, config.convert, config.hf_overrides
+        )
         return build_pooling_runner(config, Path(path))
+    choice = choose_runner(
+        checkpoint_architecture(path), config.runner, config.convert, config.hf_overrides
+    )
+    if choice.runner == "pooling":
+        return build_pooling_runner(config, Path(path), choice)
     model_config = ModelConfig.from_pretrained(
         path,
         dtype=config.dtype,

@@ -55,6 +55,31 @@ def build_app(behaviour: Behaviour, observed: Observed) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": MODEL_ID, "object": "model"}]}
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        """One (zero) vector per input after ``first_delay_s``; usage counts list inputs' ids."""
+        payload = await request.json()
+        observed.num_requests += 1
+        observed.payloads.append(payload)
+        observed.headers.append(dict(request.headers))
+        if behaviour.http_status != 200:
+            return JSONResponse(
+                {"error": {"message": "refused"}}, status_code=behaviour.http_status
+            )
+        observed.in_flight += 1
+        observed.max_in_flight = max(observed.max_in_flight, observed.in_flight)
+        try:
+            await asyncio.sleep(behaviour.first_delay_s)
+        finally:
+            observed.in_flight -= 1
+        inputs = payload["input"]
+        tokens = sum(len(i) if isinstance(i, list) else PROMPT_TOKENS for i in inputs)
+        data = [
+            {"object": "embedding", "index": i, "embedding": "AAAAAA=="} for i in range(len(inputs))
+        ]
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return JSONResponse({"object": "list", "data": data, "model": MODEL_ID, "usage": usage})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         payload = await request.json()

@@ -117,3 +117,42 @@ def test_failed_warm_up_exits_with_a_message(
 )
 def test_sampling_flags_choose_the_fields_sent(flags: list[str], fields: dict) -> None:
     assert sampling_setting(build_parser().parse_args(flags)).fields() == fields
+
+
+def test_embedding_workload_batches_log_uniform_inputs(
+    fake_server: FakeOpenAIServer,
+    bench_tokenizer: BenchTokenizer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--endpoint /v1/embeddings: --inputs-per-request prompts per POST, lengths
+    log-uniform in [--min-input-len, --input-len], inputs/s reported."""
+    fake_server.reset(first_delay_s=0.01)
+    result_file = tmp_path / "result.json"
+    code = main(
+        [
+            f"--base-url={fake_server.base_url}",
+            f"--tokenizer={default_model_path()}",
+            "--endpoint=/v1/embeddings",
+            "--num-prompts=40",
+            "--min-input-len=16",
+            "--input-len=512",
+            "--inputs-per-request=16",
+            "--max-concurrency=2",
+            "--num-warmups=0",
+            "--disable-tqdm",
+            f"--result-file={result_file}",
+        ]
+    )
+    assert code == 0
+    payloads = fake_server.observed.payloads
+    assert [len(p["input"]) for p in payloads] == [16, 16, 8]
+    lengths = [len(ids) for p in payloads for ids in p["input"]]
+    assert min(lengths) >= 16 and max(lengths) <= 512
+    assert min(lengths) < 64 and max(lengths) > 128  # spread over the log range
+    assert fake_server.observed.max_in_flight <= 2
+    out = capsys.readouterr().out
+    assert "Embedded inputs: 40 (" in out
+    result = json.loads(result_file.read_text())
+    assert result["inputs_per_request"] == 16
+    assert result["total_input_tokens"] == sum(lengths)

@@ -144,3 +144,103 @@ def test_grpc_embed_equals_http(embedder) -> None:
     for got, expected in zip(out.embeddings, http["data"], strict=True):
         np.testing.assert_allclose(list(got.values), expected["embedding"], atol=1e-6)
     assert out.usage.prompt_tokens == http["usage"]["prompt_tokens"]
+
+
+@pytest.fixture(scope="module")
+def decoder_embedder(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Qwen3 generation checkpoint (the default model's tokenizer)
+    served as an embedding model by --runner pooling, as Qwen3-Embedding is."""
+    import shutil
+
+    from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+    from tests.worker.model_families import make_family_checkpoint
+
+    source = default_model_path()
+    if not is_prepared(source):
+        pytest.skip("default model not prepared (run `make install`)")
+    folder = tmp_path_factory.mktemp("decoder-embed") / "qwen3-embed"
+    hf = make_family_checkpoint(folder, "Qwen3ForCausalLM", vocab_size=49_152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    stack = LocalStack(
+        ["--dtype", "float32", "--max-num-batched-tokens", "512", "--runner", "pooling"],
+        model=folder,
+    )
+    stack.wait_ready(STARTUP_TIMEOUT_S)
+    yield stack, folder, hf
+    assert stack.stop() == 0, "".join(stack.log[-50:])
+
+
+def test_decoder_embeddings_through_the_stack_equal_transformers(decoder_embedder) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    stack, folder, hf = decoder_embedder
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", timeout=120)
+    out = client.embeddings.create(model=folder.name, input=TEXTS)
+    got = np.array([d.embedding for d in out.data], dtype=np.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected = []
+    for text in TEXTS:
+        with torch.no_grad():
+            states = hf.model(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state
+        expected.append(torch.nn.functional.normalize(states[0, -1], dim=0).numpy())
+    cosine = (got * np.array(expected)).sum(1) / np.linalg.norm(got, axis=1)
+    assert cosine.min() >= 0.99999
+    assert out.usage.prompt_tokens == sum(len(tokenizer(t)["input_ids"]) for t in TEXTS)
+    # A bi-encoder's /score: the cosine of the two embeddings.
+    score = httpx.post(
+        f"{stack.http_url}/score",
+        json={"model": folder.name, "text_1": TEXTS[0], "text_2": TEXTS[1:]},
+        timeout=60,
+    )
+    assert score.status_code == 200, score.text
+    np.testing.assert_allclose(
+        [d["score"] for d in score.json()["data"]], got[1:] @ got[0], atol=1e-5
+    )
+    # A generation request to a pooling model is refused, not served.
+    completion = httpx.post(
+        f"{stack.http_url}/v1/completions",
+        json={"model": folder.name, "prompt": "hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert 400 <= completion.status_code < 500, completion.text
+
+
+def test_decoder_yes_no_reranker_through_the_stack(tmp_path: Path) -> None:
+    """--hf-overrides classifier_from_token (Qwen3-Reranker's flags) through
+    `kvmesh up`: /rerank's relevance is P("yes") from the LM head's two logits."""
+    import torch
+
+    from tests.worker.model_families import make_family_checkpoint
+    from tests.worker.word_tokenizer import NO_ID, YES_ID, save_word_tokenizer
+
+    folder = tmp_path / "qwen3-reranker"
+    hf = make_family_checkpoint(folder, "Qwen3ForCausalLM")
+    save_word_tokenizer(folder, hf.config.vocab_size)
+    overrides = (
+        '{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+    )
+    stack = LocalStack(
+        ["--dtype", "float32", "--max-num-batched-tokens", "256", "--hf-overrides", overrides],
+        model=folder,
+    )
+    try:
+        stack.wait_ready(STARTUP_TIMEOUT_S)
+        documents = ["w2 w3", "w100 w101 w102 w7", "w50"]
+        response = httpx.post(
+            f"{stack.http_url}/v1/rerank",
+            json={"model": folder.name, "query": "w5 w9 w33", "documents": documents},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        by_index = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+        for index, document in enumerate(documents):
+            ids = [int(w[1:]) for w in f"w5 w9 w33 {document}".split()]
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+            expected = torch.sigmoid(logits[YES_ID] - logits[NO_ID]).item()
+            assert by_index[index] == pytest.approx(expected, abs=1e-4)
+    finally:
+        assert stack.stop() == 0, "".join(stack.log[-50:])

@@ -224,6 +224,22 @@ class BertEncoder(nn.Module):
             x = layer(x, cu_seqlens)
         return x
 
+    def quantize(self, quantization: str) -> None:
+        """``--quantization`` for the encoder's layers: each layer's four
+        projections become packed int8 codes (per 32 input features, GGUF Q8_0's
+        layout; "w8a8" also quantizes activations), as the decoders' projections
+        (worker/models/decoder.py); embeddings, norms and the head stay float.
+        Call after the weights are loaded and the model is in its dtype."""
+        from kvmesh.worker.models.decoder import quantize_projection  # torch kernels, on demand
+
+        dtype = self.word_embeddings.weight.dtype
+        for layer in self.layers:
+            for name in ("qkv", "attn_out", "up", "down"):
+                linear = getattr(layer, name)
+                packed = quantize_projection(linear.weight, linear.bias, dtype, quantization)
+                delattr(layer, name)  # a child module: replaced by the packed callable
+                setattr(layer, name, packed)
+
     def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[num_seqs, num_labels]`` from each sequence's first-token state."""
         if self.head_dense is None or self.head_out is None:

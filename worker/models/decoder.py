@@ -165,6 +165,17 @@ def _pack(
     return PackedLinear(weight, bias, use_onednn, use_block_codes, dtype)
 
 
+def quantize_projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quantization: str
+) -> PackedLinear:
+    """A plain (float) projection packed as ``--quantization`` asks ("int8": weight-only
+    codes; "w8a8": the same codes times int8 activations), computing in ``dtype``:
+    the decoders' path (``_pack``) for a model outside this file (worker/models/bert.py)."""
+    use_codes = native.unavailable_reason() is None and weight.device.type == "cpu"
+    param = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+    return _pack(param, None, bias, dtype, quantization, True, use_codes)
+
+
 def share_plain_weight(param: nn.Parameter, packed: PackedLinear, keep: bool = False) -> None:
     """Point ``param`` at ``packed``'s plain weight where it keeps one
     (amx_linear's bfloat16 weight, or the torch linear's): that tensor is the
@@ -644,19 +655,26 @@ class DecoderForCausalLM(nn.Module):
         for layer, slots in zip(self.layers, layer_slots, strict=True):
             layer.lora = slots
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for the given rows only (the rows that sample); norm is per row."""
-        features = self.features
-        if features.norm_offset:
-            normed = offset_rms_norm(
-                hidden, self.norm, self.config.rms_norm_eps, features.norm_offset
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last norm over the given rows: transformers' last_hidden_state
+        (what a pooling runner pools) and the LM head's input."""
+        if self.features.norm_offset:
+            return offset_rms_norm(
+                hidden, self.norm, self.config.rms_norm_eps, self.features.norm_offset
             )
-        elif self._native_ops:
-            normed = torch.ops.kvmesh.rms_norm(
+        if self._native_ops:
+            return torch.ops.kvmesh.rms_norm(
                 hidden.contiguous(), self.norm, self.config.rms_norm_eps
             )
-        else:
-            normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the given rows only (the rows that sample); norm is per row."""
+        return self.lm_head_logits(self.final_norm(hidden))
+
+    def lm_head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows already through ``final_norm``."""
+        features = self.features
         if self._packed_lm_head is None:
             logits = F.linear(normed, self.lm_head)
         else:

@@ -1,4 +1,4 @@
-"""``kvmesh bench``: load-test an OpenAI-compatible completions endpoint, report like vLLM."""
+"""``kvmesh bench``: load-test an OpenAI-compatible completions or embeddings endpoint, as vLLM."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from kvmesh.services.cli.bench.dataset import (
     RandomDatasetConfig,
     sample_random_requests,
     sample_warmup_request,
+)
+from kvmesh.services.cli.bench.embeddings_client import (
+    EmbeddingsClient,
+    group_requests,
+    is_embeddings_endpoint,
 )
 from kvmesh.services.cli.bench.metrics import compute_metrics
 from kvmesh.services.cli.bench.plot import require_matplotlib, write_latency_histograms
@@ -78,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[kind.value for kind in PromptKind],
         default=PromptKind.TOKEN_IDS.value,
         help="send prompts as token id lists (exact lengths) or as decoded text",
+    )
+    workload.add_argument(
+        "--min-input-len",
+        type=int,
+        default=0,
+        help="draw input lengths log-uniformly from [min, --input-len] instead (0: off)",
+    )
+    workload.add_argument(
+        "--inputs-per-request",
+        type=int,
+        default=1,
+        help="embedding workload (--endpoint /v1/embeddings): prompts sent in one request's "
+        "input list",
     )
     workload.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
 
@@ -154,6 +172,7 @@ async def _run(args: argparse.Namespace) -> int:
         shared_prefix_len=args.shared_prefix_len,
         seed=args.seed,
         prompt_kind=PromptKind(args.prompt_kind),
+        min_input_len=args.min_input_len,
     )
     load = LoadConfig(
         request_rate=args.request_rate,
@@ -166,6 +185,11 @@ async def _run(args: argparse.Namespace) -> int:
         require_matplotlib()
     tokenizer = BenchTokenizer.from_path(tokenizer_path)
     requests = sample_random_requests(dataset, tokenizer)
+    embeddings = is_embeddings_endpoint(args.endpoint)
+    warmup = sample_warmup_request(dataset, tokenizer)
+    if embeddings:
+        requests = group_requests(requests, args.inputs_per_request)
+        warmup = group_requests([warmup], 1)[0]
 
     sampling = sampling_setting(args)
     client_config = ClientConfig(
@@ -177,13 +201,14 @@ async def _run(args: argparse.Namespace) -> int:
         max_connections=args.max_concurrency or args.num_prompts,
         timeout_s=args.request_timeout,
     )
-    async with CompletionsClient(client_config) as client:
+    client_class = EmbeddingsClient if embeddings else CompletionsClient
+    async with client_class(client_config) as client:
         model = args.model or await client.first_model_id()
         client.config = dataclasses.replace(client.config, model=model)
         print(f"Benchmarking {model} at {client.config.url}")
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} request(s)...")
-            await warm_up(client.send, sample_warmup_request(dataset, tokenizer), args.num_warmups)
+            await warm_up(client.send, warmup, args.num_warmups)
         print(
             f"Traffic request rate: {args.request_rate}\n"
             f"Maximum request concurrency: {args.max_concurrency}"
@@ -195,6 +220,14 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"Failed request {output.request_id}: {output.error}")
     metrics = compute_metrics(result.outputs, result.duration_s, percentiles)
     print(format_report(metrics, args.request_rate, args.max_concurrency))
+    if embeddings:
+        inputs = sum(
+            r.output_len for r, o in zip(requests, result.outputs, strict=True) if o.success
+        )
+        print(
+            f"Embedded inputs: {inputs} ({inputs / result.duration_s:.2f} inputs/s, "
+            f"{args.inputs_per_request} per request)"
+        )
 
     config: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -218,6 +251,8 @@ async def _run(args: argparse.Namespace) -> int:
         "sampling": sampling.name,
         **sampling.fields(),
         "ignore_eos": args.ignore_eos,
+        "min_input_len": dataset.min_input_len,
+        "inputs_per_request": args.inputs_per_request if embeddings else 1,
     }
     if args.result_file is not None:
         write_result(

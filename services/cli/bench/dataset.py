@@ -53,8 +53,15 @@ class RandomDatasetConfig:
     shared_prefix_len: int = 0
     seed: int = 0
     prompt_kind: PromptKind = PromptKind.TOKEN_IDS
+    # > 0: input lengths log-uniform in [min_input_len, input_len] instead of
+    # range_ratio's uniform spread (embedding corpora: many short, few long).
+    min_input_len: int = 0
 
     def __post_init__(self) -> None:
+        if self.min_input_len and not 1 <= self.min_input_len <= self.input_len:
+            raise ValueError(
+                f"min_input_len must be in [1, {self.input_len}], got {self.min_input_len}"
+            )
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.input_len < 0 or self.shared_prefix_len < 0:
@@ -119,6 +126,13 @@ def sample_random_requests(
     )
     output_low, output_high = length_bounds(config.output_len, config.range_ratio, minimum=1)
     input_lens = rng.integers(input_low, input_high + 1, size=config.num_prompts)
+    if config.min_input_len:
+        low = max(1, config.min_input_len - num_added)
+        high = max(low, config.input_len - num_added)
+        input_lens = np.rint(
+            np.exp(rng.uniform(math.log(low), math.log(high), size=config.num_prompts))
+        ).astype(np.int64)
+        input_low, input_high = low, high
     output_lens = rng.integers(output_low, output_high + 1, size=config.num_prompts)
     allowed = tokenizer.allowed_ids
     prefix = allowed[rng.integers(0, len(allowed), size=config.shared_prefix_len)]

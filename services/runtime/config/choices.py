@@ -54,6 +54,10 @@ DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 # What --quantization accepts: weight-only int8 per 32 input features (Q8_0's
 # layout), or the same weights with int8 activations (W8A8, integer dot products).
 QUANTIZATIONS = ("int8", "w8a8")
+# --runner and --convert, as vLLM's: which runner serves the checkpoint (auto: by its
+# architecture), and what a generation checkpoint becomes under the pooling runner.
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
 
 # --reasoning-parser: how a model's thinking is split from its answer (kvmesh.gateway.reasoning).
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral")

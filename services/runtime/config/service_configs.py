@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from kvmesh.services.runtime.config.choices import (
     ATTENTION_BACKENDS,
     AUTO_DTYPE,
+    CONVERTS,
     DTYPE_CHOICES,
     QUANTIZATIONS,
     REASONING_PARSERS,
     REPLICA_DISCOVERIES,
     ROUTING_POLICIES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
 )
@@ -287,6 +289,29 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
         "int8, multiplied with VNNI/AMX-INT8 integer dot products (needs the C++ CPU kernels; "
         "less accurate, docs/serving.md 'Quantized weights')",
         choices=QUANTIZATIONS,
+    )
+    runner: str = opt(
+        "auto",
+        "which runner serves the model, as vLLM's flag: auto (by the checkpoint: an encoder "
+        "pools, a *ForCausalLM generates), generate, or pooling (a generation model then "
+        "serves embeddings: --convert)",
+        choices=RUNNERS,
+    )
+    convert: str = opt(
+        "auto",
+        "what a generation model becomes under the pooling runner, as vLLM's flag: embed "
+        "(last-token hidden state, normalized, as Qwen3-Embedding; the folder's "
+        "sentence-transformers pooling config wins where present) or classify (a yes/no "
+        "reranker: needs --hf-overrides classifier_from_token); auto: embed under --runner "
+        "pooling; embed or classify imply --runner pooling",
+        choices=CONVERTS,
+    )
+    hf_overrides: str = opt(
+        "",
+        "JSON over the checkpoint config, as vLLM's flag; implemented: a decoder reranker's "
+        '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true} (method from_2_way_softmax or '
+        "no_post_processing); other keys are refused by name",
     )
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
     kv_cache_memory: int = opt(
