@@ -7,9 +7,10 @@ into ``qkv_proj`` and ``gate_up_proj``, two norms per layer, SwiGLU.
 from __future__ import annotations
 
 from kvmesh.worker.config import ModelConfig
-from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.config_checks import qwen_layer_windows, refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
+    LayerKVSpec,
     LoRATarget,
     ModelDeclaration,
     ParamDecl,
@@ -92,7 +93,8 @@ def llama_declaration(qkv_bias: bool) -> ModelDeclaration:
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama and Mistral (whose ``sliding_window`` is checked like any window)."""
+    """Llama and Mistral (every layer over Mistral's ``sliding_window``, as
+    transformers' Mistral applies it)."""
 
     declaration = llama_declaration(qkv_bias=False)
 
@@ -108,3 +110,8 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2/2.5: Llama with q/k/v biases (``attention_bias`` unset in its config)."""
 
     declaration = llama_declaration(qkv_bias=True)
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> list[LayerKVSpec]:
+        windows = qwen_layer_windows(config.hf_config, config.num_layers)
+        return [LayerKVSpec(config.num_kv_heads, config.head_dim, w) for w in windows]
