@@ -647,7 +647,7 @@ struct ChunkPlan {
   float scale;
 };
 
-inline int64_t packed_base(int64_t first_key) { return first_key / kKeyBlock * kKeyBlock; }
+inline int64_t packed_from(int64_t first_key) { return first_key / kKeyBlock * kKeyBlock; }
 
 // Pass 1 then pass 2 over torch's threads, in the Products' word type.
 template <class Products>
@@ -682,7 +682,7 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
   kvmesh::parallel_items(pack_items[num_chunks], [&](int64_t item, bool) {
     const int64_t c = chunk_of(pack_items, item);
     const int64_t local = item - pack_items[c];
-    const int64_t base = packed_base(first_keys[c]);
+    const int64_t base = packed_from(first_keys[c]);
     const int64_t key_blocks = (contexts[c] - base + kKeyBlock - 1) / kKeyBlock;
     const int64_t h = local / key_blocks, kb = local % key_blocks;
     auto [kt, v] = packed_kv(c, h);
@@ -709,7 +709,7 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
       const int64_t q_row = (starts[c] + row0) * query.stride(0) + head * query.stride(1);
       attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
                             out.stride(0), q_base + q_row, query.stride(0), rows, kv,
-                            packed_base(first_keys[c]), head_dim, prefix + row0, contexts[c],
+                            packed_from(first_keys[c]), head_dim, prefix + row0, contexts[c],
                             window, softcap, scale);
     }
   });
@@ -796,7 +796,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
       TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
     }
     const int64_t key_blocks =
-        (contexts[c] - packed_base(first_keys[c]) + kKeyBlock - 1) / kKeyBlock;
+        (contexts[c] - packed_from(first_keys[c]) + kKeyBlock - 1) / kKeyBlock;
     packed_offset[c + 1] = packed_offset[c] + key_blocks * kKeyBlock * head_dim;
     pack_items[c + 1] = pack_items[c] + num_kv_heads * key_blocks;
     attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);

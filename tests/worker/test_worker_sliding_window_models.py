@@ -4,9 +4,10 @@ Mistral (every layer over its window), Gemma 2 (alternating windowed layers,
 attention-score soft-cap) and Gemma 3 (local/global layers), on tiny random
 checkpoints whose window (16 tokens) is far shorter than the prompts (70 and
 45 tokens, prefilled in 16-token chunks, one with a prefix-cache hit) and
-the 24 generated tokens. Compared as vLLM's model tests compare: greedy
+the 24 generated tokens. Compared as vLLM's model tests compare (greedy
 tokens equal until a first difference, where each side's token is in the
-other's top 5. Each feature removed from the model must fail that check.
+other's top 5), and in float32 equal throughout, as the other family tests
+require. Each feature removed from the model must fail the check.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ CHECKPOINTS = {
     "MistralForCausalLM": {"sliding_window": WINDOW},
     "Gemma2ForCausalLM": {
         "sliding_window": WINDOW,
-        "attn_logit_softcapping": 2.0,
+        "attn_logit_softcapping": 5.0,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
     },
     "Gemma3ForCausalLM": {"sliding_window": WINDOW},
@@ -89,12 +90,16 @@ def windowed(
 def _failures(
     hf_model: torch.nn.Module, runner: ModelRunner, expected: list[list[int]]
 ) -> list[str]:
+    """Why the runner's greedy tokens fail the parity check (empty: they pass)."""
     ours = _greedy(runner)
-    return [
+    failures = [
         f"prompt {i}: {why}"
         for i, (prompt, mine, theirs) in enumerate(zip(PROMPTS, ours, expected, strict=True))
         if (why := vllm_rule_failure(hf_model, runner, prompt, mine, theirs)) is not None
     ]
+    if not failures and ours != expected:  # float32: no near-tie excuse needed
+        failures.append(f"tokens differ after a top-5 near-tie: {ours} != {expected}")
+    return failures
 
 
 def test_windowed_family_matches_transformers(
