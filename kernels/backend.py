@@ -153,8 +153,17 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Attention output ``[num_tokens, num_heads, head_dim]`` for a mixed batch."""
+        """Attention output ``[num_tokens, num_heads, head_dim]`` for a mixed batch.
+
+        Per layer: ``sliding_window`` W, each query at position p sees keys
+        p - W < j <= p only, and cache blocks wholly before that are never read
+        (their block-table entries may be a freed block's null id);
+        ``softcap`` c, scores are ``c * tanh(score * scale / c)`` before the
+        softmax (kernels/reference.py defines both). None: off."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -10,6 +10,13 @@ Prefill chunks (more than one query token) are few per step; each gets one SDPA
 call over its gathered prefix + chunk with a causal mask shifted by the cached
 prefix length. K/V are expanded over the group as stride-0 views, never copied.
 
+A layer with a sliding window gathers only the keys inside it (a decode: the
+last W tokens; a chunk: from its first row's window start), so blocks that
+fell out of the window are never read; its masks are built once per step and
+window. A soft-capped layer (Gemma 2) computes the scores explicitly (SDPA has
+no hook between the product and the softmax): ``c * tanh(s / c)``, masked,
+softmax in float32.
+
 Everything derived from the step's batch shape (index tensors, masks) is built
 once per step in ``build_metadata`` and reused by all layers, and so are the
 buffers the decode gathers K/V into: a fresh multi-megabyte tensor per layer
@@ -26,6 +33,14 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import reference
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """A layer's own attention options (kernels/reference.py): None = off."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,9 @@ class CpuAttentionPlan:
     _slots_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # Gather destinations for the decode K/V, shared by all layers of the step.
     _gather_buffers: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Sliding-window slots and masks, by (what, window, block size): computed
+    # by the first layer with that window, reused by the others.
+    _window_cache: dict[tuple, object] = field(default_factory=dict, repr=False)
 
     @property
     def num_decodes(self) -> int:
@@ -88,6 +106,41 @@ class CpuAttentionPlan:
             slots = (block_ids * block_size + positions % block_size).reshape(-1)
             self._slots_by_block_size[block_size] = slots
         return slots
+
+    def window_decode(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(slots, mask, length) of every decode's last ``window`` keys: slots
+        ``[num_decodes * length]`` (padding aimed at the sequence's last token,
+        as ``decode_slots``), mask ``[num_decodes, 1, 1, length]``."""
+        key = ("decode", window, block_size)
+        cached = self._window_cache.get(key)
+        if cached is None:
+            lens = self.decode_context_lens
+            length = min(window, self.max_decode_context)
+            starts = (lens - window).clamp(min=0)
+            offsets = torch.arange(length, device=lens.device)
+            positions = torch.minimum(starts[:, None] + offsets[None, :], lens[:, None] - 1)
+            block_ids = torch.gather(self.decode_block_tables, 1, positions // block_size)
+            slots = (block_ids * block_size + positions % block_size).reshape(-1)
+            mask = offsets[None, :] < (lens - starts)[:, None]
+            cached = (slots, mask[:, None, None, :], length)
+            self._window_cache[key] = cached
+        return cached  # type: ignore[return-value]
+
+    def window_chunk(self, index: int, window: int) -> tuple[int, torch.Tensor]:
+        """(first key, mask ``[q_len, context_len - first key]``) of prefill
+        chunk ``index`` under a ``window``: keys from its first row's window start."""
+        key = ("chunk", index, window)
+        cached = self._window_cache.get(key)
+        if cached is None:
+            chunk = self.prefills[index]
+            device = chunk.block_table.device
+            q_start = chunk.context_len - chunk.query_len
+            first = reference.first_key(q_start, window)
+            q_pos = torch.arange(q_start, chunk.context_len, device=device)[:, None]
+            k_pos = torch.arange(first, chunk.context_len, device=device)[None, :]
+            cached = (first, (k_pos <= q_pos) & (k_pos > q_pos - window))
+            self._window_cache[key] = cached
+        return cached  # type: ignore[return-value]
 
     def gather_buffer(self, name: str, like: torch.Tensor, num_rows: int) -> torch.Tensor:
         """A ``[num_rows, *like.shape[2:]]`` scratch tensor, allocated once per step."""
@@ -158,9 +211,36 @@ def _gather_slots(
     return torch.index_select(rows, 0, slots, out=out)
 
 
-def _context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(context_len, device=block_table.device)
+def _context_slots(
+    block_table: torch.Tensor, context_len: int, block_size: int, first: int = 0
+) -> torch.Tensor:
+    """Cache slots of positions ``first .. context_len - 1``."""
+    positions = torch.arange(first, context_len, device=block_table.device)
     return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def attend(
+    q: torch.Tensor,  # [..., q_len, D]
+    k: torch.Tensor,  # [..., k_len, D]
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,  # bool, True = may attend; None with causal
+    causal: bool = False,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """SDPA, or with ``softcap`` the same computed step by step (float32 softmax)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+        )
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -197,6 +277,9 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         plan = metadata.plan
         if not isinstance(plan, CpuAttentionPlan):
@@ -208,10 +291,11 @@ class CpuAttentionBackend(AttentionBackend):
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
         group = num_heads // num_kv_heads
         out = torch.empty_like(query)
+        layer = LayerOptions(sliding_window, softcap or None)
         if plan.num_decodes:
-            self._decode(query, k_cache, v_cache, plan, scale, group, out)
+            self._decode(query, k_cache, v_cache, plan, scale, group, out, layer)
         if plan.prefills:
-            self._prefill(query, k_cache, v_cache, plan, scale, group, out)
+            self._prefill(query, k_cache, v_cache, plan, scale, group, out, layer)
         return out
 
     @classmethod
@@ -224,10 +308,16 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         group: int,
         out: torch.Tensor,
+        layer: LayerOptions,
     ) -> None:
         """Every prefill chunk of the step: one SDPA call each."""
-        for chunk in plan.prefills:
-            cls._prefill_chunk(query, k_cache, v_cache, chunk, scale, group, out)
+        for index, chunk in enumerate(plan.prefills):
+            window = None
+            if layer.sliding_window is not None:
+                window = plan.window_chunk(index, layer.sliding_window)
+            cls._prefill_chunk(
+                query, k_cache, v_cache, chunk, scale, group, out, window, layer.softcap
+            )
 
     @staticmethod
     def _decode(
@@ -238,18 +328,23 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         group: int,
         out: torch.Tensor,
+        layer: LayerOptions,
     ) -> None:
         num_decodes, length = plan.num_decodes, plan.max_decode_context
         num_kv_heads, head_dim = k_cache.shape[2:]
-        slots = plan.decode_slots(k_cache.shape[1])
+        mask = plan.decode_mask
+        if layer.sliding_window is None:
+            slots = plan.decode_slots(k_cache.shape[1])
+        else:
+            slots, mask, length = plan.window_decode(layer.sliding_window, k_cache.shape[1])
         k_rows = plan.gather_buffer("k", k_cache, slots.shape[0])
         v_rows = plan.gather_buffer("v", v_cache, slots.shape[0])
         # [N, L, H_kv, D] -> [N, H_kv, L, D] as a view; SDPA reads the strides.
         k = _gather_slots(k_cache, slots, k_rows).view(num_decodes, length, num_kv_heads, head_dim)
         v = _gather_slots(v_cache, slots, v_rows).view(num_decodes, length, num_kv_heads, head_dim)
         q = query.index_select(0, plan.decode_rows).view(num_decodes, num_kv_heads, group, -1)
-        attended = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale
+        attended = attend(
+            q, k.transpose(1, 2), v.transpose(1, 2), scale, mask, softcap=layer.softcap
         )
         out.index_copy_(0, plan.decode_rows, attended.reshape(num_decodes, -1, head_dim))
 
@@ -262,24 +357,29 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         group: int,
         out: torch.Tensor,
+        window: tuple[int, torch.Tensor] | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """``window``: (first key, mask) of a sliding-window layer."""
         num_kv_heads, head_dim = k_cache.shape[2:]
         q_len, context_len = chunk.query_len, chunk.context_len
-        slots = _context_slots(chunk.block_table, context_len, k_cache.shape[1])
+        first, mask = (0, chunk.causal_mask) if window is None else window
+        slots = _context_slots(chunk.block_table, context_len, k_cache.shape[1], first)
 
         def expanded(cache: torch.Tensor) -> torch.Tensor:
-            # [ctx, H_kv, D] -> [H_kv, group, ctx, D] with a stride-0 group axis.
+            # [keys, H_kv, D] -> [H_kv, group, keys, D] with a stride-0 group axis.
             rows = _gather_slots(cache, slots).permute(1, 0, 2)
-            return rows.unsqueeze(1).expand(num_kv_heads, group, context_len, head_dim)
+            return rows.unsqueeze(1).expand(num_kv_heads, group, context_len - first, head_dim)
 
         q = query[chunk.query_start : chunk.query_end].view(q_len, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(
+        attended = attend(
             q.permute(1, 2, 0, 3),
             expanded(k_cache),
             expanded(v_cache),
-            attn_mask=chunk.causal_mask,
-            is_causal=chunk.causal_mask is None,
-            scale=scale,
+            scale,
+            mask,
+            causal=mask is None,
+            softcap=softcap,
         )  # [H_kv, group, q_len, D]
         out[chunk.query_start : chunk.query_end] = attended.permute(2, 0, 1, 3).reshape(
             q_len, -1, head_dim

@@ -41,7 +41,12 @@ import torch
 
 from kvmesh.kernels import batch_invariant, native
 from kvmesh.kernels.backend import AttentionMetadata
-from kvmesh.kernels.cpu_attention import CpuAttentionBackend, CpuAttentionPlan, build_cpu_plan
+from kvmesh.kernels.cpu_attention import (
+    CpuAttentionBackend,
+    CpuAttentionPlan,
+    LayerOptions,
+    build_cpu_plan,
+)
 from kvmesh.kernels.invariant_attention import EveryRowPlan, attend_every_row, every_row_plan
 
 # paged_prefill_attention's head sizes: whole 32-dim operand rows (an AMX tile
@@ -76,13 +81,26 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if not batch_invariant.enabled():
-            return super().forward(query, k_cache, v_cache, metadata, scale)
+            return super().forward(
+                query,
+                k_cache,
+                v_cache,
+                metadata,
+                scale,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
         plan = metadata.plan
         if not isinstance(plan, EveryRowPlan):
             plan = every_row_plan(metadata)
-        return attend_every_row(query, k_cache, v_cache, plan, scale)
+        return attend_every_row(
+            query, k_cache, v_cache, plan, scale, LayerOptions(sliding_window, softcap or None)
+        )
 
     def write_kv_cache(
         self,
@@ -106,13 +124,14 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         scale: float,
         group: int,
         out: torch.Tensor,
+        layer: LayerOptions,
     ) -> None:
         if (
             query.dtype not in native.NATIVE_DTYPES
             or k_cache.dtype != query.dtype
             or not query.is_cpu
         ):
-            CpuAttentionBackend._decode(query, k_cache, v_cache, plan, scale, group, out)
+            CpuAttentionBackend._decode(query, k_cache, v_cache, plan, scale, group, out, layer)
             return
         torch.ops.kvmesh.paged_decode_attention(
             out,
@@ -123,6 +142,9 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             plan.decode_context_lens,
             plan.decode_rows,
             scale,
+            0,
+            layer.sliding_window or 0,
+            layer.softcap or 0.0,
         )
 
     @classmethod
@@ -135,6 +157,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         scale: float,
         group: int,
         out: torch.Tensor,
+        layer: LayerOptions,
     ) -> None:
         head_dim = query.shape[2]
         if (
@@ -144,7 +167,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             or head_dim % _HEAD_DIM_MULTIPLE
             or head_dim > _MAX_HEAD_DIM
         ):
-            CpuAttentionBackend._prefill(query, k_cache, v_cache, plan, scale, group, out)
+            CpuAttentionBackend._prefill(query, k_cache, v_cache, plan, scale, group, out, layer)
             return
         torch.ops.kvmesh.paged_prefill_attention(
             out,
@@ -156,6 +179,8 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             plan.prefill_query_lens,
             plan.prefill_context_lens,
             scale,
+            layer.sliding_window or 0,
+            layer.softcap or 0.0,
         )
 
 

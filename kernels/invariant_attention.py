@@ -19,6 +19,7 @@ import torch
 
 from kvmesh.kernels import batch_invariant, native
 from kvmesh.kernels.backend import AttentionMetadata
+from kvmesh.kernels.cpu_attention import LayerOptions
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,14 @@ def attend_every_row(
     v_cache: torch.Tensor,
     plan: EveryRowPlan,
     scale: float,
+    layer: LayerOptions | None = None,
 ) -> torch.Tensor:
-    """``softmax(q K^T * scale) V`` for every row of ``query`` ([tokens, heads, head_dim])."""
+    """``softmax(q K^T * scale) V`` for every row of ``query`` ([tokens, heads, head_dim]).
+
+    ``layer``'s sliding window starts each row's context at its own window
+    start (a function of its position only, so still batch-invariant: runs
+    stay aligned to ``RUN_TOKENS`` from token 0, the first one cut there)."""
+    layer = layer or LayerOptions()
     if query.shape[0] != plan.num_tokens:
         raise ValueError(f"query has {query.shape[0]} rows, metadata {plan.num_tokens}")
     if query.dtype not in native.NATIVE_DTYPES or k_cache.dtype != query.dtype:
@@ -74,5 +81,7 @@ def attend_every_row(
             plan.rows,
             scale,
             batch_invariant.RUN_TOKENS,
+            layer.sliding_window or 0,
+            layer.softcap or 0.0,
         )
     return out

@@ -38,6 +38,9 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         # Decode is the q_len == 1 case of the prefill reference, so one call
         # covers a mixed batch in any order.
@@ -49,4 +52,6 @@ class TorchReferenceBackend(AttentionBackend):
             metadata.query_start_loc,
             metadata.context_lens,
             scale,
+            sliding_window,
+            softcap,
         )

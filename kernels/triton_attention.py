@@ -10,6 +10,11 @@ block per loop iteration, with an online (flash) softmax in float32.
   of one sequence, query head). A row at position p sees keys 0..p; the loop
   stops at the tile's last position, so later blocks are never read.
 
+Per layer, a sliding window (``window`` > 0: keys p - window < j <= p) starts
+each loop at the block holding the first row's window start, so blocks that
+fell out of the window are never read, and a soft-cap (``softcap`` > 0:
+scores become ``softcap * tanh(s / softcap)``) applies before the mask.
+
 ``tl.dot`` needs every dimension >= 16 on GPUs, so query-head groups are padded
 to 16 rows, and the cache block size must be >= 16 (16 and 32 are tested).
 Imports triton at module import: load it only through ``kvmesh.kernels.triton_backend``.
@@ -26,6 +31,13 @@ _MIN_DOT = 16
 
 
 @triton.jit
+def _soft_cap(scores, softcap):
+    """softcap * tanh(scores / softcap), tanh as 1 - 2 / (exp(2x) + 1): exact
+    +-1 far out (exp overflows to inf, or to 0)."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     query_ptr,
@@ -36,6 +48,8 @@ def _paged_decode_kernel(
     decode_rows_ptr,
     decode_seqs_ptr,
     scale,
+    window,
+    softcap,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -70,10 +84,12 @@ def _paged_decode_kernel(
     running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    for logical_block in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
+    # 0 without a window (window 0 reads as the whole context).
+    first_position = tl.maximum(context_len - tl.where(window > 0, window, context_len), 0)
+    for logical_block in range(first_position // BLOCK_SIZE, tl.cdiv(context_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_table_seq + logical_block).to(tl.int64)
         positions = logical_block * BLOCK_SIZE + slots
-        valid = positions < context_len
+        valid = (positions < context_len) & (positions >= first_position)
         offsets = (
             block * stride_cache_block
             + slots[:, None] * stride_cache_slot
@@ -85,6 +101,8 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if softcap > 0:
+            scores = _soft_cap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp(running_max - new_max)
@@ -113,6 +131,8 @@ def _paged_prefill_kernel(
     tile_seqs_ptr,
     tile_rows_ptr,
     scale,
+    window,
+    softcap,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -156,7 +176,10 @@ def _paged_prefill_kernel(
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     last_position = tl.max(q_positions, 0)
-    for logical_block in range(0, tl.cdiv(last_position + 1, BLOCK_SIZE)):
+    # Keys at or before `lowest` are outside the row's window (-1: no window).
+    lowest = tl.where(window > 0, q_positions - window, -1)
+    first_block = tl.maximum(tl.min(lowest, 0) + 1, 0) // BLOCK_SIZE
+    for logical_block in range(first_block, tl.cdiv(last_position + 1, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * stride_table_seq + logical_block).to(tl.int64)
         k_positions = logical_block * BLOCK_SIZE + slots
         k_valid = k_positions < context_len
@@ -170,11 +193,20 @@ def _paged_prefill_kernel(
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        visible = k_valid[None, :] & (k_positions[None, :] <= q_positions[:, None])
+        if softcap > 0:
+            scores = _soft_cap(scores, softcap)
+        visible = (
+            k_valid[None, :]
+            & (k_positions[None, :] <= q_positions[:, None])
+            & (k_positions[None, :] > lowest[:, None])
+        )
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
+        # A row whose window starts past this block sees none of it: its max
+        # stays -inf, and exp(-inf - -inf) would be NaN; 0 makes its terms 0.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - safe_max)
+        probs = tl.exp(scores - safe_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
         acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision="ieee")
         running_max = new_max
@@ -209,6 +241,8 @@ def paged_decode(
     decode_rows: torch.Tensor,  # [num_decodes] int32, query row of each decode
     decode_seqs: torch.Tensor,  # [num_decodes] int32, its sequence index
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     group = _check_layout(query, k_cache, v_cache)
     num_decodes, num_kv_heads, head_dim = decode_rows.shape[0], k_cache.shape[2], query.shape[2]
@@ -224,6 +258,8 @@ def paged_decode(
         decode_rows,
         decode_seqs,
         scale,
+        sliding_window or 0,
+        float(softcap or 0.0),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -251,6 +287,8 @@ def paged_prefill(
     tile_seqs: torch.Tensor,  # [num_tiles] int32, sequence of each query tile
     tile_rows: torch.Tensor,  # [num_tiles] int32, first query row of each tile
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     group = _check_layout(query, k_cache, v_cache)
     num_tiles, num_heads, head_dim = tile_seqs.shape[0], query.shape[1], query.shape[2]
@@ -267,6 +305,8 @@ def paged_prefill(
         tile_seqs,
         tile_rows,
         scale,
+        sliding_window or 0,
+        float(softcap or 0.0),
         query.stride(0),
         query.stride(1),
         out.stride(0),

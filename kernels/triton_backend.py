@@ -100,6 +100,9 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         attention = _kernels("triton_attention")
         plan = metadata.plan
@@ -113,10 +116,11 @@ class TritonAttentionBackend(AttentionBackend):
         tables, context_lens = metadata.block_tables, metadata.context_lens
         attention.paged_decode(
             out, query, k_cache, v_cache, tables, context_lens,
-            plan.decode_rows, plan.decode_seqs, scale,
+            plan.decode_rows, plan.decode_seqs, scale, sliding_window, softcap,
         )  # fmt: skip
         attention.paged_prefill(
             out, query, k_cache, v_cache, tables, context_lens,
             metadata.query_start_loc, plan.tile_seqs, plan.tile_rows, scale,
+            sliding_window, softcap,
         )  # fmt: skip
         return out

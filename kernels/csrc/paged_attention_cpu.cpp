@@ -15,6 +15,12 @@
 // products by vdpbf16ps where the level has AVX512-BF16. Everything else
 // takes the float path, one item per (sequence, KV head).
 //
+// A sliding window (Mistral, Gemma 2/3) starts a decode's context at
+// len - window instead of 0: the kernels read and validate only blocks from
+// there (earlier entries of the block table may be a freed block's null id).
+// A soft-cap (Gemma 2) maps each scaled score s to cap * tanh(s / cap) before
+// the softmax.
+//
 // Numerics: scores and the softmax are float32 with the max subtracted; the
 // value sum accumulates in float32. Only the order of additions (and, in the
 // run path, exp16's last ulp) differs from the PyTorch reference
@@ -62,42 +68,54 @@ inline float exp_in_place(float* s, int64_t len) {
   return sum;
 }
 
-// One (sequence, KV head) pair: the `group` query heads that share the KV head.
-// HEAD_DIM is a compile-time constant so the per-head accumulators live in
-// vector registers (4 zmm or 8 ymm for 64 floats) instead of memory.
+// s[t] = cap * tanh(s[t] / cap) for the len scores (cap > 0).
+inline void soft_cap(float* s, int64_t len, float cap) {
+  for (int64_t t = 0; t < len; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
+// Keys [begin, len) of one (sequence, KV head) pair: the `group` query heads
+// that share the KV head. HEAD_DIM is a compile-time constant so the per-head
+// accumulators live in vector registers (4 zmm or 8 ymm for 64 floats)
+// instead of memory. `scores` holds group x (len - begin) floats.
 template <int HEAD_DIM, typename T>
 void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base, const T* v_base,
-                const int64_t* table, int64_t len, int64_t block_size, int64_t row_stride,
-                float scale, float* scores) {
+                const int64_t* table, int64_t begin, int64_t len, int64_t block_size,
+                int64_t row_stride, float scale, float softcap, float* scores) {
+  const int64_t count = len - begin;
   // Scores: one dot product per (head, token), K rows read through the block table.
   for (int64_t g = 0; g < group; ++g) {
     float qg[HEAD_DIM];
     for (int d = 0; d < HEAD_DIM; ++d) qg[d] = to_float(q[g][d]) * scale;
-    float* s = scores + g * len;
+    float* s = scores + g * count - begin;  // indexed by position
     // Block-major walk: no division per token.
-    for (int64_t start = 0; start < len; start += block_size) {
-      const T* k = k_base + table[start / block_size] * block_size * row_stride;
-      const int64_t n = std::min(block_size, len - start);
+    for (int64_t start = begin; start < len;) {
+      const int64_t offset = start % block_size;
+      const T* k = k_base + (table[start / block_size] * block_size + offset) * row_stride;
+      const int64_t n = std::min(block_size - offset, len - start);
       for (int64_t j = 0; j < n; ++j, k += row_stride) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * to_float(k[d]);
         s[start + j] = sum;
       }
+      start += n;
     }
+    if (softcap > 0.f) soft_cap(s + begin, count, softcap);
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    const float inv = 1.f / exp_in_place(s, len);
+    float* s = scores + g * count - begin;
+    const float inv = 1.f / exp_in_place(s + begin, count);
     float acc[HEAD_DIM] = {};
-    for (int64_t start = 0; start < len; start += block_size) {
-      const T* v = v_base + table[start / block_size] * block_size * row_stride;
-      const int64_t n = std::min(block_size, len - start);
+    for (int64_t start = begin; start < len;) {
+      const int64_t offset = start % block_size;
+      const T* v = v_base + (table[start / block_size] * block_size + offset) * row_stride;
+      const int64_t n = std::min(block_size - offset, len - start);
       for (int64_t j = 0; j < n; ++j, v += row_stride) {
         const float p = s[start + j];
 #pragma omp simd
         for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * to_float(v[d]);
       }
+      start += n;
     }
     T* o = out[g];
 #pragma omp simd
@@ -108,12 +126,13 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
 // Any head size: same math, accumulators in memory.
 template <typename T>
 void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t head_dim,
-                        const T* k_base, const T* v_base, const int64_t* table, int64_t len,
-                        int64_t block_size, int64_t row_stride, float scale, float* scores,
-                        float* acc) {
+                        const T* k_base, const T* v_base, const int64_t* table, int64_t begin,
+                        int64_t len, int64_t block_size, int64_t row_stride, float scale,
+                        float softcap, float* scores, float* acc) {
+  const int64_t count = len - begin;
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    for (int64_t t = 0; t < len; ++t) {
+    float* s = scores + g * count - begin;  // indexed by position
+    for (int64_t t = begin; t < len; ++t) {
       const T* k = k_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -122,15 +141,16 @@ void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t
       }
       s[t] = sum * scale;
     }
-    float m = s[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+    if (softcap > 0.f) soft_cap(s + begin, count, softcap);
+    float m = s[begin];
+    for (int64_t t = begin + 1; t < len; ++t) m = std::max(m, s[t]);
     float total = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = begin; t < len; ++t) {
       s[t] = std::exp(s[t] - m);
       total += s[t];
     }
     std::fill(acc, acc + head_dim, 0.f);
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = begin; t < len; ++t) {
       const T* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * to_float(v[d]);
@@ -347,7 +367,7 @@ inline void unpermute_pairs(float* acc) {
 template <typename T, int HEAD_DIM, int GROUP>
 void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
                 const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
-                int64_t num_kv_heads, float scale, float* scores, RunState state) {
+                int64_t num_kv_heads, float scale, float softcap, float* scores, RunState state) {
   constexpr int kVecs = HEAD_DIM / 16;  // Vec16 per head row
 #if defined(__AVX512F__)
   constexpr int kChunk = kVecs;  // GROUP x 4 of 32 zmm for head_dim 64
@@ -409,7 +429,9 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
           for (int j = 0; j < 16; ++j) {
             dots[j] = j < m ? query.dot(k_head + (t0 + j) * row_stride) : Vec16::zero();
           }
-          (transpose_sum16(dots) * Vec16::splat(scale)).store(scores + g * tile_stride + t0);
+          const Vec16 scaled = transpose_sum16(dots) * Vec16::splat(scale);
+          (softcap > 0.f ? kvmesh::softcap16(scaled, softcap) : scaled)
+              .store(scores + g * tile_stride + t0);
         }
       }
       // Online softmax over the block: p = exp(s - new max), the old sums
@@ -485,7 +507,7 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
 
 template <typename T, int HEAD_DIM>
 using RunFn = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t,
-                       int64_t, int64_t, float, float*, RunState);
+                       int64_t, int64_t, float, float, float*, RunState);
 
 template <typename T, int HEAD_DIM>
 RunFn<T, HEAD_DIM> run_for(int64_t group) {
@@ -507,13 +529,13 @@ RunFn<T, HEAD_DIM> run_for(int64_t group) {
 // `fixed` > 0 (batch-invariant mode, kernels/batch_invariant.py): that many
 // tokens (rounded up to whole blocks) whatever the batch and thread count, so
 // a row's sums split the same way in every batch.
-inline int64_t run_length(const int64_t* lens, int64_t num_decodes, int64_t block_size,
-                          int64_t fixed) {
+inline int64_t run_length(const int64_t* begins, const int64_t* lens, int64_t num_decodes,
+                          int64_t block_size, int64_t fixed) {
   if (fixed > 0) return (fixed + block_size - 1) / block_size * block_size;
   constexpr int64_t kMinRun = 256;
   constexpr int64_t kRunsPerThread = 4;
   int64_t total = 0;
-  for (int64_t i = 0; i < num_decodes; ++i) total += lens[i];
+  for (int64_t i = 0; i < num_decodes; ++i) total += lens[i] - begins[i];
   const int64_t wanted = kRunsPerThread * std::max<int64_t>(1, at::get_num_threads());
   const int64_t tokens = std::max(kMinRun, (total + wanted - 1) / wanted);
   return (tokens + block_size - 1) / block_size * block_size;
@@ -521,20 +543,25 @@ inline int64_t run_length(const int64_t* lens, int64_t num_decodes, int64_t bloc
 
 // Every decode over its runs, then the runs of each split sequence merged.
 // Returns false (nothing written) when this path does not cover the shape.
+// Runs are aligned to multiples of the run length from token 0 (the first
+// one cut at the sequence's window start), so a row's split depends on its
+// position and window only.
 template <typename T, int HEAD_DIM>
 bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_cache,
-                     const int64_t* tables, const int64_t* lens, const int64_t* row_ids,
-                     int64_t num_decodes, int64_t num_kv_heads, int64_t group, int64_t max_blocks,
-                     int64_t block_size, int64_t q_tok, int64_t q_head, int64_t o_tok,
-                     int64_t o_head, float scale, int64_t fixed_run) {
+                     const int64_t* tables, const int64_t* begins, const int64_t* lens,
+                     const int64_t* row_ids, int64_t num_decodes, int64_t num_kv_heads,
+                     int64_t group, int64_t max_blocks, int64_t block_size, int64_t q_tok,
+                     int64_t q_head, int64_t o_tok, int64_t o_head, float scale, float softcap,
+                     int64_t fixed_run) {
   const RunFn<T, HEAD_DIM> fn = run_for<T, HEAD_DIM>(group);
   if (fn == nullptr) return false;
   const int64_t num_heads = num_kv_heads * group;
-  const int64_t run = run_length(lens, num_decodes, block_size, fixed_run);
-  // Run i covers tokens [(i - first_run[seq]) * run, ...) of its sequence.
+  const int64_t run = run_length(begins, lens, num_decodes, block_size, fixed_run);
+  // Run i covers tokens [(i - first_run[seq] + begins[seq] / run) * run, ...)
+  // of its sequence, from begins[seq] at the earliest.
   std::vector<int64_t> first_run(num_decodes + 1, 0);
   for (int64_t i = 0; i < num_decodes; ++i) {
-    first_run[i + 1] = first_run[i] + (lens[i] + run - 1) / run;
+    first_run[i + 1] = first_run[i] + (lens[i] + run - 1) / run - begins[i] / run;
   }
   const int64_t num_runs = first_run[num_decodes];
   // Per run and head: max, sum, and HEAD_DIM floats of weighted values.
@@ -549,11 +576,12 @@ bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_
     thread_local std::vector<float> scores;
     scores.resize(group * tile_stride * 3 / 2);
     const int64_t seq = seq_of[item];
-    const int64_t begin = (item - first_run[seq]) * run;
-    const int64_t end = std::min(lens[seq], begin + run);
+    const int64_t aligned = (item - first_run[seq] + begins[seq] / run) * run;
+    const int64_t begin = std::max(aligned, begins[seq]);
+    const int64_t end = std::min(lens[seq], aligned + run);
     float* state = states.data() + item * state_floats;
     fn(q_base + row_ids[seq] * q_tok, q_head, k_cache, v_cache, tables + seq * max_blocks, begin,
-       end, block_size, num_kv_heads, scale, scores.data(),
+       end, block_size, num_kv_heads, scale, softcap, scores.data(),
        RunState{state, state + num_heads, state + 2 * num_heads});
   });
   // out = sum_r exp(max_r - M) acc_r / sum_r exp(max_r - M) sum_r, M = max_r max_r.
@@ -593,10 +621,11 @@ bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_
 // arguments are validated by paged_decode_attention.
 template <typename T>
 void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
-                const int64_t* tables, const int64_t* lens, const int64_t* row_ids,
-                int64_t num_decodes, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-                int64_t max_blocks, int64_t max_len, int64_t block_size, int64_t row_stride,
-                int64_t q_tok, int64_t q_head, int64_t o_tok, int64_t o_head, float scale) {
+                const int64_t* tables, const int64_t* begins, const int64_t* lens,
+                const int64_t* row_ids, int64_t num_decodes, int64_t num_kv_heads, int64_t group,
+                int64_t head_dim, int64_t max_blocks, int64_t max_len, int64_t block_size,
+                int64_t row_stride, int64_t q_tok, int64_t q_head, int64_t o_tok, int64_t o_head,
+                float scale, float softcap) {
   kvmesh::parallel_items(num_decodes * num_kv_heads, [&](int64_t item, bool) {
     thread_local std::vector<float> scores;
     thread_local std::vector<float> acc;
@@ -616,19 +645,19 @@ void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
     const T* k = k_base + kv_head * head_dim;
     const T* v = v_base + kv_head * head_dim;
     const int64_t* table = tables + seq * max_blocks;
-    const int64_t len = lens[seq];
+    const int64_t begin = begins[seq], len = lens[seq];
     switch (head_dim) {
       case 64:
-        attend_one<64>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride, scale,
-                       scores.data());
+        attend_one<64>(q.data(), o.data(), group, k, v, table, begin, len, block_size, row_stride,
+                       scale, softcap, scores.data());
         break;
       case 128:
-        attend_one<128>(q.data(), o.data(), group, k, v, table, len, block_size, row_stride,
-                        scale, scores.data());
+        attend_one<128>(q.data(), o.data(), group, k, v, table, begin, len, block_size,
+                        row_stride, scale, softcap, scores.data());
         break;
       default:
-        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, len, block_size,
-                           row_stride, scale, scores.data(), acc.data());
+        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, begin, len,
+                           block_size, row_stride, scale, softcap, scores.data(), acc.data());
     }
   });
 }
@@ -645,10 +674,13 @@ void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
 //                 from token 0, whatever the batch (batch-invariant mode: a
 //                 row's result then depends on its context only). The
 //                 per-(sequence, KV head) path never splits.
+//   sliding_window: > 0: each decode sees its last sliding_window tokens only,
+//                 and no block before them is read (or validated); 0: all.
+//   softcap:      > 0: scores become softcap * tanh(score / softcap); 0: off.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, const at::Tensor& rows, double scale,
-                            int64_t run_tokens) {
+                            int64_t run_tokens, int64_t sliding_window, double softcap) {
   const char* op = "paged_decode_attention";
   kvmesh::check_same_dtype(query, out, op, "query", "out");
   kvmesh::check_same_dtype(query, key_cache, op, "query", "key_cache");
@@ -682,6 +714,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   const int64_t max_blocks = block_tables.size(1);
   const int64_t row_stride = num_kv_heads * head_dim;  // between tokens in a block
   const float scale_f = static_cast<float>(scale);
+  const float softcap_f = static_cast<float>(softcap);
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0,
+              "paged_decode_attention: sliding_window and softcap must be >= 0");
 
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -689,6 +724,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
   // Validate every index once, outside the parallel region: a bad block id
   // would otherwise read outside the cache.
+  // First key of each decode: its window's start.
+  std::vector<int64_t> begin_keys(num_decodes, 0);
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_decodes; ++i) {
     const int64_t len = lens[i];
@@ -696,13 +733,15 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                 len, " out of range");
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < query.size(0) && row_ids[i] < out.size(0),
                 "paged_decode_attention: row out of range");
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+    if (sliding_window > 0) begin_keys[i] = std::max<int64_t>(0, len - sliding_window);
+    for (int64_t b = begin_keys[i] / block_size; b < (len + block_size - 1) / block_size; ++b) {
       const int64_t block = tables[i * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block,
                   " out of range");
     }
-    max_len = std::max(max_len, len);
+    max_len = std::max(max_len, len - begin_keys[i]);
   }
+  const int64_t* begins = begin_keys.data();
 
 #if defined(__AVX2__) && defined(__FMA__)
   bool done = false;
@@ -710,9 +749,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     using T = decltype(tag);
     auto runs = [&](auto fn) {
       done = fn(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
-                value_cache.data_ptr<T>(), tables, lens, row_ids, num_decodes, num_kv_heads,
-                group, max_blocks, block_size, query.stride(0), query.stride(1), out.stride(0),
-                out.stride(1), scale_f, run_tokens);
+                value_cache.data_ptr<T>(), tables, begins, lens, row_ids, num_decodes,
+                num_kv_heads, group, max_blocks, block_size, query.stride(0), query.stride(1),
+                out.stride(0), out.stride(1), scale_f, softcap_f, run_tokens);
     };
     if (head_dim == 64) runs(&attend_all_runs<T, 64>);
     if (head_dim == 128) runs(&attend_all_runs<T, 128>);
@@ -722,9 +761,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   kvmesh::dispatch_float_or_bf16(query.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     attend_all<T>(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
-                  value_cache.data_ptr<T>(), tables, lens, row_ids, num_decodes, num_kv_heads,
-                  group, head_dim, max_blocks, max_len, block_size, row_stride, query.stride(0),
-                  query.stride(1), out.stride(0), out.stride(1), scale_f);
+                  value_cache.data_ptr<T>(), tables, begins, lens, row_ids, num_decodes,
+                  num_kv_heads, group, head_dim, max_blocks, max_len, block_size, row_stride,
+                  query.stride(0), query.stride(1), out.stride(0), out.stride(1), scale_f,
+                  softcap_f);
   });
 }
 
@@ -733,8 +773,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor context_lens, Tensor rows, float scale, int run_tokens=0) "
-      "-> ()");
+      "Tensor block_tables, Tensor context_lens, Tensor rows, float scale, int run_tokens=0, "
+      "int sliding_window=0, float softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

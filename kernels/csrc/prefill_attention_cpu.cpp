@@ -34,6 +34,14 @@
 //       O = O * alpha + P V in float32,
 //     and the output rounded once to its dtype at the end.
 //
+// A sliding window W (Mistral, Gemma 2/3): query row at position p sees keys
+// p - W < j <= p. A chunk packs keys from its first row's window start only
+// (rounded down to 64 keys, the keys before the start zeros, never read: the
+// block table may hold a freed block's null id there), and a row tile starts
+// at its first row's window start; steps crossing a row's start are masked
+// like the causal limit. A soft-cap c (Gemma 2): each step's scaled scores
+// become c * tanh(s / c) before the softmax.
+//
 // Numerics versus the float32 reference (kernels/reference.py): q, K and V are
 // bfloat16 already; products are exact and summed in float32; P is rounded to
 // bfloat16 before P V (as torch's bfloat16 SDPA does), the sums of P stay
@@ -137,12 +145,12 @@ struct PackedKv {
 // Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head, bfloat16.
 void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
                      const int64_t* table, int64_t block_size, int64_t row_stride,
-                     int64_t context_len, int64_t key0, int64_t head_dim) {
+                     int64_t first_key, int64_t context_len, int64_t key0, int64_t head_dim) {
   alignas(64) uint16_t rows_k[kKeyBlock][kMaxHeadDim];
   alignas(64) uint16_t rows_v[kKeyBlock][kMaxHeadDim];
   for (int64_t j = 0; j < kKeyBlock; ++j) {
     const int64_t key = key0 + j;
-    if (key < context_len) {
+    if (key >= first_key && key < context_len) {
       const int64_t slot = table[key / block_size] * block_size + key % block_size;
       std::memcpy(rows_k[j], k_cache + slot * row_stride, head_dim * sizeof(uint16_t));
       std::memcpy(rows_v[j], v_cache + slot * row_stride, head_dim * sizeof(uint16_t));
@@ -183,11 +191,11 @@ void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const u
 // Pass 1 in float32: K^T as 16-key vectors per head dim, V rows copied.
 void pack_block_f32(float* kt, float* v, const float* k_cache, const float* v_cache,
                     const int64_t* table, int64_t block_size, int64_t row_stride,
-                    int64_t context_len, int64_t key0, int64_t head_dim) {
+                    int64_t first_key, int64_t context_len, int64_t key0, int64_t head_dim) {
   for (int64_t j = 0; j < kKeyBlock; ++j) {
     const int64_t key = key0 + j;
     float* kt_lane = kt + (j / kKeyTile) * head_dim * kKeyTile + j % kKeyTile;
-    if (key < context_len) {
+    if (key >= first_key && key < context_len) {
       const int64_t slot = table[key / block_size] * block_size + key % block_size;
       const float* k_row = k_cache + slot * row_stride;
       for (int64_t d = 0; d < head_dim; ++d) kt_lane[d * kKeyTile] = k_row[d];
@@ -243,10 +251,11 @@ inline Vec16 exp2_probabilities(Vec16 x) {
 // unless WHOLE: no key of the step is past any row's limit), row sums rescaled
 // by alpha plus the stored p. Rows of s and p are kStepKeys apart.
 //   first_limit: the last key row 0 may see (prefix + its index in the chunk)
+//   window: > 0, row r sees no key before first_limit + r - window + 1 either
 template <bool WHOLE, typename Word>
 void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float* row_sum,
                   float* alpha, int64_t key0, int64_t first_limit, int64_t context_len,
-                  float scale) {
+                  int64_t window, float scale) {
   constexpr bool kPrecise = std::is_same_v<Word, float>;
   const Vec16 scale_v = Vec16::splat(scale), no_score = Vec16::splat(kNoScore);
   constexpr float kLog2e = 1.44269504088896341f;
@@ -256,10 +265,15 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
     const float* s_row = s + r * kStepKeys;
     Word* p_row = p + r * kStepKeys;
     const int64_t visible = std::min(first_limit + r, context_len - 1) - key0 + 1;
+    // Keys of the step before the row's window start (none without a window).
+    const int64_t before = window > 0 ? first_limit + r - window + 1 - key0 : 0;
     Vec16 step_max = no_score;
     for (int64_t k = 0; k < width; k += kKeyTile) {
       Vec16 x = Vec16::load(s_row + k);
-      if constexpr (!WHOLE) x = Vec16::first_lanes(visible - k, x, no_score);
+      if constexpr (!WHOLE) {
+        x = Vec16::first_lanes(visible - k, x, no_score);
+        x = Vec16::first_lanes(before - k, no_score, x);
+      }
       step_max = Vec16::max(step_max, x);
     }
     // scale > 0, so the max of the scaled scores is the scaled max.
@@ -275,7 +289,10 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
       } else {
         e = exp2_probabilities(Vec16::fma(scores, scale_log2e, Vec16::splat(-new_max * kLog2e)));
       }
-      if constexpr (!WHOLE) e = Vec16::first_lanes(visible - k, e, Vec16::zero());
+      if constexpr (!WHOLE) {
+        e = Vec16::first_lanes(visible - k, e, Vec16::zero());
+        e = Vec16::first_lanes(before - k, Vec16::zero(), e);
+      }
       // Sum what P V will multiply: the stored (for bfloat16, rounded) probabilities.
       sum = sum + store_probabilities(p_row + k, e);
     }
@@ -536,10 +553,13 @@ struct Float32Products {
 // Pass 2 for one query head and up to 16 query rows of one chunk.
 //   q: the rows' query vectors, `q_stride` words apart
 //   first_limit: the last key query row 0 may see (prefix + its chunk index)
+//   kv: packed from key `key_base` on (a multiple of kKeyBlock)
+//   window, softcap: the layer's (0: none)
 template <class Products, typename Word = typename Products::Word>
 void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride, int64_t rows,
-                 const PackedKv<Word>& kv, int64_t head_dim, int64_t first_limit,
-                 int64_t context_len, float scale) {
+                 const PackedKv<Word>& kv, int64_t key_base, int64_t head_dim,
+                 int64_t first_limit, int64_t context_len, int64_t window, float softcap,
+                 float scale) {
   alignas(64) Word q_tile[kTileRows * kMaxHeadDim];
   alignas(64) float s[kTileRows * kStepKeys];
   alignas(64) Word p[kTileRows * kStepKeys];
@@ -559,22 +579,38 @@ void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride,
   }
   std::fill(o, o + kTileRows * head_dim, 0.f);
   const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
+  // Row 0's window start, in whole 64-key blocks (earlier keys are no row's).
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_limit - window + 1) : 0;
+  // The scores as softmax_step takes them: scaled there, or here with the cap.
+  const float step_scale = softcap > 0.f ? 1.f : scale;
 
-  for (int64_t key0 = 0; key0 <= last_key; key0 += kStepKeys) {
+  for (int64_t key0 = first_key / kKeyBlock * kKeyBlock; key0 <= last_key; key0 += kStepKeys) {
     // Q K^T passes of 64 keys, none wholly past the last key.
     const int64_t width =
         std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
     for (int64_t k = 0; k < width; k += kKeyBlock) {
-      Products::scores(s + k, q_tile, kv.kt + (key0 + k) * head_dim, head_dim);
+      Products::scores(s + k, q_tile, kv.kt + (key0 - key_base + k) * head_dim, head_dim);
     }
-    if (key0 + width - 1 <= first_limit) {  // no key past any row's limit
+    if (softcap > 0.f) {
+      const Vec16 scale_v = Vec16::splat(scale);
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        for (int64_t k = 0; k < width; k += kKeyTile) {
+          float* x = s + r * kStepKeys + k;
+          kvmesh::softcap16(Vec16::load(x) * scale_v, softcap).store(x);
+        }
+      }
+    }
+    // No key past any row's causal limit, none before any row's window start.
+    const bool whole = key0 + width - 1 <= first_limit &&
+                       (window == 0 || key0 >= first_limit + kTileRows - window);
+    if (whole) {
       softmax_step<true>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
-                         scale);
+                         window, step_scale);
     } else {
       softmax_step<false>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
-                          scale);
+                          window, step_scale);
     }
-    Products::values(pv, p, kv.v + key0 * head_dim, width, head_dim);
+    Products::values(pv, p, kv.v + (key0 - key_base) * head_dim, width, head_dim);
     for (int64_t r = 0; r < kTileRows; ++r) {
       const Vec16 a = Vec16::splat(alpha[r]);
       for (int64_t d = 0; d < head_dim; d += 16) {
@@ -603,8 +639,15 @@ struct ChunkPlan {
   const std::vector<int64_t>& packed_offset;
   const std::vector<int64_t>& pack_items;
   const std::vector<int64_t>& attend_items;
+  // Each chunk's first key (its first row's window start; 0 without a window)
+  // and the first packed key (that, rounded down to kKeyBlock).
+  const std::vector<int64_t>& first_keys;
+  int64_t window;
+  float softcap;
   float scale;
 };
+
+inline int64_t packed_from(int64_t first_key) { return first_key / kKeyBlock * kKeyBlock; }
 
 // Pass 1 then pass 2 over torch's threads, in the Products' word type.
 template <class Products>
@@ -612,7 +655,8 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
                    const at::Tensor& key_cache, const at::Tensor& value_cache) {
   using Word = typename Products::Word;
   const auto& [tables, starts, lens, contexts, max_blocks, block_size, num_kv_heads, head_dim,
-               group, packed_offset, pack_items, attend_items, scale] = plan;
+               group, packed_offset, pack_items, attend_items, first_keys, window, softcap,
+               scale] = plan;
   const int64_t num_chunks = static_cast<int64_t>(packed_offset.size()) - 1;
 
   // K^T then V of every (chunk, KV head); reused across calls of this thread
@@ -638,12 +682,14 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
   kvmesh::parallel_items(pack_items[num_chunks], [&](int64_t item, bool) {
     const int64_t c = chunk_of(pack_items, item);
     const int64_t local = item - pack_items[c];
-    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
+    const int64_t base = packed_from(first_keys[c]);
+    const int64_t key_blocks = (contexts[c] - base + kKeyBlock - 1) / kKeyBlock;
     const int64_t h = local / key_blocks, kb = local % key_blocks;
     auto [kt, v] = packed_kv(c, h);
     Products::pack(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
                    k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
-                   block_size, row_stride, contexts[c], kb * kKeyBlock, head_dim);
+                   block_size, row_stride, first_keys[c], contexts[c], base + kb * kKeyBlock,
+                   head_dim);
   });
 
   auto* out_base = static_cast<Word*>(out.data_ptr());
@@ -662,8 +708,9 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
       const int64_t head = h * group + g;
       const int64_t q_row = (starts[c] + row0) * query.stride(0) + head * query.stride(1);
       attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
-                            out.stride(0), q_base + q_row, query.stride(0), rows, kv, head_dim,
-                            prefix + row0, contexts[c], scale);
+                            out.stride(0), q_base + q_row, query.stride(0), rows, kv,
+                            packed_from(first_keys[c]), head_dim, prefix + row0, contexts[c],
+                            window, softcap, scale);
     }
   });
 }
@@ -678,10 +725,14 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
 //   query_starts, query_lens, context_lens: [num_chunks] int64
 //                 (context = cached prefix + chunk, so context_len >= query_len)
 //   head_dim a multiple of 32, at most 256.
+//   sliding_window: > 0, row at position p sees keys p - window < j <= p, and
+//                 no block before its chunk's first row's window is read; 0: all.
+//   softcap:      > 0, scores become softcap * tanh(score / softcap); 0: off.
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& context_lens, double scale,
+                             int64_t sliding_window, double softcap) {
   const char* op = "paged_prefill_attention";
   const at::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
@@ -716,6 +767,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   TORCH_CHECK(query_lens.size(0) == num_chunks && context_lens.size(0) == num_chunks &&
                   block_tables.size(0) == num_chunks,
               op, ": one start, length, context length and block table per chunk");
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, op,
+              ": sliding_window and softcap must be >= 0");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -727,17 +780,23 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   // packed K/V (per chunk and KV head) and the work items.
   std::vector<int64_t> packed_offset(num_chunks + 1, 0);  // words per KV head, prefix sums
   std::vector<int64_t> pack_items(num_chunks + 1, 0), attend_items(num_chunks + 1, 0);
+  std::vector<int64_t> first_keys(num_chunks, 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     TORCH_CHECK(lens[c] >= 1 && lens[c] <= contexts[c] && contexts[c] <= max_blocks * block_size,
                 op, ": chunk ", c, " has query length ", lens[c], " and context length ",
                 contexts[c]);
     TORCH_CHECK(starts[c] >= 0 && starts[c] + lens[c] <= query.size(0), op,
                 ": chunk rows out of range");
-    for (int64_t b = 0; b < (contexts[c] + block_size - 1) / block_size; ++b) {
+    if (sliding_window > 0) {
+      first_keys[c] = std::max<int64_t>(0, contexts[c] - lens[c] - sliding_window + 1);
+    }
+    for (int64_t b = first_keys[c] / block_size; b < (contexts[c] + block_size - 1) / block_size;
+         ++b) {
       const int64_t block = tables[c * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
     }
-    const int64_t key_blocks = (contexts[c] + kKeyBlock - 1) / kKeyBlock;
+    const int64_t key_blocks =
+        (contexts[c] - packed_from(first_keys[c]) + kKeyBlock - 1) / kKeyBlock;
     packed_offset[c + 1] = packed_offset[c] + key_blocks * kKeyBlock * head_dim;
     pack_items[c + 1] = pack_items[c] + num_kv_heads * key_blocks;
     attend_items[c + 1] = attend_items[c] + num_kv_heads * ((lens[c] + kTileRows - 1) / kTileRows);
@@ -745,6 +804,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   if (num_chunks == 0) return;
   const ChunkPlan plan{tables, starts, lens, contexts, max_blocks, block_size, num_kv_heads,
                        head_dim, group, packed_offset, pack_items, attend_items,
+                       first_keys, sliding_window, static_cast<float>(softcap),
                        static_cast<float>(scale)};
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
@@ -764,7 +824,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor query_starts, Tensor query_lens, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, int sliding_window=0, float softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

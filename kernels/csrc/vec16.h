@@ -218,4 +218,12 @@ inline Vec16 exp16(Vec16 x) {
   return p.times_pow2(n);
 }
 
+// cap * tanh(x / cap), attention's logit soft-cap (Gemma 2), as cap - 2 cap /
+// (exp(2 x / cap) + 1): exp16's clamps make it exactly +-cap far out, and its
+// absolute error is a few ulps of cap (what a softmax of the result sees).
+inline Vec16 softcap16(Vec16 x, float cap) {
+  const Vec16 e = exp16<true>(x * Vec16::splat(2.f / cap));
+  return Vec16::splat(cap) - Vec16::splat(2.f * cap) / (e + Vec16::splat(1.f));
+}
+
 }  // namespace kvmesh

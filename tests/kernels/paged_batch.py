@@ -58,12 +58,47 @@ class PagedBatch:
         )
 
 
-def run_backend(backend: AttentionBackend, batch: PagedBatch) -> torch.Tensor:
+def run_backend(
+    backend: AttentionBackend,
+    batch: PagedBatch,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Writes the batch's new K/V into fresh caches with ``backend``, then runs its forward."""
     k_cache, v_cache = batch.fresh_caches()
     metadata = batch.metadata(backend)
     backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
-    return backend.forward(batch.query, k_cache, v_cache, metadata, batch.scale)
+    return backend.forward(
+        batch.query,
+        k_cache,
+        v_cache,
+        metadata,
+        batch.scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+
+
+def null_block_id(batch: PagedBatch) -> int:
+    """A block no sequence owns, never written: all NaN (a spare block)."""
+    owned = set(batch.block_tables.flatten().tolist())
+    return next(b for b in range(batch.k_cache.shape[0]) if b not in owned)
+
+
+def free_out_of_window(batch: PagedBatch, window: int, null_block: int | None = None) -> PagedBatch:
+    """The batch with each sequence's blocks wholly before its first query's
+    window replaced by ``null_block`` (default: a never-written, NaN block), as
+    the scheduler frees them: a kernel that reads one poisons its output (or,
+    for an out-of-range id, fails)."""
+    null = null_block_id(batch) if null_block is None else null_block
+    tables = batch.block_tables.clone()
+    block_size = batch.k_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    for seq, context in enumerate(batch.context_lens.tolist()):
+        first_query = context - (starts[seq + 1] - starts[seq])
+        first_block = max(0, first_query - window + 1) // block_size
+        tables[seq, :first_block] = null
+    return replace(batch, block_tables=tables)
 
 
 def make_paged_batch(
@@ -139,4 +174,13 @@ SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "chunk_on_cached_prefix": [(19, 13)],
     # Decodes and prefill chunks interleaved, not decodes-first.
     "mixed_any_order": [(9, 1), (0, 7), (33, 1), (12, 5), (1, 1), (0, 2), (47, 1)],
+}
+# Contexts longer than the sliding windows the tests use (5 to 37 tokens):
+# decodes far past the window, a fresh prompt longer than it, chunks on
+# prefixes, in any order, with a context shorter than the window among them.
+WINDOW_SCENARIOS: dict[str, list[tuple[int, int]]] = {
+    "window_decodes": [(0, 1), (3, 1), (40, 1), (70, 1), (101, 1), (16, 1)],
+    "window_prefill_fresh": [(0, 45)],
+    "window_chunks": [(30, 20), (64, 17), (5, 3)],
+    "window_mixed": [(90, 1), (0, 50), (33, 1), (48, 40), (2, 1)],
 }

@@ -34,6 +34,8 @@ def family_config(architecture: str, **overrides: Any) -> Any:
         return transformers.LlamaConfig(**common)
     if architecture == "Qwen2ForCausalLM":
         return transformers.Qwen2Config(**common)
+    if architecture == "MistralForCausalLM":
+        return transformers.MistralConfig(**{"head_dim": 16, "sliding_window": None, **common})
     if architecture == "Gemma2ForCausalLM":
         return transformers.Gemma2Config(
             **{
@@ -92,11 +94,17 @@ def family_config(architecture: str, **overrides: Any) -> Any:
 
 
 def make_family_checkpoint(
-    folder: Path, architecture: str, scale: float = 0.3, **overrides: Any
+    folder: Path,
+    architecture: str,
+    scale: float = 0.3,
+    attn_implementation: str | None = None,
+    **overrides: Any,
 ) -> torch.nn.Module:
     """Save a random checkpoint of ``architecture`` in ``folder``; return transformers'
-    float32 model of it. Every tensor is random (norms around 1, or around 0
-    for Gemma's 1 + w) with ``scale`` chosen so greedy tokens vary."""
+    float32 model of it (``attn_implementation``: "eager" where only that one
+    applies a feature, as Gemma 2's score soft-cap). Every tensor is random
+    (norms around 1, or around 0 for Gemma's 1 + w) with ``scale`` chosen so
+    greedy tokens vary."""
     import transformers
 
     config = family_config(architecture, **overrides)
@@ -110,4 +118,5 @@ def make_family_checkpoint(
             if "norm" in name and not gemma:
                 param.add_(1.0)
     model.save_pretrained(folder, safe_serialization=True)
-    return model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return model_class.from_pretrained(folder, dtype=torch.float32, **extra).eval()

@@ -211,7 +211,7 @@ def _with_config(folder: Path, **fields: object) -> None:
         ),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
         ({"kv_lora_rank": 512}, "kv_lora_rank=512"),
-        ({"sliding_window": 64}, r"sliding_window=64 is shorter than max_model_len=256"),
+        ({"sliding_window": -1}, r"sliding_window=-1 .* supported: a positive number"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"hidden_act": "relu"}, "hidden_act='relu'"),
         ({"attention_bias": True}, "attention_bias=True"),
@@ -229,17 +229,19 @@ def test_unimplemented_config_fields_are_refused_at_start_up(
         check_model(ModelConfig.from_pretrained(tmp_path))
 
 
-def test_a_window_covering_max_model_len_is_full_attention(tmp_path: Path) -> None:
-    """A window at least max_model_len long changes nothing: served. Gemma 2's
-    attention soft-capping is refused by name (the kernels do not cap scores)."""
+def test_short_windows_and_attention_softcap_are_served(tmp_path: Path) -> None:
+    """A window far shorter than max_model_len and Gemma 2's attention
+    soft-cap are implemented (tests/worker/test_worker_sliding_window_models.py
+    checks them against transformers); a cap that is not positive is refused."""
     make_family_checkpoint(tmp_path, "Gemma2ForCausalLM")
-    _with_config(tmp_path, sliding_window=128)
-    assert ModelConfig.from_pretrained(tmp_path, max_model_len=128).max_model_len == 128
-    with pytest.raises(UnsupportedModelError, match="sliding_window=128"):
-        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=129))
-    _with_config(tmp_path, attn_logit_softcapping=50.0)
-    with pytest.raises(UnsupportedModelError, match=r"attn_logit_softcapping=50\.0"):
-        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=128))
+    _with_config(tmp_path, sliding_window=16, attn_logit_softcapping=50.0)
+    config = ModelConfig.from_pretrained(tmp_path, max_model_len=256)
+    model_class = check_model(config)
+    assert {s.sliding_window for s in model_class.kv_cache_spec(config)} == {16, None}
+    assert model_class.family_features(config).attn_logit_softcap == 50.0
+    _with_config(tmp_path, attn_logit_softcapping=0.0)
+    with pytest.raises(UnsupportedModelError, match=r"attn_logit_softcapping=0\.0"):
+        check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=256))
 
 
 @pytest.mark.parametrize(

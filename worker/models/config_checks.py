@@ -101,14 +101,22 @@ def check_common(
     check_rope(rope_parameters(hf_config), max_model_len, max_positions, field)
 
 
-def check_windows(windows: Iterable[int | None], max_model_len: int, field: str) -> None:
-    """A sliding window shorter than the context changes attention, and the
-    paged kernels attend over every token: refuse it (with a window at least
-    ``max_model_len`` long, full attention is the same computation)."""
-    shortest = min((w for w in windows if w is not None), default=None)
-    if shortest is not None and shortest < max_model_len:
-        raise UnsupportedModelError(
-            f"config.json field {field}={shortest} is shorter than max_model_len="
-            f"{max_model_len}; kvmesh does not implement sliding-window attention yet: "
-            f"pass --max-model-len <= {shortest} (full attention is then exact)"
-        )
+def check_windows(windows: Iterable[int | None], field: str) -> None:
+    """Every window is a positive token count (the kernels attend over the
+    last ``window`` tokens: kernels/reference.py); anything else is refused."""
+    for window in windows:
+        if window is not None and window < 1:
+            raise refuse(field, window, "a positive number of tokens, or null")
+
+
+def qwen_layer_windows(hf_config: Mapping[str, Any], num_layers: int) -> list[int | None]:
+    """Qwen2/Qwen3's windowed layers: config.json's ``layer_types``, else
+    (as transformers derives them) the layers from ``max_window_layers`` on."""
+    window = sliding_window_of(hf_config)
+    if window is None:
+        return [None] * num_layers
+    types = hf_config.get("layer_types")
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    first = int(hf_config.get("max_window_layers", 28))
+    return [window if i >= first else None for i in range(num_layers)]

@@ -227,6 +227,7 @@ class DecoderLayer(nn.Module):
         features: Features,
         rope_index: int = 0,
         all_reduce: AllReduce = _identity,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         dtype = config.dtype
@@ -244,6 +245,10 @@ class DecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         self.declaration = declaration
         self.rope_index = rope_index
+        # This layer's attention options (its KV-cache spec's window, the
+        # family's score soft-cap), passed to the backend with every call.
+        self.sliding_window = sliding_window
+        self.attn_softcap = features.attn_logit_softcap
         # Projections hold the checkpoint's exact weights until pack_weights
         # (a GGUF file's codes wait beside them: _projection); vectors (norms,
         # biases) are in the compute dtype, biases in the projections' dtype.
@@ -433,7 +438,15 @@ class DecoderLayer(nn.Module):
         )
         k_cache, v_cache = kv_cache
         backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-        attn = backend.forward(query, k_cache, v_cache, metadata, self.scale)
+        attn = backend.forward(
+            query,
+            k_cache,
+            v_cache,
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.attn_softcap,
+        )
         if output_rows is not None:
             if output_rows.shape[0] == 0:  # nothing samples: the K/V was all
                 return residual[:0]
@@ -515,8 +528,17 @@ class DecoderForCausalLM(nn.Module):
         self.features = features = self.family_features(config)
         ropes = features.ropes or (RopeSpec(config.rope_theta, config.rope_scaling),)
         layer_rope = features.layer_rope or (0,) * config.num_layers
+        specs = self.kv_cache_spec(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, plan, self.declaration, features, layer_rope[i], all_reduce)
+            DecoderLayer(
+                config,
+                plan,
+                self.declaration,
+                features,
+                layer_rope[i],
+                all_reduce,
+                specs[i].sliding_window,
+            )
             for i in plan.layers
         )
         self.has_head = plan.is_first_stage
@@ -566,7 +588,7 @@ class DecoderForCausalLM(nn.Module):
         a family with more fields extends this."""
         check_common(config.hf_config, config.max_model_len, cls.activations)
         specs = cls.kv_cache_spec(config)
-        check_windows((s.sliding_window for s in specs), config.max_model_len, "sliding_window")
+        check_windows((s.sliding_window for s in specs), "sliding_window")
         # One cache shape for every layer is what the cache allocation and the
         # kernels take (worker/kv_cache.py); a family with per-layer shapes waits.
         shapes = {(s.num_kv_heads, s.head_dim) for s in specs}

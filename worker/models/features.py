@@ -44,6 +44,9 @@ class Features:
     logits_divisor: float = 1.0
     # cap * tanh(logits / cap) on the final logits (Gemma 2), None: off.
     final_logit_softcap: float | None = None
+    # cap * tanh(scores / cap) on every attention score before the softmax
+    # (Gemma 2's attn_logit_softcapping; the attention backends apply it), None: off.
+    attn_logit_softcap: float | None = None
     # Mixture of experts (layers with a ``router``): experts per token, and
     # whether their routing weights are renormalized to sum 1.
     moe_top_k: int = 0

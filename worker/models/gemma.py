@@ -2,8 +2,8 @@
 GELU-tanh MLP, the embedding scaled by sqrt(hidden), attention scaled by
 ``query_pre_attn_scalar``; Gemma 2 soft-caps its final logits, Gemma 3 norms
 each q/k head and gives its sliding-window ("local") layers their own rotary
-base. Windowed layers are served where the window covers max_model_len
-(config_checks.check_windows); attention soft-capping is refused."""
+base. Sliding-window layers attend over their window only, and Gemma 2
+soft-caps attention scores, both in the attention backends (kernels/reference.py)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ class _GemmaBase(DecoderForCausalLM):
             attention_scale=float(hf.get("query_pre_attn_scalar", config.head_dim)) ** -0.5,
             embed_scale=config.hidden_size**0.5,
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping") or None,
             **extra,
         )
 
@@ -146,12 +147,9 @@ class _GemmaBase(DecoderForCausalLM):
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
         hf = config.hf_config
-        if hf.get("attn_logit_softcapping") is not None:
-            raise refuse(
-                "attn_logit_softcapping",
-                hf["attn_logit_softcapping"],
-                "null (the paged attention kernels do not soft-cap scores yet)",
-            )
+        cap = hf.get("attn_logit_softcapping")
+        if cap is not None and not float(cap) > 0:
+            raise refuse("attn_logit_softcapping", cap, "a positive number, or null")
         for field in ("attention_bias", "use_bidirectional_attention"):
             if hf.get(field):
                 raise refuse(field, hf[field], "false")

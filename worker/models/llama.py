@@ -7,10 +7,11 @@ into ``qkv_proj`` and ``gate_up_proj``, two norms per layer, SwiGLU.
 from __future__ import annotations
 
 from kvmesh.worker.config import ModelConfig
-from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.config_checks import qwen_layer_windows, refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
     GGUFLayout,
+    LayerKVSpec,
     LoRATarget,
     ModelDeclaration,
     ParamDecl,
@@ -109,7 +110,8 @@ def llama_declaration(qkv_bias: bool, gguf: GGUFLayout | None) -> ModelDeclarati
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama and Mistral (whose ``sliding_window`` is checked like any window)."""
+    """Llama and Mistral (every layer over Mistral's ``sliding_window``, as
+    transformers' Mistral applies it)."""
 
     declaration = llama_declaration(qkv_bias=False, gguf=LLAMA_GGUF)
 
@@ -125,3 +127,8 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2/2.5: Llama with q/k/v biases (``attention_bias`` unset in its config)."""
 
     declaration = llama_declaration(qkv_bias=True, gguf=QWEN2_GGUF)
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> list[LayerKVSpec]:
+        windows = qwen_layer_windows(config.hf_config, config.num_layers)
+        return [LayerKVSpec(config.num_kv_heads, config.head_dim, w) for w in windows]

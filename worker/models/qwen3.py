@@ -4,10 +4,11 @@ rotation, and an explicit ``head_dim`` (not hidden_size / heads)."""
 from __future__ import annotations
 
 from kvmesh.worker.config import ModelConfig
-from kvmesh.worker.models.config_checks import refuse
+from kvmesh.worker.models.config_checks import qwen_layer_windows, refuse
 from kvmesh.worker.models.declaration import (
     CheckpointTensor,
     GGUFLayout,
+    LayerKVSpec,
     ModelDeclaration,
     Split,
     vector,
@@ -54,6 +55,11 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def family_features(cls, config: ModelConfig) -> Features:
         return Features(qk_norm="head")
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> list[LayerKVSpec]:
+        windows = qwen_layer_windows(config.hf_config, config.num_layers)
+        return [LayerKVSpec(config.num_kv_heads, config.head_dim, w) for w in windows]
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
