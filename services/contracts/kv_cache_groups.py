@@ -109,3 +109,28 @@ def max_blocks_per_request(
         full if window is None else min(full, cdiv(window, block_size) + windowed)
         for window in windows
     )
+
+
+def longest_fitting_len(
+    windows: Sequence[int | None],
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+    max_chunk_tokens: int,
+) -> int:
+    """The longest length up to ``max_model_len`` one request can reach alone in
+    a pool of ``num_blocks`` (the null block, reserved with any window, not
+    counted); 0 when not even one token fits."""
+    usable = num_blocks - int(any(w is not None for w in windows))
+
+    def fits(length: int) -> bool:
+        return max_blocks_per_request(windows, length, block_size, max_chunk_tokens) <= usable
+
+    low, high = 0, max_model_len  # fits(low) holds (0 blocks); find the largest
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low

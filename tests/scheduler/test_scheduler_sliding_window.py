@@ -16,6 +16,7 @@ from kvmesh.scheduler.scheduler import Scheduler
 from kvmesh.services.contracts.kv_cache_groups import (
     group_layers,
     layer_slots,
+    longest_fitting_len,
     num_skipped_blocks,
 )
 from kvmesh.services.contracts.math_utils import cdiv
@@ -308,6 +309,24 @@ def test_a_pool_too_small_for_one_request_in_every_group_is_refused() -> None:
             max_num_batched_tokens=8,
             kv_cache_windows=(None, 8),
         )
+
+
+def test_the_longest_length_a_pool_serves_counts_every_group() -> None:
+    # Full attention alone: the pool's tokens, as without groups.
+    assert longest_fitting_len((None,), 4096, 64, 16, 2048) == 1024
+    # A window alone: any length, once the window and a chunk fit.
+    assert longest_fitting_len((256,), 4096, 64, 16, 512) == 4096
+    # Full + window: the full group's share is what is left after the window's.
+    windows = (None, 256)
+    length = longest_fitting_len(windows, 4096, 200, 16, 512)
+    assert length == (200 - 1 - (16 + 32 + 1)) * 16
+    SchedulerConfig(
+        num_kv_blocks=200,
+        block_size=16,
+        max_model_len=length,
+        max_num_batched_tokens=512,
+        kv_cache_windows=windows,
+    )
 
 
 # ---- random workloads: invariants and the worker's per-group view -------------------
