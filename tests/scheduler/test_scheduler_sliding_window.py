@@ -5,6 +5,8 @@ prefix hits, preemption and the worker's per-group tables keep working."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,15 @@ from kvmesh.services.contracts.kv_cache_groups import (
     num_skipped_blocks,
 )
 from kvmesh.services.contracts.math_utils import cdiv
-from tests.scheduler.factories import make_output, make_request, make_scheduler, run_step
+from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
+from tests.scheduler.factories import (
+    make_output,
+    make_request,
+    make_scheduler,
+    random_workload,
+    run_step,
+)
+from tests.scheduler.test_scheduler_async import EOS, drive, greedy_token
 
 BLOCK_SIZE = 4
 NULL = 0  # the null block's id
@@ -428,3 +438,100 @@ def test_random_windowed_workloads_keep_every_invariant(
         out, _ = run_step(sched)
         sched.check_integrity()
     assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+
+
+# ---- KV content: sync and async, with a worker that checks what each window reads ------
+
+
+class WindowedKVWorker:
+    """Applies SchedulerOutputs in order like the worker, with a table per
+    KV-cache group: each step writes its tokens' slots in every group and checks
+    that every slot a query's window reads holds that position's own prefix,
+    written by that group (tests/scheduler/test_scheduler_async.py's check,
+    per group and per window)."""
+
+    def __init__(self, windows: tuple[int | None, ...]) -> None:
+        self.windows = windows
+        self.tokens: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        # slot -> (group, the token prefix ending at that slot's position)
+        self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.num_steps = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if out.total_num_scheduled_tokens:
+            self.num_steps += 1
+        for req_id in out.finished_req_ids:
+            for state in (self.tokens, self.num_computed, self.tables):
+                state.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.num_computed[new.req_id] = new.num_computed_tokens
+            self.tables[new.req_id] = [list(new.block_ids), *map(list, new.group_block_ids)]
+        cached = out.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            assert cached.num_computed_tokens[index] == self.num_computed[req_id]
+            groups = cached.new_group_block_ids[index] if cached.new_group_block_ids else []
+            tables = self.tables[req_id]
+            tables[0].extend(cached.new_block_ids[index])
+            for table, ids in zip(tables[1:], groups, strict=True):
+                table.extend(ids)
+        req_ids, sampled = [], []
+        for req_id, num_scheduled in out.num_scheduled_tokens.items():
+            sequence = self.tokens[req_id]
+            start = self.num_computed[req_id]
+            end = start + num_scheduled
+            assert end <= len(sequence)
+            for group, window in enumerate(self.windows):
+                table = self.tables[req_id][group]
+                for position in range(start, end):
+                    block = table[position // BLOCK_SIZE]
+                    assert block != NULL, f"{req_id}: writes into the null block"
+                    slot = block * BLOCK_SIZE + position % BLOCK_SIZE
+                    self.kv[slot] = (group, tuple(sequence[: position + 1]))
+                first = 0 if window is None else max(start - window + 1, 0)
+                for position in range(first, end):
+                    slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+                    assert self.kv.get(slot) == (group, tuple(sequence[: position + 1])), (
+                        f"{req_id}: group {group} reads stale KV at position {position}"
+                    )
+            self.num_computed[req_id] = end
+            req_ids.append(req_id)
+            if end == len(sequence):
+                token = greedy_token(tuple(sequence))
+                sequence.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(step_id=out.step_id, req_ids=req_ids, sampled_token_ids=sampled)
+
+
+@pytest.mark.parametrize("windows", [(6,), (None, 6), (None, 5, 9)])
+@pytest.mark.parametrize("seed", range(8))
+def test_windows_read_only_their_own_kv_sync_and_async(windows, seed: int) -> None:
+    """Random workloads (prefix hits, chunks, preemption) in both modes: the
+    same tokens, and every slot a window reads was written for its position."""
+    specs, config = random_workload(random.Random(seed), BLOCK_SIZE)
+    config.update(
+        num_kv_blocks=max(config["num_kv_blocks"], 8) * len(windows) + 1,
+        kv_cache_windows=windows,
+    )
+    runs = {}
+    for async_scheduling in (False, True):
+        sched = make_scheduler(async_scheduling=async_scheduling, **config)
+        arrivals: dict[int, list] = {}
+        for req_id, prompt, max_tokens, ignore_eos, arrival in specs:
+            request = make_request(
+                len(prompt),
+                max_tokens,
+                request_id=req_id,
+                prompt_token_ids=prompt,
+                eos_token_ids=(EOS,),
+                ignore_eos=ignore_eos,
+            )
+            arrivals.setdefault(arrival, []).append(request)
+        runs[async_scheduling] = drive(sched, WindowedKVWorker(windows), arrivals)
+        assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    assert runs[True].tokens == runs[False].tokens
+    assert set(runs[True].finish) == {spec[0] for spec in specs}
