@@ -18,7 +18,7 @@ from kvmesh.scheduler.request_tracing import SchedulerRequestTraces
 from kvmesh.scheduler.service import SchedulerEngine, SchedulerServicer
 from kvmesh.scheduler.worker_client import WorkerClient
 from kvmesh.services.contracts.block_hash import get_block_hasher
-from kvmesh.services.contracts.kv_cache_groups import longest_fitting_len
+from kvmesh.services.contracts.kv_cache_groups import longest_fitting_len, windows_from_wire
 from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
 from kvmesh.services.runtime.config import SchedulerServiceConfig
@@ -45,7 +45,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     info = await worker.connect(timeout=WORKER_CONNECT_TIMEOUT_S)
     pooling = info.runner == "pooling"
     # The model's KV-cache groups by window (0 on the wire: full attention).
-    kv_cache_windows = tuple(w or None for w in info.kv_cache_group_windows) or (None,)
+    kv_cache_windows = windows_from_wire(info.kv_cache_group_windows)
     token_budget = step_token_budget(config.max_num_batched_tokens, info.step_token_budget)
     max_model_len = (
         info.max_model_len

@@ -81,6 +81,12 @@ def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[i
     return [slot for slot in slots if slot is not None]
 
 
+def windows_from_wire(windows: Sequence[int]) -> tuple[int | None, ...]:
+    """``WorkerInfo.kv_cache_group_windows`` as windows (0: full attention;
+    nothing, from a worker that predates groups: one full-attention group)."""
+    return tuple(w or None for w in windows) or (None,)
+
+
 def num_skipped_blocks(num_computed_tokens: int, window: int | None, block_size: int) -> int:
     """Leading blocks no query from position ``num_computed_tokens`` on reads:
     a query at p attends keys j with p - window < j <= p, so every slot before

@@ -20,6 +20,7 @@ from kvmesh.services.contracts.kv_cache_groups import (
     layer_slots,
     longest_fitting_len,
     num_skipped_blocks,
+    windows_from_wire,
 )
 from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
@@ -319,6 +320,11 @@ def test_a_pool_too_small_for_one_request_in_every_group_is_refused() -> None:
             max_num_batched_tokens=8,
             kv_cache_windows=(None, 8),
         )
+
+
+def test_windows_from_the_wire_default_to_one_full_attention_group() -> None:
+    assert windows_from_wire([]) == (None,)
+    assert windows_from_wire([0, 512, 512]) == (None, 512, 512)
 
 
 def test_the_longest_length_a_pool_serves_counts_every_group() -> None:
