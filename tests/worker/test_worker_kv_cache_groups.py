@@ -11,6 +11,7 @@ their tables and the shared tensors are what is under test."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from kvmesh.worker.model_runner import ModelRunner
 
 from .conftest import hf_greedy_tokens
 from .model_families import make_family_checkpoint
+from .parallel_ranks import RunSpec, run_replica, run_single
 
 BLOCK = 4
 NEW_TOKENS = 24
@@ -141,3 +143,14 @@ def test_a_step_missing_a_groups_block_ids_fails_its_request(gemma2) -> None:
     step.scheduled_new_reqs[0].group_block_ids.pop()
     output = runner.execute_model(step)
     assert "KV-cache groups" in output.errors["r"]
+
+
+def test_grouped_cache_at_tp2_matches_one_process(gemma2) -> None:
+    """Each rank lays out its KV heads' share of the groups' tensors; the one
+    scheduler's per-group block ids drive every rank."""
+    folder, _ = gemma2
+    spec = RunSpec(str(folder), [PROMPTS[0][:30], PROMPTS[1]], kv_cache_windows=tuple(WINDOWS))
+    plain = run_single(dataclasses.replace(spec, kv_cache_windows=None, micro_batches=1))
+    grouped = run_single(spec)
+    assert grouped[0] == plain[0]
+    assert run_replica(2, 1, spec)[0] == grouped[0]
