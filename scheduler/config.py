@@ -122,6 +122,8 @@ class SchedulerConfig:
             raise ValueError("micro-batches (num_micro_batches > 1) need async scheduling")
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs synchronous scheduling")
+        # A list from a caller compares unequal to the one-group default: keep a tuple.
+        object.__setattr__(self, "kv_cache_windows", tuple(self.kv_cache_windows))
         if not self.kv_cache_windows or any(
             w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
             for w in self.kv_cache_windows
