@@ -25,6 +25,7 @@ from kvmesh.scheduler.request import Request
 from kvmesh.scheduler.request_status import RequestStatus
 from kvmesh.scheduler.scheduler import Scheduler
 from kvmesh.services.contracts.finish_reason import FinishReason
+from kvmesh.services.contracts.kv_cache_groups import longest_fitting_len
 from kvmesh.services.contracts.lora_request import LoRARequest
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
@@ -68,13 +69,20 @@ class InProcessEngine:
         lora_slots = runner.lora_slots
         self.runner = runner
         model_config, cache_config = runner.model_config, runner.cache_config
+        # Per KV-cache group its window: block arithmetic is per group.
+        windows = tuple(group.sliding_window for group in runner.kv_cache_groups)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
-                max_model_len=min(
-                    model_config.max_model_len, runner.num_kv_blocks * cache_config.block_size
+                max_model_len=longest_fitting_len(
+                    windows,
+                    model_config.max_model_len,
+                    runner.num_kv_blocks,
+                    cache_config.block_size,
+                    max_num_batched_tokens,
                 ),
+                kv_cache_windows=windows,
                 block_size=cache_config.block_size,
                 num_kv_blocks=runner.num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,

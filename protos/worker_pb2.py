@@ -26,7 +26,7 @@ from kvmesh.protos import common_pb2 as protos_dot_common__pb2
 from kvmesh.protos import kvstore_pb2 as protos_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\x1a\x14protos/kvstore.proto\"u\n\x1ePrepareStructuredOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\"!\n\x1fPrepareStructuredOutputResponse\"\xf2\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x35\n\x0clora_request\x18\x07 \x01(\x0b\x32\x1f.kvmesh.internal.v1.LoRARequest\x12G\n\rtrace_context\x18\x08 \x03(\x0b\x32\x30.kvmesh.internal.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"s\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x33\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe2\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.NewRequest\x12;\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x46\n\x15kv_connector_metadata\x18\x07 \x01(\x0b\x32\'.kvmesh.internal.v1.KVConnectorMetadata\x12\x34\n\x0espec_token_ids\x18\x08 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\"E\n\nKVTransfer\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"s\n\x13KVConnectorMetadata\x12-\n\x05loads\x18\x01 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\x12-\n\x05saves\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\"9\n\x0cKVLoadResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11num_loaded_blocks\x18\x02 \x01(\x05\"\x8b\x01\n\x11KVConnectorOutput\x12\x38\n\x0e\x66inished_loads\x18\x01 \x03(\x0b\x32 .kvmesh.internal.v1.KVLoadResult\x12\x1a\n\x12saved_block_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12\x66\x61iled_save_hashes\x18\x04 \x03(\x0cJ\x04\x08\x03\x10\x04\"m\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\x96\x04\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x37\n\x11sampled_token_ids\x18\x03 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12:\n\x06\x65rrors\x18\x05 \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.ErrorsEntry\x12\x17\n\x0f\x65xecute_seconds\x18\x06 \x01(\x01\x12\x42\n\x13kv_connector_output\x18\x07 \x01(\x0b\x32%.kvmesh.internal.v1.KVConnectorOutput\x12;\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\".kvmesh.internal.v1.PromptLogprobs\x12\x37\n\x08logprobs\x18\t \x03(\x0b\x32%.kvmesh.internal.v1.TokenLogprobsList\x12:\n\x06pooled\x18\n \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.PooledEntry\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bPooledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01J\x04\x08\x04\x10\x05\"G\n\x11TokenLogprobsList\x12\x32\n\x07\x65ntries\x18\x01 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\x16\n\x14GetWorkerInfoRequest\"\xdd\x04\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12/\n\tkv_layout\x18\t \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x11\n\tmax_loras\x18\n \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x0b \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\r \x01(\x05\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0f \x01(\t\x12\x18\n\x10pipeline_overlap\x18\x10 \x01(\x08\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x19\n\x11step_token_budget\x18\x12 \x01(\x05\x12\x0e\n\x06runner\x18\x13 \x01(\t\x12\x15\n\rpooling_tasks\x18\x14 \x03(\t\x12\x15\n\rembedding_dim\x18\x15 \x01(\x05\x12\x1d\n\x15matryoshka_dimensions\x18\x16 \x03(\x05\x12\x0e\n\x06labels\x18\x17 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x18 \x01(\x04\x12\x17\n\x0f\x62\x61tch_invariant\x18\x19 \x01(\x08\x32\xb2\x02\n\x06Worker\x12N\n\x07\x45xecute\x12\x1f.kvmesh.internal.v1.StepRequest\x1a\x1e.kvmesh.internal.v1.StepResult(\x01\x30\x01\x12S\n\x07GetInfo\x12(.kvmesh.internal.v1.GetWorkerInfoRequest\x1a\x1e.kvmesh.internal.v1.WorkerInfo\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.kvmesh.internal.v1.PrepareStructuredOutputRequest\x1a\x33.kvmesh.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12kvmesh.internal.v1\x1a\x13protos/common.proto\x1a\x14protos/kvstore.proto\"u\n\x1ePrepareStructuredOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12?\n\x11structured_output\x18\x02 \x01(\x0b\x32$.kvmesh.internal.v1.StructuredOutput\"!\n\x1fPrepareStructuredOutputResponse\"\xa9\x03\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".kvmesh.internal.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x35\n\x0clora_request\x18\x07 \x01(\x0b\x32\x1f.kvmesh.internal.v1.LoRARequest\x12G\n\rtrace_context\x18\x08 \x03(\x0b\x32\x30.kvmesh.internal.v1.NewRequest.TraceContextEntry\x12\x35\n\x0fgroup_block_ids\x18( \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb3\x01\n\x0e\x43\x61\x63hedRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x33\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\x05\x12>\n\x13new_group_block_ids\x18( \x03(\x0b\x32!.kvmesh.internal.v1.GroupBlockIds\"=\n\rGroupBlockIds\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe2\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.NewRequest\x12;\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\".kvmesh.internal.v1.CachedRequests\x12\x19\n\x11scheduled_req_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\x05\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x46\n\x15kv_connector_metadata\x18\x07 \x01(\x0b\x32\'.kvmesh.internal.v1.KVConnectorMetadata\x12\x34\n\x0espec_token_ids\x18\x08 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\"E\n\nKVTransfer\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"s\n\x13KVConnectorMetadata\x12-\n\x05loads\x18\x01 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\x12-\n\x05saves\x18\x02 \x03(\x0b\x32\x1e.kvmesh.internal.v1.KVTransfer\"9\n\x0cKVLoadResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x19\n\x11num_loaded_blocks\x18\x02 \x01(\x05\"\x8b\x01\n\x11KVConnectorOutput\x12\x38\n\x0e\x66inished_loads\x18\x01 \x03(\x0b\x32 .kvmesh.internal.v1.KVLoadResult\x12\x1a\n\x12saved_block_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12\x66\x61iled_save_hashes\x18\x04 \x03(\x0cJ\x04\x08\x03\x10\x04\"m\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\x96\x04\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x37\n\x11sampled_token_ids\x18\x03 \x03(\x0b\x32\x1c.kvmesh.internal.v1.BlockIds\x12:\n\x06\x65rrors\x18\x05 \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.ErrorsEntry\x12\x17\n\x0f\x65xecute_seconds\x18\x06 \x01(\x01\x12\x42\n\x13kv_connector_output\x18\x07 \x01(\x0b\x32%.kvmesh.internal.v1.KVConnectorOutput\x12;\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\".kvmesh.internal.v1.PromptLogprobs\x12\x37\n\x08logprobs\x18\t \x03(\x0b\x32%.kvmesh.internal.v1.TokenLogprobsList\x12:\n\x06pooled\x18\n \x03(\x0b\x32*.kvmesh.internal.v1.StepResult.PooledEntry\x1a-\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bPooledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01J\x04\x08\x04\x10\x05\"G\n\x11TokenLogprobsList\x12\x32\n\x07\x65ntries\x18\x01 \x03(\x0b\x32!.kvmesh.internal.v1.TokenLogprobs\"\x16\n\x14GetWorkerInfoRequest\"\xfd\x04\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12/\n\tkv_layout\x18\t \x01(\x0b\x32\x1c.kvmesh.internal.v1.KVLayout\x12\x11\n\tmax_loras\x18\n \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x0b \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\r \x01(\x05\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0f \x01(\t\x12\x18\n\x10pipeline_overlap\x18\x10 \x01(\x08\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x19\n\x11step_token_budget\x18\x12 \x01(\x05\x12\x0e\n\x06runner\x18\x13 \x01(\t\x12\x15\n\rpooling_tasks\x18\x14 \x03(\t\x12\x15\n\rembedding_dim\x18\x15 \x01(\x05\x12\x1d\n\x15matryoshka_dimensions\x18\x16 \x03(\x05\x12\x0e\n\x06labels\x18\x17 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x18 \x01(\x04\x12\x17\n\x0f\x62\x61tch_invariant\x18\x19 \x01(\x08\x12\x1e\n\x16kv_cache_group_windows\x18< \x03(\x05\x32\xb2\x02\n\x06Worker\x12N\n\x07\x45xecute\x12\x1f.kvmesh.internal.v1.StepRequest\x1a\x1e.kvmesh.internal.v1.StepResult(\x01\x30\x01\x12S\n\x07GetInfo\x12(.kvmesh.internal.v1.GetWorkerInfoRequest\x1a\x1e.kvmesh.internal.v1.WorkerInfo\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.kvmesh.internal.v1.PrepareStructuredOutputRequest\x1a\x33.kvmesh.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,37 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_start=205
   _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_end=238
   _globals['_NEWREQUEST']._serialized_start=241
-  _globals['_NEWREQUEST']._serialized_end=611
-  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=560
-  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=611
-  _globals['_CACHEDREQUESTS']._serialized_start=613
-  _globals['_CACHEDREQUESTS']._serialized_end=728
-  _globals['_BLOCKIDS']._serialized_start=730
-  _globals['_BLOCKIDS']._serialized_end=753
-  _globals['_STEPREQUEST']._serialized_start=756
-  _globals['_STEPREQUEST']._serialized_end=1110
-  _globals['_KVTRANSFER']._serialized_start=1112
-  _globals['_KVTRANSFER']._serialized_end=1181
-  _globals['_KVCONNECTORMETADATA']._serialized_start=1183
-  _globals['_KVCONNECTORMETADATA']._serialized_end=1298
-  _globals['_KVLOADRESULT']._serialized_start=1300
-  _globals['_KVLOADRESULT']._serialized_end=1357
-  _globals['_KVCONNECTOROUTPUT']._serialized_start=1360
-  _globals['_KVCONNECTOROUTPUT']._serialized_end=1499
-  _globals['_PROMPTLOGPROBS']._serialized_start=1501
-  _globals['_PROMPTLOGPROBS']._serialized_end=1610
-  _globals['_STEPRESULT']._serialized_start=1613
-  _globals['_STEPRESULT']._serialized_end=2147
-  _globals['_STEPRESULT_ERRORSENTRY']._serialized_start=2049
-  _globals['_STEPRESULT_ERRORSENTRY']._serialized_end=2094
-  _globals['_STEPRESULT_POOLEDENTRY']._serialized_start=2096
-  _globals['_STEPRESULT_POOLEDENTRY']._serialized_end=2141
-  _globals['_TOKENLOGPROBSLIST']._serialized_start=2149
-  _globals['_TOKENLOGPROBSLIST']._serialized_end=2220
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=2222
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=2244
-  _globals['_WORKERINFO']._serialized_start=2247
-  _globals['_WORKERINFO']._serialized_end=2852
-  _globals['_WORKER']._serialized_start=2855
-  _globals['_WORKER']._serialized_end=3161
+  _globals['_NEWREQUEST']._serialized_end=666
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=615
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=666
+  _globals['_CACHEDREQUESTS']._serialized_start=669
+  _globals['_CACHEDREQUESTS']._serialized_end=848
+  _globals['_GROUPBLOCKIDS']._serialized_start=850
+  _globals['_GROUPBLOCKIDS']._serialized_end=911
+  _globals['_BLOCKIDS']._serialized_start=913
+  _globals['_BLOCKIDS']._serialized_end=936
+  _globals['_STEPREQUEST']._serialized_start=939
+  _globals['_STEPREQUEST']._serialized_end=1293
+  _globals['_KVTRANSFER']._serialized_start=1295
+  _globals['_KVTRANSFER']._serialized_end=1364
+  _globals['_KVCONNECTORMETADATA']._serialized_start=1366
+  _globals['_KVCONNECTORMETADATA']._serialized_end=1481
+  _globals['_KVLOADRESULT']._serialized_start=1483
+  _globals['_KVLOADRESULT']._serialized_end=1540
+  _globals['_KVCONNECTOROUTPUT']._serialized_start=1543
+  _globals['_KVCONNECTOROUTPUT']._serialized_end=1682
+  _globals['_PROMPTLOGPROBS']._serialized_start=1684
+  _globals['_PROMPTLOGPROBS']._serialized_end=1793
+  _globals['_STEPRESULT']._serialized_start=1796
+  _globals['_STEPRESULT']._serialized_end=2330
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_start=2232
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_end=2277
+  _globals['_STEPRESULT_POOLEDENTRY']._serialized_start=2279
+  _globals['_STEPRESULT_POOLEDENTRY']._serialized_end=2324
+  _globals['_TOKENLOGPROBSLIST']._serialized_start=2332
+  _globals['_TOKENLOGPROBSLIST']._serialized_end=2403
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2405
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2427
+  _globals['_WORKERINFO']._serialized_start=2430
+  _globals['_WORKERINFO']._serialized_end=3067
+  _globals['_WORKER']._serialized_start=3070
+  _globals['_WORKER']._serialized_end=3376
 # @@protoc_insertion_point(module_scope)

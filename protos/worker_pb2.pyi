@@ -21,7 +21,7 @@ class PrepareStructuredOutputResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request", "trace_context")
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "lora_request", "trace_context", "group_block_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,17 +46,26 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     lora_request: _common_pb2.LoRARequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
-    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens")
+    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "new_group_block_ids")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    new_group_block_ids: _containers.RepeatedCompositeFieldContainer[GroupBlockIds]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., new_group_block_ids: _Optional[_Iterable[_Union[GroupBlockIds, _Mapping]]] = ...) -> None: ...
+
+class GroupBlockIds(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)
@@ -176,7 +186,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget", "runner", "pooling_tasks", "embedding_dim", "matryoshka_dimensions", "labels", "weight_bytes", "batch_invariant")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "kv_layout", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "dtype_reason", "pipeline_overlap", "quantization", "step_token_budget", "runner", "pooling_tasks", "embedding_dim", "matryoshka_dimensions", "labels", "weight_bytes", "batch_invariant", "kv_cache_group_windows")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +212,7 @@ class WorkerInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -227,4 +238,5 @@ class WorkerInfo(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     weight_bytes: int
     batch_invariant: bool
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_dim: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    kv_cache_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[_Union[_kvstore_pb2.KVLayout, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., pipeline_overlap: _Optional[bool] = ..., quantization: _Optional[str] = ..., step_token_budget: _Optional[int] = ..., runner: _Optional[str] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_dim: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., kv_cache_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...

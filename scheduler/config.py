@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.services.contracts.kv_cache_groups import max_blocks_per_request
 from kvmesh.services.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
     SCHEDULING_POLICIES,
@@ -80,6 +81,11 @@ class SchedulerConfig:
     # The worker runs a pooling model (WorkerInfo.runner "pooling"): only
     # pooling requests are accepted, and generation requests only otherwise.
     pooling: bool = False
+    # Per KV-cache group (services/contracts/kv_cache_groups.py, from
+    # WorkerInfo), its sliding window in tokens (None: full attention). A
+    # windowed group holds only the blocks inside its window; the default is
+    # one full-attention group (every layer attends to every token).
+    kv_cache_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         positive = {
@@ -116,13 +122,46 @@ class SchedulerConfig:
             raise ValueError("micro-batches (num_micro_batches > 1) need async scheduling")
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs synchronous scheduling")
-        if self.num_kv_blocks * self.block_size < self.max_model_len:
-            # A request that grew to max_model_len could never fit even alone and
-            # would preempt itself forever.
+        # A list from a caller compares unequal to the one-group default: keep a tuple.
+        object.__setattr__(self, "kv_cache_windows", tuple(self.kv_cache_windows))
+        if not self.kv_cache_windows or any(
+            w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
+            for w in self.kv_cache_windows
+        ):
             raise ValueError(
-                f"KV cache holds {self.num_kv_blocks * self.block_size} tokens "
-                f"({self.num_kv_blocks} blocks x {self.block_size}), less than "
-                f"max_model_len={self.max_model_len}; lower max_model_len or add blocks"
+                "kv_cache_windows needs one positive window (or None) per KV-cache group, "
+                f"got {self.kv_cache_windows!r}"
+            )
+        if self.enable_kv_connector and self.kv_cache_windows != (None,):
+            # The connector moves one table of blocks per request (kvstore
+            # offload, prefill/decode transfer); a windowed or multi-group cache
+            # would be saved and loaded wrong, so it is refused, not guessed.
+            raise ValueError(
+                "the KV connector (kvstore offload, prefill/decode transfer) does not move "
+                f"sliding-window or multi-group KV caches yet (KV-cache group windows "
+                f"{self.kv_cache_windows}); turn it off for this model"
+            )
+        if self.kv_cache_windows == (None,):
+            if self.num_kv_blocks * self.block_size < self.max_model_len:
+                # A request that grew to max_model_len could never fit even alone and
+                # would preempt itself forever.
+                raise ValueError(
+                    f"KV cache holds {self.num_kv_blocks * self.block_size} tokens "
+                    f"({self.num_kv_blocks} blocks x {self.block_size}), less than "
+                    f"max_model_len={self.max_model_len}; lower max_model_len or add blocks"
+                )
+            return
+        # With groups a request holds blocks in every group, a windowed one
+        # only around its window; block 0 is the null block.
+        needed = max_blocks_per_request(
+            self.kv_cache_windows, self.max_model_len, self.block_size, self.max_num_batched_tokens
+        ) + int(any(w is not None for w in self.kv_cache_windows))
+        if self.num_kv_blocks < needed:
+            raise ValueError(
+                f"KV cache has {self.num_kv_blocks} blocks, fewer than the {needed} one "
+                f"request of max_model_len={self.max_model_len} may hold in the KV-cache groups "
+                f"{self.kv_cache_windows} (block_size={self.block_size}); lower max_model_len "
+                "or add blocks"
             )
 
     @property

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable
 
 from kvmesh.scheduler.block_pool import KVCacheBlock, KVCacheIntegrityError
 from kvmesh.scheduler.config import SchedulerConfig
-from kvmesh.scheduler.kv_cache_manager import KVCacheManager
+from kvmesh.scheduler.kv_cache_manager import GroupBlocks, KVCacheManager
 from kvmesh.scheduler.kv_connector import KVConnectorScheduler
 from kvmesh.scheduler.lora_admission import AdapterAdmission
 from kvmesh.scheduler.output import FinishedRequestStats, RequestOutput, SchedulerStats
@@ -116,7 +116,10 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             prefix_hash=config.prefix_hash,
             on_blocks_cached=self.connector.on_blocks_cached if self.connector else None,
+            group_windows=config.kv_cache_windows,
         )
+        # Several KV-cache groups: each step carries groups 1..'s new block ids too.
+        self._multi_group = len(config.kv_cache_windows) > 1
         # Every live (unfinished) request, by id.
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.make_waiting_queue()
@@ -338,6 +341,8 @@ class Scheduler:
         cached_req_ids = cached.req_ids
         cached_new_block_ids = cached.new_block_ids
         cached_num_computed = cached.num_computed_tokens
+        multi_group = self._multi_group
+        kv = self.kv_cache_manager
         preempted = False
         speculator = self.speculator
         if speculator is not None and speculator.batch_too_large(len(running)):
@@ -401,6 +406,10 @@ class Scheduler:
             token_budget -= num_new_tokens
             cached_req_ids.append(request_id)
             cached_new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            if multi_group:
+                cached.new_group_block_ids.append(
+                    kv.get_new_group_block_ids(request_id, len(new_blocks))
+                )
             cached_num_computed.append(num_computed_tokens)
             if async_scheduling:
                 self._advance_at_schedule(request, num_new_tokens)
@@ -476,7 +485,7 @@ class Scheduler:
             # a request computes its whole prompt (vLLM's rule).
             computes_whole_prompt = request.sampling_params.prompt_logprobs is not None
             computed_blocks, num_cached_tokens = (
-                ([], 0) if computes_whole_prompt else kv.get_computed_blocks(request)
+                ((), 0) if computes_whole_prompt else kv.get_computed_blocks(request)
             )
             # With nothing running there is nobody to keep room for, and a request
             # needing the whole pool must still be admitted.
@@ -509,7 +518,7 @@ class Scheduler:
     def _start_remote_load(
         self,
         request: Request,
-        computed_blocks: list[KVCacheBlock],
+        computed_blocks: GroupBlocks,
         num_cached_tokens: int,
         num_external_tokens: int,
         watermark: int,
@@ -558,6 +567,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            group_block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
             num_computed_tokens=num_cached_tokens,
             lora_request=request.lora_request,
         )
@@ -635,6 +645,8 @@ class Scheduler:
             del cached.req_ids[position]
             del cached.new_block_ids[position]
             del cached.num_computed_tokens[position]
+            if cached.new_group_block_ids:
+                del cached.new_group_block_ids[position]
 
     # ---- update_from_output: the worker's answer ------------------------------
 

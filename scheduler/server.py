@@ -18,6 +18,7 @@ from kvmesh.scheduler.request_tracing import SchedulerRequestTraces
 from kvmesh.scheduler.service import SchedulerEngine, SchedulerServicer
 from kvmesh.scheduler.worker_client import WorkerClient
 from kvmesh.services.contracts.block_hash import get_block_hasher
+from kvmesh.services.contracts.kv_cache_groups import longest_fitting_len, windows_from_wire
 from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.contracts.step_deadline import StepDeadline, StepDeadlinePolicy
 from kvmesh.services.runtime.config import SchedulerServiceConfig
@@ -43,10 +44,19 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     logger.info("waiting for the worker at %s", config.worker_addr)
     info = await worker.connect(timeout=WORKER_CONNECT_TIMEOUT_S)
     pooling = info.runner == "pooling"
+    # The model's KV-cache groups by window (0 on the wire: full attention).
+    kv_cache_windows = windows_from_wire(info.kv_cache_group_windows)
+    token_budget = step_token_budget(config.max_num_batched_tokens, info.step_token_budget)
     max_model_len = (
         info.max_model_len
         if pooling
-        else min(info.max_model_len, info.num_kv_blocks * info.block_size)
+        else longest_fitting_len(
+            kv_cache_windows,
+            info.max_model_len,
+            info.num_kv_blocks,
+            info.block_size,
+            token_budget,
+        )
     )
     if max_model_len < info.max_model_len:
         # A sequence longer than the whole pool could never run, not even alone.
@@ -67,7 +77,6 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
     num_micro_batches = (
         info.pipeline_parallel_size if info.pipeline_overlap and async_scheduling else 1
     )
-    token_budget = step_token_budget(config.max_num_batched_tokens, info.step_token_budget)
     if config.max_num_batched_tokens == 0:
         logger.info(
             "step token budget %d: what the worker (%s, %s) runs best at",
@@ -99,6 +108,7 @@ async def serve(config: SchedulerServiceConfig, stop: asyncio.Event) -> None:
         speculative=speculative,
         max_loras=info.max_loras,
         pooling=pooling,
+        kv_cache_windows=kv_cache_windows,
     )
     logger.info("scheduler config: %s", core_config)
     kvstore = KVStoreClient(config.kvstore_addr, security=security) if config.kv_offload else None

@@ -34,6 +34,7 @@ from kvmesh.scheduler.scheduler import Scheduler
 from kvmesh.scheduler.worker_client import WorkerClient
 from kvmesh.services.contracts.errors import InvalidRequestError, OverloadedError, UnavailableError
 from kvmesh.services.contracts.finish_reason import FinishReason, finish_reason_to_proto
+from kvmesh.services.contracts.kv_cache_groups import windows_from_wire
 from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 from kvmesh.services.contracts.step_codec import logprobs_to_proto, sampling_params_from_proto
 from kvmesh.services.contracts.step_deadline import StepDeadline
@@ -397,6 +398,14 @@ class SchedulerEngine:
                     "worker came back with %d KV blocks (had %d); restart the scheduler",
                     info.num_kv_blocks,
                     self.config.num_kv_blocks,
+                )
+            windows = windows_from_wire(info.kv_cache_group_windows)
+            if info.runner != "pooling" and windows != self.config.kv_cache_windows:
+                logger.error(
+                    "worker came back with KV-cache group windows %s (had %s); restart the "
+                    "scheduler",
+                    windows,
+                    self.config.kv_cache_windows,
                 )
             self.healthy = True
             self.step_deadline.reset()  # a restarted worker starts cold

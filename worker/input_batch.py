@@ -4,6 +4,10 @@ A request's full data arrives once (``NewRequestData``); later steps only send
 new block ids and the scheduler's ``num_computed_tokens``. Each request owns a
 row of preallocated numpy arrays (token ids, block table, counters), so a step's
 input tensors are built by fancy indexing instead of per-token Python loops.
+
+With several KV-cache groups (services/contracts/kv_cache_groups.py) a row has
+one block table per group, all of one length (``num_blocks``): group 0's in
+``block_table``, the others' in ``group_block_tables``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class InputBatch:
         vocab_size: int,
         initial_capacity: int = 64,
         device: torch.device | str = "cpu",
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.device = torch.device(device)
         self.max_model_len = max_model_len
@@ -47,6 +52,11 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(0, dtype=np.int64)
         self.num_computed_tokens = np.zeros(0, dtype=np.int64)
         self.block_table = np.zeros((0, self.max_blocks_per_req), dtype=np.int32)
+        # KV-cache groups 1..'s tables (empty with one group).
+        self.group_block_tables = [
+            np.zeros((0, self.max_blocks_per_req), dtype=np.int32)
+            for _ in range(num_kv_cache_groups - 1)
+        ]
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = []
         # The adapter each row runs with (None: the base model).
@@ -76,6 +86,7 @@ class InputBatch:
         self.num_prompt_tokens = pad(self.num_prompt_tokens)
         self.num_computed_tokens = pad(self.num_computed_tokens)
         self.block_table = pad(self.block_table)
+        self.group_block_tables = [pad(table) for table in self.group_block_tables]
         self.num_blocks = pad(self.num_blocks)
         self.sampling_params.extend([None] * extra)
         self.lora_requests.extend([None] * extra)
@@ -98,6 +109,21 @@ class InputBatch:
             raise ValueError(f"num_computed_tokens={new.num_computed_tokens} out of range")
         validate_sampling_params(new.sampling_params, self.vocab_size)
         self._check_block_ids(new.block_ids, 0)
+        self._check_group_block_ids(new.group_block_ids, len(new.block_ids), 0)
+
+    def _check_group_block_ids(
+        self, group_block_ids: list[list[int]], num_ids: int, num_existing: int
+    ) -> None:
+        """Groups 1..'s ids: one list per group, each as long as group 0's."""
+        if len(group_block_ids) != len(self.group_block_tables):
+            raise ValueError(
+                f"block ids for {len(group_block_ids) + 1} KV-cache groups, the model has "
+                f"{len(self.group_block_tables) + 1}"
+            )
+        for ids in group_block_ids:
+            if len(ids) != num_ids:
+                raise ValueError(f"{len(ids)} block ids in a KV-cache group, group 0 has {num_ids}")
+            self._check_block_ids(ids, num_existing)
 
     def _check_block_ids(self, block_ids: list[int], num_existing: int) -> None:
         if num_existing + len(block_ids) > self.max_blocks_per_req:
@@ -125,6 +151,8 @@ class InputBatch:
         self.num_tokens[row] = num_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table[row, : len(new.block_ids)] = new.block_ids
+        for table, ids in zip(self.group_block_tables, new.group_block_ids, strict=True):
+            table[row, : len(ids)] = ids
         self.num_blocks[row] = len(new.block_ids)
         params = new.sampling_params
         self.sampling_params[row] = params
@@ -145,17 +173,30 @@ class InputBatch:
             )
         return generator
 
-    def update_request(self, req_id: str, new_block_ids: list[int], num_computed: int) -> None:
-        """Apply one step's deltas; raises KeyError/ValueError if they do not fit."""
+    def update_request(
+        self,
+        req_id: str,
+        new_block_ids: list[int],
+        num_computed: int,
+        new_group_block_ids: list[list[int]] | None = None,
+    ) -> None:
+        """Apply one step's deltas (``new_group_block_ids``: groups 1..'s, with
+        several KV-cache groups); raises KeyError/ValueError if they do not fit."""
         row = self.row_of[req_id]
         num_existing = int(self.num_blocks[row])
         self._check_block_ids(new_block_ids, num_existing)
+        group_ids = new_group_block_ids or [[] for _ in self.group_block_tables]
+        if self.group_block_tables:
+            self._check_group_block_ids(group_ids, len(new_block_ids), num_existing)
         if not 0 <= num_computed <= self.num_tokens[row]:
             raise ValueError(
                 f"num_computed_tokens={num_computed} but only {self.num_tokens[row]} tokens known"
             )
-        self.block_table[row, num_existing : num_existing + len(new_block_ids)] = new_block_ids
-        self.num_blocks[row] = num_existing + len(new_block_ids)
+        end = num_existing + len(new_block_ids)
+        self.block_table[row, num_existing:end] = new_block_ids
+        for table, ids in zip(self.group_block_tables, group_ids, strict=True):
+            table[row, num_existing:end] = ids
+        self.num_blocks[row] = end
         self.num_computed_tokens[row] = num_computed
 
     def remove_request(self, req_id: str) -> None:

@@ -1,12 +1,26 @@
-"""The paged KV cache tensors a worker owns (one K and one V tensor per layer)."""
+"""The paged KV cache tensors a worker owns (one K and one V tensor per layer).
+
+With KV-cache groups (services/contracts/kv_cache_groups.py) the layers at
+position j of every group share tensor pair j: a block id belongs to one
+group at a time, so the groups' pages never overlap, and a block of the pool
+costs ``group_size`` layers instead of every layer.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
+from kvmesh.services.contracts.kv_cache_groups import (
+    KVCacheGroup,
+    group_layers,
+    group_size,
+    layer_slots,
+)
 from kvmesh.worker.config import ModelConfig
+from kvmesh.worker.models.declaration import LayerKVSpec
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +59,40 @@ def allocate_kv_caches(
         total_bytes / 2**20,
     )
     return caches
+
+
+def model_kv_cache_groups(
+    specs: Sequence[LayerKVSpec], max_model_len: int
+) -> tuple[KVCacheGroup, ...]:
+    """The model's KV-cache groups from its per-layer spec. A window at least
+    ``max_model_len`` long is full attention (it would never free a block), so
+    such a model keeps one group and its cache exactly as without windows."""
+    return group_layers(
+        [
+            s.sliding_window
+            if s.sliding_window is not None and s.sliding_window < max_model_len
+            else None
+            for s in specs
+        ]
+    )
+
+
+def allocate_group_kv_caches(
+    model_config: ModelConfig,
+    groups: Sequence[KVCacheGroup],
+    num_blocks: int,
+    block_size: int,
+    device: str | torch.device = "cpu",
+    num_kv_heads: int | None = None,
+) -> list[KVCache]:
+    """Per model layer, its (K, V): the tensor pair of its position in its group
+    (one pair per layer when there is one group)."""
+    pairs = allocate_kv_caches(
+        model_config,
+        num_blocks,
+        block_size,
+        device,
+        num_kv_heads=num_kv_heads,
+        num_layers=group_size(groups),
+    )
+    return [pairs[slot] for _, slot in layer_slots(groups, model_config.num_layers)]

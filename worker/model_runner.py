@@ -15,12 +15,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvmesh.kernels.registry import select_attention_backend
+from kvmesh.services.contracts.kv_cache_groups import KVCacheGroup, group_size, layer_slots
 from kvmesh.services.contracts.step import (
     Logprobs,
     ModelRunnerOutput,
@@ -29,13 +31,19 @@ from kvmesh.services.contracts.step import (
 )
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.input_batch import InputBatch
-from kvmesh.worker.kv_cache import allocate_kv_caches
+from kvmesh.worker.kv_cache import (
+    allocate_group_kv_caches,
+    allocate_kv_caches,
+    model_kv_cache_groups,
+)
 from kvmesh.worker.kv_connector import KVConnectorWorker
 from kvmesh.worker.lora.setup import attach_lora_slots
 from kvmesh.worker.lora.slots import LoRASlots
 from kvmesh.worker.lora.step_batch import NO_ADAPTER, LoRABatch, order_by_slot, plan_lora_batch
 from kvmesh.worker.model_loader import load_model
+from kvmesh.worker.models.config_checks import UnsupportedModelError
 from kvmesh.worker.models.decoder import full_plan
+from kvmesh.worker.models.registry import get_model_class
 from kvmesh.worker.parallel.collectives import Collectives
 from kvmesh.worker.parallel.layout import RankLayout
 from kvmesh.worker.parallel.replica_kv_connector import ReplicaKVConnector
@@ -103,7 +111,10 @@ class ModelRunner:
         collectives: Collectives | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        kv_cache_groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
+        """``kv_cache_groups``: the layers' KV-cache groups (default: from the
+        model's per-layer spec, services/contracts/kv_cache_groups.py)."""
         # Decode matmuls are memory-bandwidth bound and torch parallelizes each
         # one across its intra-op threads, so a worker that owns the machine
         # should use every core. torch's own default may count only physical
@@ -124,9 +135,32 @@ class ModelRunner:
         self.collectives = collectives
         self.layout = collectives.layout if collectives is not None else RankLayout()
         self.plan = shard_plan(model_config, self.layout)
-        self.num_kv_blocks = cache_config.resolve_num_kv_blocks(
-            model_config, self.plan.largest_kv_share()
+        self.kv_cache_groups = (
+            tuple(kv_cache_groups)
+            if kv_cache_groups is not None
+            else model_kv_cache_groups(
+                get_model_class(model_config.architecture).kv_cache_spec(model_config),
+                model_config.max_model_len,
+            )
         )
+        multi_group = len(self.kv_cache_groups) > 1
+        if multi_group and self.layout.pp_size > 1:
+            raise UnsupportedModelError(
+                "layers of several KV-cache groups (sliding-window and full attention, "
+                f"{len(self.kv_cache_groups)} groups) under pipeline parallelism are not "
+                "implemented: run this model with --pipeline-parallel-size 1"
+            )
+        # Per layer, its group's index (None: one group, every layer reads one table).
+        self.layer_groups: list[int] | None = (
+            [group for group, _ in layer_slots(self.kv_cache_groups, model_config.num_layers)]
+            if multi_group
+            else None
+        )
+        # A block is one page in each of group_size tensor pairs, not in every layer.
+        kv_share = self.plan.largest_kv_share()
+        if multi_group:
+            kv_share = kv_share // model_config.num_layers * group_size(self.kv_cache_groups)
+        self.num_kv_blocks = cache_config.resolve_num_kv_blocks(model_config, kv_share)
         self.model = (
             load_model(
                 model_config,
@@ -152,13 +186,24 @@ class ModelRunner:
             else None
         )
         self.backend = select_attention_backend(self.device, attention_backend)
-        self.kv_caches = allocate_kv_caches(
-            model_config,
-            self.num_kv_blocks,
-            cache_config.block_size,
-            self.device,
-            num_kv_heads=len(self.plan.heads.kv_heads),
-            num_layers=len(self.plan.layers),
+        self.kv_caches = (
+            allocate_group_kv_caches(
+                model_config,
+                self.kv_cache_groups,
+                self.num_kv_blocks,
+                cache_config.block_size,
+                self.device,
+                num_kv_heads=len(self.plan.heads.kv_heads),
+            )
+            if multi_group
+            else allocate_kv_caches(
+                model_config,
+                self.num_kv_blocks,
+                cache_config.block_size,
+                self.device,
+                num_kv_heads=len(self.plan.heads.kv_heads),
+                num_layers=len(self.plan.layers),
+            )
         )
         self.input_batch = InputBatch(
             model_config.max_model_len,
@@ -166,6 +211,7 @@ class ModelRunner:
             self.num_kv_blocks,
             model_config.vocab_size,
             device=self.device,
+            num_kv_cache_groups=len(self.kv_cache_groups),
         )
         # The C++ ops' argmax where the model runs them (so they are loaded).
         self.sampler = Sampler(native=self.model.uses_native_ops)
@@ -248,15 +294,20 @@ class ModelRunner:
                 errors[new.req_id] = f"invalid request: {exc}"
                 logger.warning("request %s rejected: %s", new.req_id, exc)
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        group_ids = cached.new_group_block_ids or [[]] * len(cached.req_ids)
+        for req_id, new_block_ids, num_computed, new_group_ids in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            group_ids,
+            strict=True,
         ):
             if req_id not in batch:
                 errors[req_id] = "unknown request (never sent as new, or already dropped)"
                 logger.warning("request %s: deltas for a request the worker does not hold", req_id)
                 continue
             try:
-                batch.update_request(req_id, new_block_ids, num_computed)
+                batch.update_request(req_id, new_block_ids, num_computed, new_group_ids)
             except ValueError as exc:
                 errors[req_id] = f"invalid step for request: {exc}"
                 logger.warning("request %s: %s", req_id, exc)
@@ -355,7 +406,13 @@ class ModelRunner:
         if not req_ids:
             return step
         inputs = prepare_step_inputs(
-            self.input_batch, rows, num_scheduled, self.backend, self.device, num_drafts
+            self.input_batch,
+            rows,
+            num_scheduled,
+            self.backend,
+            self.device,
+            num_drafts,
+            self.layer_groups,
         )
         step.req_ids, step.inputs, step.lora = req_ids, inputs, lora
         step.prompt_spans = plan_prompt_logprobs(self.input_batch, req_ids, rows, num_scheduled)
@@ -723,7 +780,7 @@ class ModelRunner:
                 inputs.input_ids,
                 inputs.positions,
                 self.kv_caches,
-                inputs.metadata,
+                inputs.attention_metadata,
                 self.backend,
                 lora=step.lora,
                 output_rows=output_rows,
@@ -752,7 +809,7 @@ class ModelRunner:
             inputs.input_ids,
             inputs.positions,
             self.kv_caches,
-            inputs.metadata,
+            inputs.attention_metadata,
             self.backend,
             hidden=hidden,
             lora=step.lora,

@@ -453,6 +453,8 @@ def build_runner(
         runner="generate",
         weight_bytes=runner.model.resident_weight_bytes(),
         batch_invariant=batch_invariant.enabled(),
+        # The scheduler does its block arithmetic per group (0: full attention).
+        kv_cache_group_windows=[g.sliding_window or 0 for g in runner.kv_cache_groups],
     )
     return runner, info
 
@@ -482,6 +484,14 @@ def attach_kv_connector(
     loop: asyncio.AbstractEventLoop,
 ) -> KVConnectorWorker:
     """Give the runner a connector to ``store`` and publish its layout in ``info``."""
+    windows = [g.sliding_window for g in runner.kv_cache_groups]
+    if windows != [None]:
+        # A block of the store is every layer's page under one id; with
+        # KV-cache groups a request's pages sit under one id per group.
+        raise ValueError(
+            "KV offload and prefill/decode transfer (--kv-offload) do not move sliding-window "
+            f"KV caches yet (this model's KV-cache group windows: {windows}); turn it off"
+        )
     connector = KVConnectorWorker(runner.kv_caches, store, loop)
     # A parallel rank reports a transfer only once every rank has done its shard.
     runner.kv_connector = (

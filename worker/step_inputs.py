@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,14 @@ class StepInputs:
     logits_indices: torch.Tensor  # [sum(num_logits)] int64
     # Per sampling request: 1 + its drafts. None when the step has no drafts.
     num_logits: np.ndarray | None = None
+    # Several KV-cache groups: per model layer, its group's metadata (its
+    # block tables and slots); None with one group (``metadata`` for all).
+    layer_metadata: list[AttentionMetadata] | None = None
+
+    @property
+    def attention_metadata(self) -> AttentionMetadata | list[AttentionMetadata]:
+        """What the model's forward takes: one metadata, or one per layer."""
+        return self.metadata if self.layer_metadata is None else self.layer_metadata
 
 
 def check_schedulable(
@@ -64,11 +73,14 @@ def prepare_step_inputs(
     backend: AttentionBackend,
     device: torch.device,
     num_drafts: np.ndarray | None = None,
+    layer_groups: Sequence[int] | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of ``rows`` (in order) into one batch.
 
     ``num_drafts`` (per request, None when the step has none): the request's
     input ends with that many draft tokens, written after its known tokens.
+    ``layer_groups`` (several KV-cache groups): each layer's group; each group
+    gets metadata of its own block tables and slots, the rest shared.
     """
     num_reqs = len(rows)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -84,8 +96,10 @@ def prepare_step_inputs(
     positions = num_computed[req_of_token] + offset_in_req
     row_of_token = rows[req_of_token]
     input_ids = batch.token_ids[row_of_token, positions]
-    block_ids = batch.block_table[row_of_token, positions // batch.block_size]
-    slot_mapping = block_ids.astype(np.int64) * batch.block_size + positions % batch.block_size
+    block_index = positions // batch.block_size
+    offset_in_block = positions % batch.block_size
+    block_ids = batch.block_table[row_of_token, block_index]
+    slot_mapping = block_ids.astype(np.int64) * batch.block_size + offset_in_block
 
     max_context_len = int(context_lens.max())
     max_blocks = cdiv(max_context_len, batch.block_size)
@@ -108,14 +122,36 @@ def prepare_step_inputs(
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
+    query_start_loc_t = to_device(query_start_loc, torch.int32)
+    context_lens_t = to_device(context_lens, torch.int32)
+    max_query_len = int(num_scheduled.max())
     metadata = backend.build_metadata(
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        context_lens=to_device(context_lens, torch.int32),
+        query_start_loc=query_start_loc_t,
+        context_lens=context_lens_t,
         block_tables=to_device(block_tables, torch.int32),
         slot_mapping=to_device(slot_mapping, torch.int64),
-        max_query_len=int(num_scheduled.max()),
+        max_query_len=max_query_len,
         max_context_len=max_context_len,
     )
+    layer_metadata = None
+    if layer_groups is not None and batch.group_block_tables:
+        group_metadata = [metadata]
+        for table in batch.group_block_tables:
+            group_slots = (
+                table[row_of_token, block_index].astype(np.int64) * batch.block_size
+                + offset_in_block
+            )
+            group_metadata.append(
+                backend.build_metadata(
+                    query_start_loc=query_start_loc_t,
+                    context_lens=context_lens_t,
+                    block_tables=to_device(table[rows, :max_blocks], torch.int32),
+                    slot_mapping=to_device(group_slots, torch.int64),
+                    max_query_len=max_query_len,
+                    max_context_len=max_context_len,
+                )
+            )
+        layer_metadata = [group_metadata[group] for group in layer_groups]
     return StepInputs(
         rows=rows,
         input_ids=to_device(input_ids, torch.int64),
@@ -124,4 +160,5 @@ def prepare_step_inputs(
         sample_mask=sample_mask,
         logits_indices=to_device(logits_indices, torch.int64),
         num_logits=num_logits,
+        layer_metadata=layer_metadata,
     )

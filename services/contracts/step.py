@@ -27,7 +27,9 @@ class NewRequestData:
     # the worker's view of the sequence is prompt + output.
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    # Physical KV block ids, in logical order.
+    # Physical KV block ids, in logical order (KV-cache group 0's with several
+    # groups, services/contracts/kv_cache_groups.py). A sliding-window group's
+    # blocks before its window are the null block (id 0), never read.
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hits).
     num_computed_tokens: int
@@ -36,6 +38,9 @@ class NewRequestData:
     # The request's trace context (services/runtime/tracing.py) when it is traced;
     # empty otherwise. Set by the scheduler service, not its core.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # KV-cache groups 1..'s block ids, each like ``block_ids`` (one entry per
+    # block of the request); empty for a model with one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +52,11 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     # num_computed_tokens before this step, as the scheduler counts them.
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Several KV-cache groups only (empty otherwise): per request, the blocks
+    # appended to groups 1..'s tables this step, as many per group as
+    # ``new_block_ids`` has. Entries that left a window are not updated: the
+    # kernels never read them.
+    new_group_block_ids: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

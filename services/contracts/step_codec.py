@@ -264,6 +264,7 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=lora_request_to_proto(r.lora_request),
                 trace_context=r.trace_context,
+                group_block_ids=[worker_pb2.BlockIds(ids=b) for b in r.group_block_ids],
             )
             for r in out.scheduled_new_reqs
         ],
@@ -271,6 +272,10 @@ def scheduler_output_to_proto(out: SchedulerOutput) -> worker_pb2.StepRequest:
             req_ids=cached.req_ids,
             new_block_ids=[worker_pb2.BlockIds(ids=b) for b in cached.new_block_ids],
             num_computed_tokens=cached.num_computed_tokens,
+            new_group_block_ids=[
+                worker_pb2.GroupBlockIds(groups=[worker_pb2.BlockIds(ids=b) for b in groups])
+                for groups in cached.new_group_block_ids
+            ],
         ),
         scheduled_req_ids=list(out.num_scheduled_tokens.keys()),
         num_scheduled_tokens=list(out.num_scheduled_tokens.values()),
@@ -303,6 +308,7 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=lora_request_from_proto(r.lora_request),
                 trace_context=dict(r.trace_context),
+                group_block_ids=[list(b.ids) for b in r.group_block_ids],
             )
             for r in msg.new_requests
         ],
@@ -310,6 +316,9 @@ def scheduler_output_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
             req_ids=list(cached.req_ids),
             new_block_ids=[list(b.ids) for b in cached.new_block_ids],
             num_computed_tokens=list(cached.num_computed_tokens),
+            new_group_block_ids=[
+                [list(b.ids) for b in groups.groups] for groups in cached.new_group_block_ids
+            ],
         ),
         num_scheduled_tokens=num_scheduled,
         total_num_scheduled_tokens=sum(num_scheduled.values()),

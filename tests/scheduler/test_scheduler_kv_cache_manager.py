@@ -106,9 +106,11 @@ class _RecordingPool:
         self._cache_full_blocks = kv.block_pool.cache_full_blocks
         kv.block_pool.cache_full_blocks = self._record  # type: ignore[method-assign]
 
-    def _record(self, blocks, block_hashes, num_cached_blocks: int, num_full_blocks: int) -> None:
+    def _record(
+        self, blocks, block_hashes, num_cached_blocks: int, num_full_blocks: int, group: int = 0
+    ) -> None:
         self.ranges.append((num_cached_blocks, num_full_blocks))
-        self._cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
+        self._cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, group)
 
 
 def test_cache_full_blocks_registers_only_newly_full_blocks() -> None:

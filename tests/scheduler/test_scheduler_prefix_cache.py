@@ -148,12 +148,12 @@ def test_a_hit_on_a_free_block_takes_it_off_the_free_queue() -> None:
     assert num_hit_tokens == 8
     assert kv.allocate_slots(req, 1, hits) is not None
     assert kv.block_pool.get_num_free_blocks() == 1
-    assert [b.ref_cnt for b in hits] == [1, 1]
+    assert [b.ref_cnt for b in hits[0]] == [1, 1]
     # The remaining free block is handed out; the hit blocks stay cached.
     other = make_request(4, prompt_token_ids=[50, 51, 52, 53])
     assert kv.allocate_slots(other, 4) is not None
     assert kv.allocate_slots(make_request(1), 1) is None
-    assert all(b.block_hash is not None for b in hits)
+    assert all(b.block_hash is not None for b in hits[0])
     kv.check_integrity()
 
 

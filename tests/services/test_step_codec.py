@@ -139,6 +139,28 @@ def test_scheduler_output_round_trip() -> None:
     assert scheduler_output_from_proto(scheduler_output_to_proto(out)) == out
 
 
+def test_kv_cache_group_block_ids_round_trip() -> None:
+    """Several KV-cache groups: groups 1..'s ids travel with each request."""
+    out = SchedulerOutput(
+        step_id=7,
+        scheduled_new_reqs=[
+            NewRequestData(
+                "a", [1] * 9, [], SamplingParams(), [4, 5, 6], 0, group_block_ids=[[0, 8, 9]]
+            ),
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["c", "d"],
+            new_block_ids=[[], [17]],
+            num_computed_tokens=[12, 31],
+            new_group_block_ids=[[[]], [[21]]],
+        ),
+        num_scheduled_tokens={"a": 9, "c": 1, "d": 1},
+        total_num_scheduled_tokens=11,
+        finished_req_ids=set(),
+    )
+    assert scheduler_output_from_proto(scheduler_output_to_proto(out)) == out
+
+
 def test_drafts_and_lora_round_trip() -> None:
     """Drafts travel parallel to scheduled_req_ids (empty rows for requests
     without any); a LoRA request survives the trip and None stays the base model."""

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvmesh.engine import InProcessEngine
+from kvmesh.services.contracts.kv_cache_groups import group_layers
 from kvmesh.services.contracts.lora_request import LoRARequest
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
@@ -66,6 +67,9 @@ class RunSpec:
     # (rank, adapter folder): that rank cannot read that adapter, as if its
     # machine lacked the path (the others can).
     lora_unreadable: tuple[tuple[int, str], ...] = ()
+    # Per layer, the window its KV-cache group is formed by (None: the model's
+    # own grouping); the real scheduler then drives every rank's groups.
+    kv_cache_windows: tuple[int | None, ...] | None = None
 
 
 @dataclass
@@ -118,6 +122,9 @@ def build_runner(spec: RunSpec, collectives: Collectives | None) -> ModelRunner:
         collectives=collectives,
         max_loras=spec.max_loras,
         max_lora_rank=8,
+        kv_cache_groups=(
+            None if spec.kv_cache_windows is None else group_layers(spec.kv_cache_windows)
+        ),
     )
     if spec.dense:
         runner.model.pack_weights(use_onednn=False, use_native=False)
@@ -171,7 +178,7 @@ def drive(runner, spec: RunSpec) -> Result:
 def _rank_main(layout: RankLayout, address: str, spec: RunSpec, results) -> None:
     collectives = Collectives(layout, address, timeout_s=60, device=torch.device("cpu"))
     try:
-        lead = drive_scheduler if spec.micro_batches or spec.speculative else drive
+        lead = _lead(spec)
         runner = build_runner(spec, collectives)
         unreadable = [folder for rank, folder in spec.lora_unreadable if rank == layout.rank]
         if unreadable:
@@ -189,6 +196,12 @@ def run_replica(tp_size: int, pp_size: int, spec: RunSpec, timeout_s: float = 24
     return run_local_replica(_rank_main, tp_size, pp_size, (spec,), timeout_s)
 
 
+def _lead(spec: RunSpec) -> Any:
+    """The real scheduler where the step needs it (micro-batches, drafts, KV-cache
+    groups), else the plain driver."""
+    needs_scheduler = spec.micro_batches or spec.speculative or spec.kv_cache_windows
+    return drive_scheduler if needs_scheduler else drive
+
+
 def run_single(spec: RunSpec) -> Any:
-    lead = drive_scheduler if spec.micro_batches or spec.speculative else drive
-    return lead(build_runner(spec, None), spec)
+    return _lead(spec)(build_runner(spec, None), spec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -612,7 +612,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | Sequence[AttentionMetadata],
         backend: AttentionBackend,
         hidden: torch.Tensor | None = None,
         lora: LoRABatch | None = None,
@@ -633,13 +633,16 @@ class DecoderForCausalLM(nn.Module):
         rotaries = self.rotaries
         tables = [rotary.tables(positions) for rotary in rotaries]
         last = len(self.layers) - 1
+        # One metadata for every layer, or (several KV-cache groups) one per
+        # layer: its group's block tables and slots.
+        per_layer = None if isinstance(metadata, AttentionMetadata) else metadata
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(
                 hidden,
                 rotaries[layer.rope_index],
                 tables[layer.rope_index],
                 kv_cache,
-                metadata,
+                metadata if per_layer is None else per_layer[index],
                 backend,
                 lora,
                 output_rows if index == last else None,

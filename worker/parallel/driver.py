@@ -104,6 +104,7 @@ class BroadcastingRunner:
         self.cache_config = runner.cache_config
         self.model_config = runner.model_config
         self.num_kv_blocks = runner.num_kv_blocks
+        self.kv_cache_groups = runner.kv_cache_groups
         self.lora_slots = runner.lora_slots
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
