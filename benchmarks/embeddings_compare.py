@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.pooling_bench import run_sentence_transformers
 from kvmesh.services.cli.local_stack import LocalStack, free_ports
+from kvmesh.services.runtime.config import environment_without_options
 from tests.encoder_checkpoints import build_embedding_model
 
 REQUEST_INPUTS = 16
@@ -130,7 +131,11 @@ def vllm_available(python: str) -> bool:
 def run_vllm(python: str, folder: Path, prompts: list[list[int]], log: Path) -> float:
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env = {
+        **environment_without_options(),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
     with log.open("w") as out:
         server = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),

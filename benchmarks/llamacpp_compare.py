@@ -85,15 +85,19 @@ def cache_dir() -> Path:
 
 
 def index_url() -> str:
-    """The package index pip would ask (``PIP_INDEX_URL``, pip's config, else PyPI)."""
-    if url := os.environ.get("PIP_INDEX_URL"):
-        return url
+    """The package index pip would ask: ``pip config list`` shows both pip's files and
+    its ``PIP_*`` environment (``:env:.index-url``, which wins); else PyPI."""
     found = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     )
-    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else PYPI
+    values: dict[str, str] = {}
+    for line in found.stdout.splitlines():
+        key, _, value = line.partition("=")
+        values[key.strip()] = value.strip().strip("'\"")
+    for key in (":env:.index-url", "global.index-url", "install.index-url"):
+        if values.get(key):
+            return values[key]
+    return PYPI
 
 
 def fetch_sdist(requirement: str, folder: Path) -> Path:

@@ -32,9 +32,9 @@ from kvmesh.llm_pooling import PoolingMethods, build_pooling_engine
 from kvmesh.outputs import CompletionOutput, RequestOutput
 from kvmesh.pooling_engine import PoolingEngine
 from kvmesh.sampling_params import SamplingParams, as_list
-from kvmesh.services.cli.model_prep import resolve_model_path
 from kvmesh.services.contracts.finish_reason import FinishReason
 from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.gguf_config import prepare_model_folder
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.registry import check_model
 from kvmesh.worker.pooling_runner import checkpoint_architecture
@@ -86,7 +86,7 @@ class LLM(PoolingMethods):
         convert: str = "auto",
         hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
-        folder = resolve_model_path(str(model) if model is not None else "")
+        folder = prepare_model_folder(str(model) if model is not None else "")
         choice = choose_runner(
             checkpoint_architecture(folder),
             runner,

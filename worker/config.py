@@ -171,6 +171,13 @@ class ModelConfig:
         if (gguf_file is not None or quantization) and device != "cpu":
             raise ValueError("GGUF files and --quantization run on CPU only")
         config_file = folder / "config.json"
+        if not config_file.is_file() and gguf_file is not None:
+            # Writing it needs the families, which import this module: the caller
+            # prepares the folder (worker/gguf_config.prepare_model_folder).
+            raise FileNotFoundError(
+                f"{gguf_file}: its config.json is not written yet; load it through "
+                "kvmesh.worker.gguf_config.prepare_model_folder"
+            )
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {folder}")
         hf_config: dict[str, Any] = json.loads(config_file.read_text())

@@ -15,12 +15,15 @@ dimension, a scaling type other than linear or YaRN).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 
+from kvmesh.services.cli.model_prep import gguf_weights_file, resolve_model_path
 from kvmesh.worker.models.config_checks import UnsupportedModelError
 from kvmesh.worker.models.declaration import GGUFLayout
 from kvmesh.worker.models.registry import gguf_model_class
@@ -157,3 +160,30 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
     if layout.config_hook is not None:
         layout.config_hook(meta, shapes, hf)
     return hf
+
+
+def write_gguf_config(gguf_path: Path, out_dir: Path) -> None:
+    """``out_dir/config.json``: the checkpoint config ``gguf_path``'s metadata stands
+    for (atomic: services starting together may both write it, with the same bytes).
+    An architecture no family reads is refused here, by name with the supported list."""
+    hf_config = gguf_hf_config(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f"config.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
+    tmp.replace(out_dir / "config.json")
+
+
+def ensure_gguf_config(folder: Path) -> Path:
+    """``folder`` (from resolve_model_path) with its config.json written if it stands
+    for a GGUF file; a checkpoint folder is returned as it is."""
+    gguf_file = gguf_weights_file(folder)
+    if gguf_file is not None and not (folder / "config.json").is_file():
+        write_gguf_config(gguf_file, folder)
+    return folder
+
+
+def prepare_model_folder(model: str) -> Path:
+    """The folder a worker (or the in-process engine) loads ``model`` from: the
+    services' resolution (a folder, a GGUF file's tokenizer folder, or the prepared
+    default) plus a GGUF file's config.json, which only the worker can write."""
+    return ensure_gguf_config(resolve_model_path(model))

@@ -32,7 +32,6 @@ from kvmesh.kernels import batch_invariant
 from kvmesh.kvstore.client import KVStoreClient
 from kvmesh.kvstore.layout import KVLayout
 from kvmesh.protos import worker_pb2, worker_pb2_grpc
-from kvmesh.services.cli.model_prep import resolve_model_path
 from kvmesh.services.contracts.errors import InvalidRequestError, UnavailableError
 from kvmesh.services.contracts.step import ModelRunnerOutput, SchedulerOutput
 from kvmesh.services.contracts.step_codec import (
@@ -48,6 +47,7 @@ from kvmesh.services.runtime.grpc_server import GrpcService
 from kvmesh.services.runtime.metrics import start_metrics_server
 from kvmesh.services.runtime.tracing import start_tracing
 from kvmesh.worker.config import CacheConfig, ModelConfig
+from kvmesh.worker.gguf_config import prepare_model_folder
 from kvmesh.worker.kv_connector import KVBlockStore, KVConnectorWorker
 from kvmesh.worker.kv_layout import worker_kv_layout
 from kvmesh.worker.kvstore_blocks import KVStoreBlocks
@@ -392,7 +392,7 @@ def build_pooling_runner(
 def build_runner(
     config: WorkerConfig, collectives: Collectives | None = None
 ) -> tuple[ModelRunner | PoolingRunner, worker_pb2.WorkerInfo]:
-    path = resolve_model_path(config.model)
+    path = prepare_model_folder(config.model)
     if is_pooling_checkpoint(path):
         choose_runner(
             checkpoint_architecture(path), config.runner, config.convert, config.hf_overrides

@@ -137,28 +137,33 @@ def _gguf_folder(gguf_path: Path) -> Path:
     return MODEL_CACHE.get() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
-def write_gguf_config(gguf_path: Path, out_dir: Path) -> None:
-    """``out_dir`` names ``gguf_path`` (GGUF_MARKER) and holds the config.json
-    its metadata stands for, as the family that reads it declares the keys
-    (worker/gguf_config.py): an architecture no family reads is refused here,
-    by name with the supported list, before anything else starts."""
+_GGUF_TOKEN_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+
+def _write_generation_config(gguf_path: Path, out_dir: Path) -> None:
+    """generation_config.json from the file's special token ids (generic
+    tokenizer.ggml.* keys: no family needed). The config.json, whose keys each
+    family declares, is the worker's to write (worker/gguf_config.py)."""
+    from gguf import GGUFReader
     from transformers import GenerationConfig
 
-    from kvmesh.worker.gguf_config import gguf_hf_config
-
-    hf_config = gguf_hf_config(gguf_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    ids = {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    fields = GGUFReader(str(gguf_path)).fields
+    ids = {
+        name: int(fields[key].contents()) if key in fields else None
+        for key, name in _GGUF_TOKEN_IDS.items()
+    }
     GenerationConfig(**ids).save_pretrained(out_dir)
-    marker = {"gguf_file": str(gguf_path.resolve())}
-    (out_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
 
 
 def prepare_gguf_folder(gguf_path: Path) -> Path:
-    """The config/tokenizer folder of a GGUF file, written once (idempotent and
-    safe when several services start at once: each writes its own temporary
-    folder, the first rename wins)."""
+    """The tokenizer folder of a GGUF file, written once (idempotent and safe when
+    several services start at once: each writes its own temporary folder, the
+    first rename wins). Its config.json is written by the worker
+    (worker/gguf_config.ensure_gguf_config), which knows the families."""
     out_dir = _gguf_folder(gguf_path)
     if (out_dir / GGUF_MARKER).is_file():
         return out_dir
@@ -167,7 +172,8 @@ def prepare_gguf_folder(gguf_path: Path) -> Path:
     logger.info("reading config and tokenizer of %s into %s", gguf_path, out_dir)
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    write_gguf_config(gguf_path, tmp_dir)  # refuses an architecture no family reads
+    tmp_dir.mkdir(parents=True)
+    _write_generation_config(gguf_path, tmp_dir)
     source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source)
@@ -178,6 +184,8 @@ def prepare_gguf_folder(gguf_path: Path) -> Path:
         logger.info("%s: %s; building the tokenizer from its metadata", gguf_path.name, error)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(**source)
     tokenizer.save_pretrained(tmp_dir)
+    marker = {"gguf_file": str(gguf_path.resolve())}
+    (tmp_dir / GGUF_MARKER).write_text(json.dumps(marker) + "\n")
     try:
         tmp_dir.rename(out_dir)
     except OSError:  # another service finished first: its folder is the same

@@ -25,9 +25,9 @@ import torch
 from gguf import GGUFWriter
 from transformers import AutoTokenizer
 
-from kvmesh.services.cli.model_prep import _installed_gguf, write_gguf_config
+from kvmesh.services.cli.model_prep import GGUF_MARKER, _installed_gguf
 from kvmesh.worker.config import CacheConfig, ModelConfig
-from kvmesh.worker.gguf_config import gguf_hf_config
+from kvmesh.worker.gguf_config import gguf_hf_config, prepare_model_folder, write_gguf_config
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.config_checks import UnsupportedModelError
 from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
@@ -76,6 +76,7 @@ def _named(gguf: Path, folder: Path) -> Path:
     """A folder serving ``gguf`` with the config its metadata gives (no tokenizer:
     these checkpoints' ids are synthetic)."""
     write_gguf_config(gguf, folder)
+    (folder / GGUF_MARKER).write_text(json.dumps({"gguf_file": str(gguf.resolve())}))
     return folder
 
 
@@ -188,7 +189,9 @@ def test_a_granite_gguf_file_serves_from_its_path_alone(
     checkpoint = tmp_path / "checkpoint"
     make_family_checkpoint(checkpoint, architecture, **SIZES)
     files = write_family_gguf(checkpoint, tmp_path / "gguf", "Q8_0", tokenizer=fields)
-    config = ModelConfig.from_pretrained(files.gguf, max_model_len=256)
+    with pytest.raises(FileNotFoundError, match="prepare_model_folder"):
+        ModelConfig.from_pretrained(files.gguf, max_model_len=256)  # the worker writes it
+    config = ModelConfig.from_pretrained(prepare_model_folder(str(files.gguf)), max_model_len=256)
     assert config.architecture == architecture
     assert config.gguf_file == str(files.gguf.resolve())
     assert config.eos_token_ids == (2,)  # the tokenizer's <|im_end|>, from the metadata
