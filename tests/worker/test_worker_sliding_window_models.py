@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.worker.config import ModelConfig
+from kvmesh.services.contracts.kv_cache_groups import KVCacheGroup
+from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.declaration import LayerKVSpec
 from kvmesh.worker.models.features import Features
@@ -26,7 +27,7 @@ from kvmesh.worker.models.registry import check_model, get_model_class
 
 from .conftest import hf_greedy_tokens
 from .model_families import make_family_checkpoint
-from .test_worker_model_families import NEW_TOKENS, PROMPTS, _greedy, _runner
+from .test_worker_model_families import BLOCK, NEW_TOKENS, PROMPTS, _greedy
 from .test_worker_model_loader import _hf_logits, _our_logits
 
 WINDOW = 16
@@ -40,6 +41,20 @@ CHECKPOINTS = {
     },
     "Gemma3ForCausalLM": {"sliding_window": WINDOW},
 }
+
+
+def _runner_one_table(folder: Path) -> ModelRunner:
+    """Every layer in one KV-cache group (one block table per request, nothing freed):
+    these tests drive the runner directly, one table per request, and check the
+    attention itself; the per-group tables and freed blocks are
+    tests/worker/test_worker_kv_cache_groups.py's."""
+    config = ModelConfig.from_pretrained(folder)
+    return ModelRunner(
+        config,
+        CacheConfig(block_size=BLOCK, num_kv_blocks=128),
+        num_threads=1,
+        kv_cache_groups=(KVCacheGroup(None, tuple(range(config.num_layers))),),
+    )
 
 
 def _top5(logits: torch.Tensor) -> set[int]:
@@ -116,7 +131,7 @@ def test_windowed_family_matches_transformers(
     # each continuation varies.
     assert all(len(set(tokens)) > 1 for tokens in expected), expected
     assert all(len(p) > 2 * WINDOW for p in PROMPTS[::2])
-    runner = _runner(folder)
+    runner = _runner_one_table(folder)
     assert _failures(hf_model, runner, expected) == []
 
 
@@ -134,7 +149,7 @@ def test_ignoring_the_window_fails_parity(
         return [dataclasses.replace(s, sliding_window=None) for s in specs(config)]
 
     monkeypatch.setattr(model_class, "kv_cache_spec", staticmethod(without_window))
-    assert _failures(hf_model, _runner(folder), expected) != []
+    assert _failures(hf_model, _runner_one_table(folder), expected) != []
 
 
 def test_ignoring_gemma2_attention_softcap_fails_parity(
@@ -151,7 +166,7 @@ def test_ignoring_gemma2_attention_softcap_fails_parity(
         return dataclasses.replace(features(config), attn_logit_softcap=None)
 
     monkeypatch.setattr(model_class, "family_features", staticmethod(without_cap))
-    assert _failures(hf_model, _runner(folder), expected) != []
+    assert _failures(hf_model, _runner_one_table(folder), expected) != []
 
 
 def test_window_logits_match_transformers_at_every_position(
@@ -161,5 +176,8 @@ def test_window_logits_match_transformers_at_every_position(
     _, folder, hf_model, _ = windowed
     prompt = PROMPTS[0]
     torch.testing.assert_close(
-        _our_logits(_runner(folder), prompt), _hf_logits(hf_model, prompt), rtol=1e-4, atol=1e-4
+        _our_logits(_runner_one_table(folder), prompt),
+        _hf_logits(hf_model, prompt),
+        rtol=1e-4,
+        atol=1e-4,
     )
