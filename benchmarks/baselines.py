@@ -41,8 +41,8 @@ from kvmesh.services.cli.bench.metrics import compute_metrics  # noqa: E402
 from kvmesh.services.cli.bench.runner import LoadConfig, run_load  # noqa: E402
 from kvmesh.services.cli.bench.sampling import GREEDY, SamplingSetting  # noqa: E402
 from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
-from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
 from kvmesh.services.contracts.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.services.runtime.model_prep import default_model_path  # noqa: E402
 
 
 @dataclass

@@ -34,8 +34,8 @@ from pathlib import Path
 from kvmesh import engine as inprocess_engine
 from kvmesh.engine import GenerationResult, InProcessEngine
 from kvmesh.kernels import batch_invariant
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.worker.dense_checkpoint import make_dense
 
 

@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 
 from benchmarks.quant_accuracy import FIXED_TEXT, make_runner
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner
 from tests.worker.kquant_files import MIXES, write_mix

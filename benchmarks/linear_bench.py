@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvmesh.worker.models.linear as linear_module
 from kvmesh.kernels import native
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.model_loader import load_model
 from kvmesh.worker.models.linear import PackedLinear

@@ -16,7 +16,7 @@ The file is the default model's GGUF in ``--mix`` made by llama.cpp's own
 ``convert_hf_to_gguf.py`` and ``llama-quantize`` (``llamacpp_gguf``: the files
 of tests/worker/kquant_files.py lack the metadata and tokenizer that
 llama-server needs) unless ``--gguf``/``--folder`` name another (a folder naming the file for
-kvmesh, services/cli/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
+kvmesh, services/runtime/model_prep.GGUF_MARKER). llama-server runs with ``--parallel``
 = the largest concurrency (continuous batching over that many slots) and all
 cores; kvmesh is ``kvmesh up --model FOLDER``. Each workload is
 INPUTxOUTPUTxPROMPTS of random token ids, greedy, ``ignore_eos``, through
@@ -61,9 +61,9 @@ from benchmarks.vllm_compare import (  # noqa: E402
     kvmesh_server,
     measure,
 )
-from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path  # noqa: E402
 from kvmesh.services.runtime.config.process import MODEL_CACHE  # noqa: E402
 from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
+from kvmesh.services.runtime.model_prep import GGUF_MARKER, default_model_path  # noqa: E402
 from kvmesh.worker.config import ModelConfig  # noqa: E402
 
 # The files compared: llama-quantize's own mixes (any of its type names works).

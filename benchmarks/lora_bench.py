@@ -33,10 +33,10 @@ import torch
 from safetensors.torch import save_file
 
 from kvmesh.engine import InProcessEngine
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.lora_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_id
 from kvmesh.services.contracts.lora_request import LoRARequest
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 

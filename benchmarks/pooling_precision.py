@@ -22,10 +22,10 @@ import torch
 
 from benchmarks.embeddings_compare import log_uniform_prompts
 from kvmesh.kernels import native
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.pooling_params import PoolingParams
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.contracts.step import NewRequestData, SchedulerOutput
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.pooling_runner import PoolingRunner
 from tests.encoder_checkpoints import build_embedding_model

@@ -30,7 +30,7 @@ from tests.worker.quant_accuracy import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmesh.services.cli.model_prep import _find_gguf, default_model_path
+    from kvmesh.services.runtime.model_prep import _find_gguf, default_model_path
     from tests.e2e import hf_oracle
     from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS
 

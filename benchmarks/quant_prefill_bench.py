@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmesh.kernels import native
-from kvmesh.services.cli.model_prep import _find_gguf, default_model_path
+from kvmesh.services.runtime.model_prep import _find_gguf, default_model_path
 from kvmesh.worker.config import ModelConfig
 from kvmesh.worker.dtype_choice import CpuFeatures
 from kvmesh.worker.model_loader import load_model

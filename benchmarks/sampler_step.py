@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from benchmarks.engine_bench import CONTEXT_LEN, runner_decode_rate
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.sampler import SamplerOutput

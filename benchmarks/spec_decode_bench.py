@@ -259,8 +259,8 @@ def measure_inprocess(
 
     from tokenizers import Tokenizer
 
-    from kvmesh.services.cli.model_prep import default_model_path
     from kvmesh.services.contracts.sampling_params import SamplingParams
+    from kvmesh.services.runtime.model_prep import default_model_path
     from kvmesh.worker.config import CacheConfig, ModelConfig
     from kvmesh.worker.model_runner import ModelRunner
 

@@ -25,8 +25,8 @@ import time
 import torch
 
 from kvmesh.engine import InProcessEngine
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner

@@ -63,9 +63,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.baselines import HttpRun, http_run, load_average, make_prompts  # noqa: E402
 from kvmesh.services.cli.bench.sampling import SAMPLING_SETTINGS, SamplingSetting  # noqa: E402
 from kvmesh.services.cli.local_stack import LocalStack  # noqa: E402
-from kvmesh.services.cli.model_prep import default_model_path  # noqa: E402
 from kvmesh.services.runtime.config import environment_without_options  # noqa: E402
 from kvmesh.services.runtime.cpu_features import CpuFeatures  # noqa: E402
+from kvmesh.services.runtime.model_prep import default_model_path  # noqa: E402
 from kvmesh.worker.config import ModelConfig  # noqa: E402
 
 VLLM_LAUNCHER = REPO_ROOT / "benchmarks" / "vllm_cpu_launcher.py"

@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO_ROOT))
-        from kvmesh.services.cli.model_prep import default_model_path
+        from kvmesh.services.runtime.model_prep import default_model_path
 
         args.model = default_model_path()
     if args.child == "kvmesh":

@@ -11,11 +11,11 @@ from kvmesh.detokenizer.request_tracing import DetokenizerRequestTraces
 from kvmesh.detokenizer.service import DetokenizerEngine, DetokenizerServicer
 from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
 from kvmesh.protos import detokenizer_pb2, detokenizer_pb2_grpc
-from kvmesh.services.cli.model_prep import resolve_model_path
 from kvmesh.services.runtime.config import DetokenizerConfig
 from kvmesh.services.runtime.grpc_security import InternalSecurity
 from kvmesh.services.runtime.grpc_server import GrpcService
 from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.model_prep import resolve_model_path
 from kvmesh.services.runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)

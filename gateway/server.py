@@ -26,12 +26,12 @@ from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tracing import TRACED_PUBLIC_METHODS, TRACED_SCHEDULER_METHODS
 from kvmesh.kvstore.client import KVStoreClient
 from kvmesh.protos import generation_pb2, generation_pb2_grpc
-from kvmesh.services.cli.model_prep import resolve_model_path
 from kvmesh.services.contracts.replica_set import ReplicaAddress
 from kvmesh.services.runtime.config import GatewayConfig
 from kvmesh.services.runtime.grpc_security import InternalSecurity, PublicTLS
 from kvmesh.services.runtime.grpc_server import GrpcService
 from kvmesh.services.runtime.metrics import start_metrics_server
+from kvmesh.services.runtime.model_prep import resolve_model_path
 from kvmesh.services.runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)

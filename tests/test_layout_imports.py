@@ -106,3 +106,17 @@ def test_the_graph_reader_sees_type_checking_and_function_level_imports(tmp_path
         ("pkg.c", "pkg.a"),
     }
     assert circles(found) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_nothing_below_the_program_top_imports_it(edges: list[Edge]) -> None:
+    """services/cli is the program's top (the command, launcher, load generator): a
+    service or the ground floor importing it would make the top a dependency."""
+    top = ("kvmesh.services.cli", "kvmesh.__main__")
+    below = [
+        e
+        for e in edges
+        if e.target.startswith("kvmesh.services.cli")
+        and not e.source.startswith(top)
+        and package_of(e.source) not in ("tests", "benchmarks")
+    ]
+    assert _unexcused(below) == []

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.services.cli.model_prep import gguf_weights_file, resolve_model_path
 from kvmesh.services.runtime.config import DEFAULT_MAX_MODEL_LEN, DTYPES, QUANTIZATIONS
+from kvmesh.services.runtime.model_prep import gguf_weights_file, resolve_model_path
 from kvmesh.worker.dtype_choice import choose_dtype
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class ModelConfig:
         quantization: str | None = None,
     ) -> ModelConfig:
         """Read ``path/config.json`` (``path`` may be a ``.gguf`` file: its config
-        and tokenizer folder, services/cli/model_prep.py, and its weights).
+        and tokenizer folder, services/runtime/model_prep.py, and its weights).
 
         ``dtype`` "auto" picks by the hardware (worker/dtype_choice.py); None
         means float32 on CPU (the exact-match reference path tests and

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 
-from kvmesh.services.cli.model_prep import gguf_weights_file, resolve_model_path
+from kvmesh.services.runtime.model_prep import gguf_weights_file, resolve_model_path
 from kvmesh.worker.models.config_checks import UnsupportedModelError
 from kvmesh.worker.models.declaration import GGUFLayout
 from kvmesh.worker.models.registry import gguf_model_class

@@ -1,2 +1,2 @@
-"""The program's top: the ``kvmesh`` command, the launcher of ``kvmesh up``, model
-preparation, and the ``kvmesh bench`` load generator (``services/cli/bench/``)."""
+"""The program's top: the ``kvmesh`` command, the launcher of ``kvmesh up``, and the
+``kvmesh bench`` load generator (``services/cli/bench/``). Nothing below imports it."""

@@ -159,7 +159,7 @@ def stack_configs(args: argparse.Namespace, replica_set_file: str = "") -> dict[
         local["num_threads"] = max(1, (os.cpu_count() or 2) // num_workers)
     if not configs["worker"].model:
         # Prepare the default model once here, not racing in three services.
-        from kvmesh.services.cli.model_prep import prepare_default_model
+        from kvmesh.services.runtime.model_prep import prepare_default_model
 
         local["model"] = str(prepare_default_model())
     configs = {

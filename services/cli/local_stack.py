@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from kvmesh.services.runtime.config import (
     environment_without_options,
 )
 from kvmesh.services.runtime.grpc_security import InternalSecurity
+from kvmesh.services.runtime.ports import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,17 +44,6 @@ PORT_NAMES = (
     "prefill_scheduler_port",
     "prefill_scheduler_metrics_port",
 )
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class LocalStack:

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args.service, args)
     if args.command == "prepare-model":
-        from kvmesh.services.cli.model_prep import prepare_default_model
+        from kvmesh.services.runtime.model_prep import prepare_default_model
 
         print(prepare_default_model())
         return 0

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.services.cli.bench.dataset import BenchTokenizer
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.bench.fake_openai_server import FakeOpenAIServer
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.services.cli.bench.cli import build_parser, main, sampling_setting
 from kvmesh.services.cli.bench.dataset import BenchTokenizer
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.bench.fake_openai_server import MODEL_ID, PROMPT_TOKENS, FakeOpenAIServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -122,7 +122,7 @@ def test_default_model_is_prepared_where_the_services_look(
         i
         for i, stage in enumerate(stages)
         if any(
-            "-m kvmesh.services.cli.model_prep" in r["value"]
+            "-m kvmesh.services.runtime.model_prep" in r["value"]
             for r in stage
             if r["instruction"] == "RUN"
         )

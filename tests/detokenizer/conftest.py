@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ it; every bare `--flag` must be some `kvmesh` command's (or, for the few named
 in OTHER_TOOLS_FLAGS, its owner's); every `make X` must be a Makefile target;
 every relative link must reach a file and, with `#anchor`, a heading in it;
 every repository path named in code (`worker/models/__init__.py`, or a module's
-symbol, `services/cli/model_prep.resolve_model_path`) must exist, which keeps the
+symbol, `services/runtime/model_prep.resolve_model_path`) must exist, which keeps the
 "Adding ..." checklists of docs/architecture.md true as files move.
 """
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.services.cli.local_stack import LocalStack
-from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
 
 STARTUP_TIMEOUT_S = 300
 

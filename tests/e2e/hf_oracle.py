@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 
 
 @functools.cache

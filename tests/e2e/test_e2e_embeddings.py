@@ -152,7 +152,7 @@ def decoder_embedder(tmp_path_factory: pytest.TempPathFactory):
     served as an embedding model by --runner pooling, as Qwen3-Embedding is."""
     import shutil
 
-    from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+    from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
     from tests.worker.model_families import make_family_checkpoint
 
     source = default_model_path()

@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from kvmesh.services.cli.local_stack import LocalStack
-from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
 from tests.e2e.conftest import STARTUP_TIMEOUT_S
 from tests.family_templates import FAMILY_TEMPLATES, LLAMA3_JSON, QWEN3
 from tests.worker.conftest import make_tiny_checkpoint

@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvmesh.services.cli.local_stack import REPO_ROOT, LocalStack
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 
 pytestmark = pytest.mark.e2e
 

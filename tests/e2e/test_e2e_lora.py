@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvmesh.services.cli.local_stack import LocalStack
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.e2e import hf_oracle
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.e2e.test_e2e_greedy_matches_hf import PROMPTS

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvmesh.services.cli.local_stack import LocalStack
-from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
 from tests.e2e.conftest import STARTUP_TIMEOUT_S, stop_stack
 from tests.worker.conftest import hf_greedy_tokens
 from tests.worker.model_families import make_family_checkpoint

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvmesh.protos import generation_pb2, generation_pb2_grpc
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner

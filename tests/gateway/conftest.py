@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvmesh.gateway.engine.client import ModelInfo
 from kvmesh.gateway.openai.app import build_app
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME
 

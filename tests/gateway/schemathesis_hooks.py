@@ -29,8 +29,8 @@ from kvmesh.gateway.responses.conversation import chat_request
 from kvmesh.gateway.responses.protocol import ResponsesRequest
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tool_calling.plan import plan_tools
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.errors import KvmeshError
+from kvmesh.services.runtime.model_prep import default_model_path
 
 _TOKENIZER = Tokenizer.from_pretrained(default_model_path())
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

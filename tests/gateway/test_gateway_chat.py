@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN, MODEL_NAME, parse_sse
 

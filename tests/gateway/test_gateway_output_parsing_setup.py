@@ -10,10 +10,10 @@ from kvmesh.gateway.openai.output_parsing import resolve_output_parsing, templat
 from kvmesh.gateway.reasoning import REASONING_PARSERS
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS, detect_tool_parser
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.runtime.config import GatewayConfig
 from kvmesh.services.runtime.config.choices import REASONING_PARSERS as REASONING_CHOICES
 from kvmesh.services.runtime.config.choices import TOOL_CALL_PARSERS as TOOL_CHOICES
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.family_templates import FAMILY_TEMPLATES
 
 

@@ -17,7 +17,7 @@ from kvmesh.gateway.openai.output_parsing import OutputParsing
 from kvmesh.gateway.reasoning import REASONING_PARSERS
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tool_calling.registry import TOOL_PARSERS
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.family_templates import QWEN3
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from kvmesh.gateway.openai.app import build_app
 from kvmesh.gateway.tokenizer import ChatTemplateError, Tokenizer, _tokenizer_class
 from kvmesh.services.cli.local_stack import REPO_ROOT
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL_NAME
 
@@ -134,7 +134,7 @@ def test_the_gateway_never_imports_torch() -> None:
         "import sys\n"
         "import kvmesh.gateway.server\n"
         "from kvmesh.gateway.tokenizer import Tokenizer\n"
-        "from kvmesh.services.cli.model_prep import default_model_path\n"
+        "from kvmesh.services.runtime.model_prep import default_model_path\n"
         "Tokenizer.from_pretrained(default_model_path()).apply_chat_template(\n"
         "    [{'role': 'user', 'content': 'hi'}])\n"
         "assert 'torch' not in sys.modules, 'the gateway imported torch'\n"

@@ -9,11 +9,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.cli.model_prep import default_model_path
 from kvmesh.services.contracts.step_codec import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.sampling_metadata import validate_sampling_params
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MAX_MODEL_LEN

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvmesh
-from kvmesh.services.cli.model_prep import default_model_path, is_prepared
+from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
 from tests.e2e import hf_oracle
 
 pytestmark = pytest.mark.model

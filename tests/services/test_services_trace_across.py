@@ -29,13 +29,13 @@ from kvmesh.protos import scheduler_pb2
 from kvmesh.scheduler.metrics import SchedulerMetrics
 from kvmesh.scheduler.server import serve as serve_scheduler
 from kvmesh.services.cli.local_stack import free_ports
-from kvmesh.services.cli.model_prep import default_model_path, is_prepared
 from kvmesh.services.runtime.config import (
     DetokenizerConfig,
     GatewayConfig,
     SchedulerServiceConfig,
     WorkerConfig,
 )
+from kvmesh.services.runtime.model_prep import default_model_path, is_prepared
 from kvmesh.worker.server import serve as serve_worker
 
 pytestmark = pytest.mark.model

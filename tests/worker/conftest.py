@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.services.cli.model_prep import default_model_path
+from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
 

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from kvmesh.services.cli.model_prep import GGUF_MARKER
+from kvmesh.services.runtime.model_prep import GGUF_MARKER
 from kvmesh.worker.models.registry import get_model_class
 
 Q8_0, Q4_0, Q4_1, F32, F16 = (

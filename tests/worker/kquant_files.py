@@ -15,7 +15,7 @@ Llama):
   576-wide rows: every projection but ffn_down);
 * norms F32; q and k rows permuted as convert_hf_to_gguf.py does.
 
-The folder next to each file names it (services/cli/model_prep.GGUF_MARKER) and
+The folder next to each file names it (services/runtime/model_prep.GGUF_MARKER) and
 holds the checkpoint's config and tokenizer, so kvmesh serves it like any
 GGUF; ``reference`` is a float32 checkpoint of exactly the weights the
 ``gguf`` package dequantizes from the file (the accuracy oracle). Files live in
@@ -39,8 +39,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
 from kvmesh.kernels.ggml_quantize import quantize
-from kvmesh.services.cli.model_prep import GGUF_MARKER, default_model_path
 from kvmesh.services.runtime.config.process import MODEL_CACHE
+from kvmesh.services.runtime.model_prep import GGUF_MARKER, default_model_path
 from kvmesh.worker.models.llama import LLAMA_GGUF
 
 Q = GGMLQuantizationType

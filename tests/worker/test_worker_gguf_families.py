@@ -25,7 +25,7 @@ import torch
 from gguf import GGUFWriter
 from transformers import AutoTokenizer
 
-from kvmesh.services.cli.model_prep import GGUF_MARKER, _installed_gguf
+from kvmesh.services.runtime.model_prep import GGUF_MARKER, _installed_gguf
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.gguf_config import gguf_hf_config, prepare_model_folder, write_gguf_config
 from kvmesh.worker.model_runner import ModelRunner

@@ -15,7 +15,7 @@ import torch
 
 from kvmesh.detokenizer.tokenizer_loader import load_tokenizer
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.cli.model_prep import _installed_gguf, resolve_model_path
+from kvmesh.services.runtime.model_prep import _installed_gguf, resolve_model_path
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.linear import MAX_CODES_ONLY_KERNEL_ROWS
 from tests.e2e.test_e2e_greedy_matches_hf import MAX_TOKENS, PROMPTS

@@ -11,7 +11,7 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-from kvmesh.services.cli.local_stack import free_ports
+from kvmesh.services.runtime.ports import free_ports
 from kvmesh.worker.parallel.layout import RankLayout
 
 # Ranks fork from a server process that imported these once, instead of each

@@ -161,7 +161,7 @@ def sampling_setting(args: argparse.Namespace) -> SamplingSetting:
 async def _run(args: argparse.Namespace) -> int:
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:
-        from kvmesh.services.cli.model_prep import default_model_path
+        from kvmesh.services.runtime.model_prep import default_model_path
 
         tokenizer_path = default_model_path()
     dataset = RandomDatasetConfig(
