@@ -142,8 +142,11 @@ def _responses_rules_hold(body: dict[str, Any], served: _Served) -> bool:
     """/v1/responses: tool_choice other than none needs tools and a named one is one of them
     (a forced call overrides text.format, so the two do not clash); the input holds more
     than reasoning items; and the prompt fits. ``store`` false is left out: such a
-    response is not kept, which the OpenAPI link from POST to GET / DELETE cannot say."""
-    if body.get("store") is False:
+    response is not kept, which the OpenAPI link from POST to GET / DELETE cannot say.
+    ``stream`` true is left out for the same link: it reads the id from a JSON body,
+    and a streamed response's id travels in its first event (the streamed events have
+    their own tests, tests/gateway/test_gateway_responses_events.py)."""
+    if body.get("store") is False or body.get("stream"):
         return False
     choice = body.get("tool_choice")
     if choice not in (None, "none"):
