@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.services.contracts.sampling_params import DetokenizeParams
+from kvmesh.services.contracts.sampling_params import TOP_N_SIGMA_MAX, DetokenizeParams
 from kvmesh.services.contracts.sampling_params import SamplingParams as EngineSamplingParams
 
 # The gateway's limit for `n` (OpenAI's 128).
@@ -68,8 +68,8 @@ class SamplingParams:
         _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
-            0 <= self.top_n_sigma < float("inf"),
-            f"top_n_sigma must be finite and >= 0, got {self.top_n_sigma}",
+            0 <= self.top_n_sigma <= TOP_N_SIGMA_MAX,
+            f"top_n_sigma must be in [0, {TOP_N_SIGMA_MAX:g}], got {self.top_n_sigma}",
         )
         _check(
             -2 <= self.presence_penalty <= 2,

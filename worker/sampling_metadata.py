@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvmesh.services.contracts.sampling_params import SamplingParams
+from kvmesh.services.contracts.sampling_params import TOP_N_SIGMA_MAX, SamplingParams
 
 
 def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
@@ -27,8 +27,10 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {params.top_k}")
     if not 0.0 <= params.min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if not 0.0 <= params.top_n_sigma < float("inf"):
-        raise ValueError(f"top_n_sigma must be finite and >= 0, got {params.top_n_sigma}")
+    if not 0.0 <= params.top_n_sigma <= TOP_N_SIGMA_MAX:
+        raise ValueError(
+            f"top_n_sigma must be in [0, {TOP_N_SIGMA_MAX:g}], got {params.top_n_sigma}"
+        )
     if params.repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.min_tokens < 0:

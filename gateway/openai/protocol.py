@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
+from kvmesh.services.contracts.sampling_params import TOP_N_SIGMA_MAX
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # Seeds are int64, up to the largest one a JSON double holds exactly: a client
 # (or a test generator) that passes numbers through floats stays in range.
@@ -162,7 +164,7 @@ class _SamplingFields(_Request):
         default=None, description="0 or -1 disables top-k."
     )
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_n_sigma: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = Field(
+    top_n_sigma: Annotated[float, Field(ge=0.0, le=TOP_N_SIGMA_MAX)] | None = Field(
         default=None,
         description="Top-n-sigma (llama.cpp's top_n_sigma): keep tokens whose logit is at least "
         "the top logit minus top_n_sigma standard deviations of the logits. 0 or unset: off.",

@@ -15,6 +15,9 @@ from kvmesh.services.contracts.pooling_params import PoolingParams
 
 # Below this temperature sampling is greedy (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+# The largest top_n_sigma accepted: past it every finite logit is kept anyway, and it
+# must stay finite as the float32 it travels as.
+TOP_N_SIGMA_MAX = 1e4
 
 
 StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]

@@ -38,6 +38,7 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"top_k": -2}, "top_k"),
     (COMPLETIONS, {"min_p": 1.5}, "min_p"),
     (COMPLETIONS, {"top_n_sigma": -0.5}, "top_n_sigma"),
+    (COMPLETIONS, {"top_n_sigma": 2.3e182}, "top_n_sigma"),  # inf as float32
     (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty"),
     (COMPLETIONS, {"frequency_penalty": -2.5}, "frequency_penalty"),
     (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty"),
