@@ -90,6 +90,16 @@ def family_config(architecture: str, **overrides: Any) -> Any:
         return transformers.MixtralConfig(
             **{"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None, **common}
         )
+    if architecture == "SmolLM3ForCausalLM":
+        # Four layers, so that the default interval (llama.cpp's fixed 4, which
+        # the GGUF tests need) makes the last one a NoPE layer.
+        return transformers.SmolLM3Config(
+            **{
+                "rope_parameters": {"rope_theta": 10_000.0},
+                **common,
+                "num_hidden_layers": overrides.get("num_hidden_layers", 4),
+            }
+        )
     raise ValueError(architecture)
 
 

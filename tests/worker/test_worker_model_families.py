@@ -37,6 +37,7 @@ FAMILIES = [
     "GraniteForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "SmolLM3ForCausalLM",
 ]
 NEW_TOKENS = 24
 BLOCK = 4
@@ -107,6 +108,7 @@ MUTATIONS = {
     "GraniteForCausalLM": {"residual_multiplier": 1.0},
     "Qwen3MoeForCausalLM": {"moe_renormalize": False},  # norm_topk_prob ignored
     "MixtralForCausalLM": {"moe_top_k": 1},
+    "SmolLM3ForCausalLM": {"layer_nope": None},  # the NoPE layer rotated
 }
 
 
@@ -255,6 +257,7 @@ def test_short_windows_and_attention_softcap_are_served(tmp_path: Path) -> None:
         "GraniteForCausalLM",
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
+        "SmolLM3ForCausalLM",
     ],
 )
 def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) -> None:
@@ -272,6 +275,7 @@ def test_family_at_tp2_matches_one_process(tmp_path: Path, architecture: str) ->
         ("Phi3ForCausalLM", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
         ("Qwen3ForCausalLM", "all-linear"),
         ("Gemma3ForCausalLM", ("q_proj", "v_proj", "down_proj")),
+        ("SmolLM3ForCausalLM", ("q_proj", "k_proj", "o_proj", "up_proj")),
     ],
 )
 def test_family_lora_equals_transformers_peft(

@@ -228,6 +228,7 @@ class DecoderLayer(nn.Module):
         rope_index: int = 0,
         all_reduce: AllReduce = _identity,
         sliding_window: int | None = None,
+        rotate: bool = True,
     ) -> None:
         super().__init__()
         dtype = config.dtype
@@ -245,6 +246,8 @@ class DecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         self.declaration = declaration
         self.rope_index = rope_index
+        # False: a NoPE layer (Features.layer_nope), whose q/k are not rotated.
+        self.rotate = rotate
         # This layer's attention options (its KV-cache spec's window, the
         # family's score soft-cap), passed to the backend with every call.
         self.sliding_window = sliding_window
@@ -430,7 +433,8 @@ class DecoderLayer(nn.Module):
             )
         # Query and key heads rotate together: one set of elementwise ops per
         # layer instead of two (the same float ops, so the same results).
-        query_key = rotary.rotate(query_key, *rotary_tables)
+        if self.rotate:
+            query_key = rotary.rotate(query_key, *rotary_tables)
         query = query_key[:, : self.num_heads]
         key = query_key[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(
@@ -528,6 +532,7 @@ class DecoderForCausalLM(nn.Module):
         self.features = features = self.family_features(config)
         ropes = features.ropes or (RopeSpec(config.rope_theta, config.rope_scaling),)
         layer_rope = features.layer_rope or (0,) * config.num_layers
+        layer_nope = features.layer_nope or (False,) * config.num_layers
         specs = self.kv_cache_spec(config)
         self.layers = nn.ModuleList(
             DecoderLayer(
@@ -538,6 +543,7 @@ class DecoderForCausalLM(nn.Module):
                 layer_rope[i],
                 all_reduce,
                 specs[i].sliding_window,
+                rotate=not layer_nope[i],
             )
             for i in plan.layers
         )

@@ -54,6 +54,10 @@ class Features:
     # The rotary tables, and which one each layer uses (None: table 0 everywhere).
     ropes: tuple[RopeSpec, ...] = ()
     layer_rope: tuple[int, ...] | None = None
+    # Per layer, whether it skips the rotation altogether (SmolLM3's NoPE
+    # layers: position reaches them only through the causal mask); None:
+    # every layer rotates.
+    layer_nope: tuple[bool, ...] | None = None
 
     @property
     def llama_mlp(self) -> bool:

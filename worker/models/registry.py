@@ -17,6 +17,7 @@ from kvmesh.worker.models.olmo2 import Olmo2ForCausalLM
 from kvmesh.worker.models.phi3 import Phi3ForCausalLM
 from kvmesh.worker.models.qwen3 import Qwen3ForCausalLM
 from kvmesh.worker.models.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from kvmesh.worker.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
