@@ -6,7 +6,7 @@ kvmesh's declarations: tensor names come from the ``gguf`` package's own map
 (``gguf.get_tensor_name_map``, which the converter uses), metadata through the
 ``GGUFWriter.add_*`` calls the converter makes per architecture, and the
 converter's quirks are written out here: q/k rows permuted for its
-LlamaModel-based classes (Llama, Mistral, Mixtral, Granite), ``w + 1`` for
+LlamaModel-based classes (Llama, Mistral, Mixtral, Granite, SmolLM3), ``w + 1`` for
 Gemma's norms, experts stacked into ``ffn_*_exps`` [experts, rows, cols],
 Phi-3's fused tensors kept, the router and the norms in F32.
 
@@ -69,6 +69,7 @@ CONVERTERS: dict[str, Converter] = {
     "Phi3ForCausalLM": Converter(MODEL_ARCH.PHI3),
     "Olmo2ForCausalLM": Converter(MODEL_ARCH.OLMO2),
     "GraniteForCausalLM": Converter(MODEL_ARCH.GRANITE, permute_qk=True),
+    "SmolLM3ForCausalLM": Converter(MODEL_ARCH.SMOLLM3, permute_qk=True),
 }
 
 

@@ -50,6 +50,7 @@ FAMILIES = [
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
 ]
 # Rows of 256 weights: K-quant super-blocks fit the hidden and MLP widths.
 SIZES = {"hidden_size": 256, "intermediate_size": 256}

@@ -246,6 +246,78 @@ def test_short_windows_and_attention_softcap_are_served(tmp_path: Path) -> None:
         check_model(ModelConfig.from_pretrained(tmp_path, max_model_len=256))
 
 
+def _smollm3_config(folder: Path, drop: tuple[str, ...] = (), **fields: object) -> ModelConfig:
+    """A SmolLM3 config.json as transformers writes it (no weights: only the
+    config is read), less the fields ``drop`` names (older writers' files)."""
+    import transformers
+
+    from .model_families import family_config
+
+    hf = family_config("SmolLM3ForCausalLM", **fields).to_dict()
+    hf["architectures"] = ["SmolLM3ForCausalLM"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k not in drop}))
+    assert transformers.SmolLM3Config.from_pretrained(folder).num_hidden_layers == 4
+    return ModelConfig.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("fields", "drop"),
+    [
+        ({}, ()),
+        ({"no_rope_layer_interval": 2}, ("no_rope_layers", "layer_types")),
+        ({"no_rope_layers": [0, 1, 0, 1]}, ()),
+        ({"use_sliding_window": True, "sliding_window": 8}, ()),
+        ({"use_sliding_window": True, "sliding_window": 8}, ("layer_types",)),
+        ({"use_sliding_window": True, "sliding_window": 8, "no_rope_layer_interval": 2}, ()),
+    ],
+)
+def test_smollm3_nope_and_windowed_layers_are_transformers(
+    tmp_path: Path, fields: dict, drop: tuple[str, ...]
+) -> None:
+    """Which layers skip the rotation and which attend over a window, read from
+    config.json (or derived where it lacks the lists, as transformers derives
+    them), equal transformers' own layers' ``use_rope`` and ``sliding_window``."""
+    import transformers
+
+    config = _smollm3_config(tmp_path, drop, **fields)
+    model_class = check_model(config)
+    theirs = transformers.SmolLM3Model(transformers.SmolLM3Config.from_pretrained(tmp_path))
+    attention = [layer.self_attn for layer in theirs.layers]
+    nope = model_class.family_features(config).layer_nope
+    assert nope == tuple(not a.use_rope for a in attention)
+    assert any(nope)
+    windows = [s.sliding_window for s in model_class.kv_cache_spec(config)]
+    assert windows == [a.sliding_window for a in attention]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"no_rope_layers": [1, 0]}, r"no_rope_layers=\[1, 0\] .* 4 or more flags"),
+        ({"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers=.* each 0 or 1"),
+        ({"layer_types": ["full_attention"] * 3 + ["chunked_attention"]}, "layer_types="),
+        (
+            {"layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+            "without use_sliding_window=true",
+        ),
+        ({"attention_bias": True}, "attention_bias=True"),
+    ],
+    ids=["short-no_rope_layers", "flag-2", "chunked", "window-unset", "attention_bias"],
+)
+def test_smollm3_fields_it_does_not_implement_are_refused(
+    tmp_path: Path, fields: dict, message: str
+) -> None:
+    """A layer list shorter than the model, an attention type kvmesh lacks, and
+    sliding layers whose attention depends on transformers' implementation."""
+    config = _smollm3_config(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **fields}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_model(ModelConfig.from_pretrained(tmp_path))
+    assert check_model(config) is get_model_class("SmolLM3ForCausalLM")
+
+
 @pytest.mark.parametrize(
     "architecture",
     [

@@ -1,7 +1,8 @@
 """Sliding windows and attention soft-capping against transformers float32.
 
 Mistral (every layer over its window), Gemma 2 (alternating windowed layers,
-attention-score soft-cap) and Gemma 3 (local/global layers), on tiny random
+attention-score soft-cap), Gemma 3 (local/global layers) and SmolLM3 (its
+NoPE layers windowed, with ``use_sliding_window``), on tiny random
 checkpoints whose window (16 tokens) is far shorter than the prompts (70 and
 45 tokens, prefilled in 16-token chunks, one with a prefix-cache hit) and
 the 24 generated tokens. Compared as vLLM's model tests compare (greedy
@@ -40,6 +41,8 @@ CHECKPOINTS = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
     },
     "Gemma3ForCausalLM": {"sliding_window": WINDOW},
+    # Its one NoPE layer (of four) windowed, as transformers derives layer_types.
+    "SmolLM3ForCausalLM": {"use_sliding_window": True, "sliding_window": WINDOW},
 }
 
 
