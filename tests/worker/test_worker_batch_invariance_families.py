@@ -4,10 +4,11 @@ Every family of tests/worker/model_families.py but Llama (the default model's
 family, tests/worker/test_worker_batch_invariance.py): Qwen3 (per-head q/k
 norms), Gemma 3 and 2 (offset norms, GELU, embedding scale, logit soft-cap,
 per-layer rope), Qwen3-MoE and Mixtral (a router and experts grouped per
-step), Phi-3, OLMo 2 (norms after attention and MLP) and Granite
-(multipliers): one target prompt runs alone, then inside batches of 1-64 others,
-chunked at several budgets, after a prefix-cache hit, after a kvstore load
-and after a preemption (tests/worker/batch_invariance.py); in the mode every
+step), Phi-3, OLMo 2 (norms after attention and MLP), Granite
+(multipliers) and SmolLM3 (a NoPE layer: q/k unrotated, strided views of the
+q/k/v projection): one target prompt runs alone, then inside batches of 1-64
+others, chunked at several budgets, after a prefix-cache hit, after a kvstore
+load and after a preemption (tests/worker/batch_invariance.py); in the mode every
 logits row it samples from equals the lone run's in every bit.
 
 bfloat16 runs here whatever the CPU: on one without AVX512-BF16 or AMX (this
@@ -51,6 +52,7 @@ FAMILIES = (
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
     "MixtralForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 SCENARIOS = (
     Scenario("batch of 2", others=1),

@@ -19,15 +19,16 @@ from kvmesh.worker.models.llama import GGUF_NORM_NAMES, GGUF_SPLIT_NAMES, llama_
 SLIDING = "sliding_attention"
 _LAYER_TYPES = ("full_attention", SLIDING)
 # llama.cpp's "smollm3": the converter's LlamaModel (q/k rows permuted), and no
-# NoPE metadata: its graph hard-codes a NoPE layer every 4th layer
-# (n_no_rope_layer_step = 4 in llama-model.cpp), as SmolLM3-3B's config says.
+# NoPE or window metadata: its graph hard-codes a NoPE layer every 4th layer
+# (n_no_rope_layer_step = 4, as SmolLM3-3B's config says) and attends over
+# every token (src/models/smollm3.cpp), which is what a file of it is served as.
 SMOLLM3_GGUF = GGUFLayout(
     architecture="smollm3",
     hf_architecture="SmolLM3ForCausalLM",
     model_type="smollm3",
     layer_names={**GGUF_NORM_NAMES, **GGUF_SPLIT_NAMES},
     permuted_qk=True,
-    config_fixed={"no_rope_layer_interval": 4},
+    config_fixed={"no_rope_layer_interval": 4, "use_sliding_window": False},
 )
 
 
