@@ -10,9 +10,9 @@ block reaches them, by which protocol they also follow:
   drops its copy once memory holds the block again (``discard``), so memory
   and it together hold each block once and local capacity counts distinct
   blocks. Its own evictions are dropped.
-- ``SharedTier`` (Redis): every block committed in memory is written to it
-  (``write_through``) and a hit is copied up, never moved: other kvstores
-  read the same copy.
+- ``SharedTier`` (the shared filesystem, Redis): every block committed in
+  memory is written to it (``write_through``) and a hit is copied up, never
+  moved: other kvstores read the same copy.
 
 Adding a tier: implement ``Tier`` plus one of the two, give it a unique
 ``name`` (the ``tier`` label of the kvstore metrics), and pass it to
@@ -46,7 +46,7 @@ class Tier(Protocol):
 
     @property
     def name(self) -> str:
-        """Unique in a store: "memory", "disk", "redis"."""
+        """Unique in a store: "memory", "disk", "shared_fs", "redis"."""
         ...
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
