@@ -17,8 +17,6 @@ from kvmesh.kvstore.disk_spill import DiskSpillTier
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.layout import KVLayout
 from kvmesh.kvstore.put_stream import PutStream
-from kvmesh.kvstore.shared_fs_files import SharedFsUnusable
-from kvmesh.kvstore.shared_fs_tier import SharedFsTier
 from kvmesh.kvstore.tiered import LowerTier, StoreStats, TieredStore
 from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
 from kvmesh.services.contracts.errors import InvalidRequestError
@@ -145,6 +143,10 @@ def build_store(config: KVStoreConfig) -> TieredStore:
     if config.kvstore_disk_path:
         lower.append(DiskSpillTier(DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)))
     if config.kvstore_shared_fs_path:
+        # Imported here, as redis is below: numpy (the sweep's sort) only when configured.
+        from kvmesh.kvstore.shared_fs_files import SharedFsUnusable
+        from kvmesh.kvstore.shared_fs_tier import SharedFsTier
+
         try:
             shared_fs = SharedFsTier.from_path(
                 config.kvstore_shared_fs_path, config.kvstore_shared_fs_bytes
