@@ -42,7 +42,9 @@ class TierStats:
 
 @runtime_checkable
 class Tier(Protocol):
-    """One level of the store. Called from one asyncio loop."""
+    """One level of the store. Called from one asyncio loop: blocking I/O goes to a
+    thread of the tier's own. Keys are a layout namespace plus a block hash
+    (kvstore/layout.py); a tier that names its copies keeps the whole key in the name."""
 
     @property
     def name(self) -> str:
@@ -65,7 +67,8 @@ class Tier(Protocol):
     def snapshot(self) -> TierStats: ...
 
     async def refresh(self) -> None:
-        """Update numbers that need I/O to read."""
+        """Update numbers that need I/O to read. The server calls it every second
+        (kvstore/server.py): start longer work (a listing) here, do not await it."""
         ...
 
     async def flush(self) -> None:
