@@ -238,14 +238,14 @@ class SharedFsFiles:
                 mtimes.append(stat.st_mtime)
                 sizes.append(stat.st_size)
             elif entry.name.endswith(TMP_SUFFIX):
-                if started - stat.st_mtime > STALE_TMP_S and _unlink(entry.path):
-                    stale += 1
+                if started - stat.st_mtime > STALE_TMP_S:
+                    stale += _unlink(entry.path)
                 else:
                     tmp_bytes += stat.st_size  # a write under way takes room too
         if stop.is_set():
             return SweepResult(len(sizes), sum(sizes) + tmp_bytes, 0, stale, complete=False)
         total = sum(sizes) + tmp_bytes
-        if total <= capacity_bytes:
+        if total <= capacity_bytes or not sizes:  # under the bound, or nothing to evict
             return SweepResult(len(sizes), total, 0, stale)
         cutoff = _lru_cutoff(
             np.frombuffer(mtimes, dtype=np.float64),
@@ -263,7 +263,8 @@ class SharedFsFiles:
             total += stat.st_size
             if entry.name.endswith(BLOCK_SUFFIX):
                 num_blocks += 1
-                if stat.st_mtime <= cutoff:  # touched since the first listing: spared
+                # A file read since the first listing is newer than the cutoff: spared.
+                if stat.st_mtime <= cutoff:
                     candidates.append((stat.st_mtime, stat.st_size, entry.path))
         if stop.is_set():
             return SweepResult(num_blocks, total, 0, stale, complete=False)

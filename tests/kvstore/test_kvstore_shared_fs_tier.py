@@ -191,6 +191,8 @@ def test_stale_temporary_files_of_dead_writers_are_swept(tmp_path: Path) -> None
     result = files.sweep(capacity_bytes=10 * RECORD, low_bytes=5 * RECORD)
     assert result.stale_tmp_removed == 1 and not dead.exists() and live.exists()
     assert result.num_blocks == 1 and result.bytes_used == RECORD + len(b"being written")
+    files.delete(key(1))  # over the bound with nothing but a write under way: nothing to do
+    assert files.sweep(capacity_bytes=1, low_bytes=1).num_blocks == 0 and live.exists()
 
 
 def test_concurrent_evictors_share_the_work_without_errors(
