@@ -99,6 +99,7 @@ class SharedFsTier:
         self._sweep_interval_s = sweep_interval_s
         self._touch_after_s = touch_after_s
         self._clock = clock
+        self._io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-shared-fs")
         self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="kvstore-shared-fs-sweep")
         self._closing = threading.Event()
@@ -177,17 +178,24 @@ class SharedFsTier:
     # -- reads -----------------------------------------------------------------
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key's file exists (or its write is under way), in one thread call."""
+        """Whether each key's file exists (or its write is under way): one stat per key,
+        split over the I/O threads (each an NFS round trip)."""
         asked = [key for key in keys if key not in self._writing]
         if not asked:
             return [True] * len(keys)
         files = self.files
+
+        def exist(part: list[bytes]) -> dict[bytes, bool]:
+            return {key: files.exists(key) for key in part}
+
+        parts = [asked[i :: self._io_threads] for i in range(min(self._io_threads, len(asked)))]
+        found: dict[bytes, bool] = {}
         try:
-            found = await self._on(self._io, lambda: {k: files.exists(k) for k in asked})
+            for answers in await asyncio.gather(*(self._on(self._io, exist, p) for p in parts)):
+                found.update(answers)
         except OSError as e:
             self._read_errors += 1
             self._failed("looking up blocks", e)
-            found = {}
         return [key in self._writing or found.get(key, False) for key in keys]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:

@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvmesh.kvstore import shared_fs_files
 from kvmesh.kvstore.block import RECORD_HEADER_BYTES, PutOutcome, StoredBlock, crc32
 from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.metrics import StoreCollector
 from kvmesh.kvstore.server import build_store
 from kvmesh.kvstore.shared_fs_files import VERSION_DIR, SharedFsFiles, SharedFsUnusable
 from kvmesh.kvstore.shared_fs_tier import SharedFsTier
@@ -115,6 +117,12 @@ async def test_corrupt_file_is_dropped_and_counted_never_served(tmp_path: Path, 
     assert blocks == [None] and not path.exists()
     stats = reader.stats()
     assert {t.tier: t.corrupt_blocks for t in stats.tiers}["shared_fs"] == 1 and stats.misses == 1
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(stats))
+    corrupt = registry.get_sample_value(
+        "kvmesh:kvstore_corrupt_blocks_total", {"source": "shared_fs"}
+    )
+    assert corrupt == 1
     await writer.close()
     await reader.close()
 
