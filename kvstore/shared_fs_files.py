@@ -18,8 +18,8 @@ Layout under the configured directory (a volume several kvstores mount):
   entries (slow to look up and to list, on NFS above all).
 - ``<block hash>.blk``: one record, header (size, CRC-32) then the bytes.
 
-Writes: a temporary file in the same directory (``.<hash>.<host>.<pid>.<n>.tmp``, a
-name no other writer uses), renamed over the final name. A rename inside one
+Writes: a temporary file in the same directory (``.<hash>.<host>.<pid>.<random>.<n>.tmp``,
+a name no other writer uses), renamed over the final name. A rename inside one
 directory is atomic on local filesystems and on NFS, and NFS's close-to-open
 consistency flushes the data to the server at the writer's close, before the rename
 publishes it: a reader on any host opens a whole record or nothing. No fsync: a file
@@ -57,6 +57,7 @@ import errno
 import itertools
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -133,7 +134,9 @@ class SharedFsFiles:
             self.base.mkdir(exist_ok=True)
         except OSError as e:
             raise SharedFsUnusable(f"cannot create {self.base}: {e.strerror or e}") from e
-        self._writer = f"{socket.gethostname()}.{os.getpid()}"
+        # Host and pid name the writer for a person; the random part keeps two writers
+        # apart where both repeat (containers sharing a host name, pid 1 in each).
+        self._writer = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
         self._tmp_ids = itertools.count()
         self._made_dirs: set[Path] = set()
         self._probe()

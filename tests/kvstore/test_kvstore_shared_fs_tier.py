@@ -4,7 +4,6 @@ a byte bound kept by LRU sweeps that may run concurrently, refusals at start-up.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from pathlib import Path
 
@@ -276,17 +275,24 @@ def test_concurrent_evictors_on_threads(tmp_path: Path) -> None:
     assert survivors == list(range(40 - len(survivors), 40)) and 0 < len(survivors) <= 20
 
 
-def test_start_up_refuses_an_unusable_directory(tmp_path: Path) -> None:
+def test_start_up_refuses_an_unusable_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(SharedFsUnusable, match="mount the shared volume there first"):
         SharedFsFiles(tmp_path / "not-mounted")
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SharedFsUnusable, match="not a directory"):
         SharedFsFiles(tmp_path / "a-file")
-    # A probe that cannot be renamed into place: refused now, not once per block.
-    probe = tmp_path / VERSION_DIR / f".probe.{socket.gethostname()}.{os.getpid()}"
-    probe.mkdir(parents=True)
-    with pytest.raises(SharedFsUnusable, match="not writable"):
+
+    # A volume that refuses the probe's rename: refused now, not once per block.
+    def refuse(src: object, dst: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(shared_fs_files.os, "replace", refuse)
+    with pytest.raises(SharedFsUnusable, match=r"not writable by uid .*Permission denied"):
         SharedFsFiles(tmp_path)
+    monkeypatch.undo()
+    assert not [p for p in (tmp_path / VERSION_DIR).iterdir()]  # no probe left behind
     config = KVStoreConfig(kvstore_shared_fs_path=str(tmp_path / "not-mounted"))
     with pytest.raises(ValueError, match=r"--kvstore-shared-fs-path: .* not a directory"):
         build_store(config)
