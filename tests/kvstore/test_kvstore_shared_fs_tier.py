@@ -12,12 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from kvmesh.kvstore import shared_fs_files
 from kvmesh.kvstore.block import RECORD_HEADER_BYTES, PutOutcome, StoredBlock, crc32
+from kvmesh.kvstore.client import KVStoreClient
 from kvmesh.kvstore.layout import KVLayout
 from kvmesh.kvstore.metrics import StoreCollector
 from kvmesh.kvstore.server import build_store
 from kvmesh.kvstore.shared_fs_files import VERSION_DIR, SharedFsFiles, SharedFsUnusable
 from kvmesh.kvstore.shared_fs_tier import SharedFsTier
-from kvmesh.kvstore.testing import FakeClock, put_block
+from kvmesh.kvstore.testing import FakeClock, put_block, serve_store
 from kvmesh.kvstore.testing import numbered_payload as data
 from kvmesh.kvstore.tiered import TieredStore
 from kvmesh.services.runtime.config import KVStoreConfig
@@ -309,3 +310,28 @@ def test_config_refuses_a_disk_tier_overlapping_the_shared_directory(
         )
     with pytest.raises(ValueError):
         KVStoreConfig(kvstore_shared_fs_path=str(tmp_path), kvstore_shared_fs_bytes=0)
+
+
+async def test_two_kvstore_services_share_blocks_through_the_directory(tmp_path: Path) -> None:
+    """As deployed: two kvstores built from their flags, over gRPC; one replica's worker
+    saves a prefix to its kvstore, another replica's scheduler finds it in the other."""
+    config = KVStoreConfig(kvstore_shared_fs_path=str(tmp_path))
+    first, second = build_store(config), build_store(config)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    payloads = [os.urandom(3000) for _ in hashes]
+    async with (
+        serve_store(first) as first_address,
+        serve_store(second) as second_address,
+        KVStoreClient(first_address, timeout_s=10) as saver,
+        KVStoreClient(second_address, timeout_s=10) as loader,
+    ):
+        stored = await saver.put_blocks(LAYOUT, list(zip(hashes, payloads, strict=True)))
+        assert stored == [PutOutcome.STORED] * 3
+        await first.flush()
+        assert await loader.lookup_prefix([LAYOUT], [*hashes, b"x" * 32]) == 3
+        assert await loader.lookup_prefix([OTHER_MODEL], hashes) == 0
+        assert (await loader.get_blocks(LAYOUT, hashes)).blocks == payloads
+    hits = {t.tier: t.hits for t in second.stats().tiers}
+    assert hits == {"memory": 0, "shared_fs": 3}
+    await first.close()
+    await second.close()
