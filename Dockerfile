@@ -61,10 +61,13 @@ RUN python -m kvmesh.services.runtime.model_prep \
 # -------------------------------------------------------------- runtime stage
 FROM python:3.11-slim AS runtime
 
-# A numeric user, so that Kubernetes' runAsNonRoot can verify it.
+# A numeric user, so that Kubernetes' runAsNonRoot can verify it. The kvstore's
+# shared-filesystem tier mounts a volume at /var/lib/kvmesh/kv-shared (the compose
+# file's kv-shared): a new named volume takes this directory's owner.
 RUN groupadd --system --gid 10001 kvmesh \
     && useradd --system --uid 10001 --gid kvmesh --create-home \
-        --home-dir /home/kvmesh --shell /usr/sbin/nologin kvmesh
+        --home-dir /home/kvmesh --shell /usr/sbin/nologin kvmesh \
+    && install -d -o 10001 -g 10001 /var/lib/kvmesh/kv-shared
 
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -137,10 +137,23 @@ def stats_to_proto(stats: StoreStats) -> kvstore_pb2.KVStoreStats:
 
 
 def build_store(config: KVStoreConfig) -> TieredStore:
-    """Memory, then disk (memory's evictions), then Redis (shared), each if configured."""
+    """Memory, then disk (memory's evictions), then the shared filesystem, then Redis (both
+    shared), each if configured: cheapest first. ValueError if a tier cannot start."""
     lower: list[LowerTier] = []
     if config.kvstore_disk_path:
         lower.append(DiskSpillTier(DiskTier(config.kvstore_disk_path, config.kvstore_disk_bytes)))
+    if config.kvstore_shared_fs_path:
+        # Imported here, as redis is below: numpy (the sweep's sort) only when configured.
+        from kvmesh.kvstore.shared_fs_files import SharedFsUnusable
+        from kvmesh.kvstore.shared_fs_tier import SharedFsTier
+
+        try:
+            shared_fs = SharedFsTier.from_path(
+                config.kvstore_shared_fs_path, config.kvstore_shared_fs_bytes
+            )
+        except SharedFsUnusable as e:
+            raise ValueError(f"--kvstore-shared-fs-path: {e}") from e
+        lower.append(shared_fs)
     if config.kvstore_redis_url:
         # Imported here: redis-py is needed only when a Redis tier is configured.
         from kvmesh.kvstore.redis_tier import RedisTier

@@ -10,9 +10,9 @@ block reaches them, by which protocol they also follow:
   drops its copy once memory holds the block again (``discard``), so memory
   and it together hold each block once and local capacity counts distinct
   blocks. Its own evictions are dropped.
-- ``SharedTier`` (Redis): every block committed in memory is written to it
-  (``write_through``) and a hit is copied up, never moved: other kvstores
-  read the same copy.
+- ``SharedTier`` (the shared filesystem, Redis): every block committed in
+  memory is written to it (``write_through``) and a hit is copied up, never
+  moved: other kvstores read the same copy.
 
 Adding a tier: implement ``Tier`` plus one of the two, give it a unique
 ``name`` (the ``tier`` label of the kvstore metrics), and pass it to
@@ -42,11 +42,13 @@ class TierStats:
 
 @runtime_checkable
 class Tier(Protocol):
-    """One level of the store. Called from one asyncio loop."""
+    """One level of the store. Called from one asyncio loop: blocking I/O goes to a
+    thread of the tier's own. Keys are a layout namespace plus a block hash
+    (kvstore/layout.py); a tier that names its copies keeps the whole key in the name."""
 
     @property
     def name(self) -> str:
-        """Unique in a store: "memory", "disk", "redis"."""
+        """Unique in a store: "memory", "disk", "shared_fs", "redis"."""
         ...
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -65,7 +67,8 @@ class Tier(Protocol):
     def snapshot(self) -> TierStats: ...
 
     async def refresh(self) -> None:
-        """Update numbers that need I/O to read."""
+        """Update numbers that need I/O to read. The server calls it every second
+        (kvstore/server.py): start longer work (a listing) here, do not await it."""
         ...
 
     async def flush(self) -> None:

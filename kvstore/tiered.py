@@ -1,12 +1,12 @@
 """The store the service runs: memory, then the tiers below it, each a ``Tier``.
 
 The tiers below memory are given in lookup order (kvstore/server.py builds
-memory → disk → Redis from the flags); kvstore/tier.py says how each kind
-gets its blocks:
+memory → disk → shared filesystem → Redis from the flags); kvstore/tier.py
+says how each kind gets its blocks:
 
 - Puts go to memory (two-phase, kvstore/memory_tier.py); a stored block is
-  also written through to every ``SharedTier`` (Redis) in the background
-  (kvstore/redis_tier.py says why).
+  also written through to every ``SharedTier`` (the shared filesystem, Redis)
+  in the background (kvstore/redis_tier.py says why).
 - Memory evictions spill to the first ``ExclusiveTier`` (the disk), whose own
   evictions are dropped (a shared tier, if any, still has the block). Memory
   and an exclusive tier never both hold a block, so each byte of local

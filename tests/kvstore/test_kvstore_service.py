@@ -21,6 +21,7 @@ from kvmesh.kvstore.client import KVStoreClient, KVStoreError
 from kvmesh.kvstore.disk_spill import DiskSpillTier
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.shared_fs_tier import SharedFsTier
 from kvmesh.kvstore.testing import serve_store
 from kvmesh.kvstore.tiered import TieredStore
 from kvmesh.protos import kvstore_pb2, kvstore_pb2_grpc
@@ -47,13 +48,15 @@ def _make_store(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ti
         return TieredStore(memory)
     if tier == "disk":
         return TieredStore(memory, [DiskSpillTier(DiskTier(tmp_path, 64 << 20))])
+    if tier == "shared_fs":
+        return TieredStore(memory, [SharedFsTier.from_path(tmp_path, 64 << 20)])
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
     from kvmesh.kvstore.redis_tier import RedisTier
 
     return TieredStore(memory, [RedisTier.from_url(request.getfixturevalue("redis_url"))])
 
 
-@pytest_asyncio.fixture(loop_scope="function", params=["memory", "disk", "redis"])
+@pytest_asyncio.fixture(loop_scope="function", params=["memory", "disk", "shared_fs", "redis"])
 async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
     store = _make_store(request.param, tmp_path, request)
     async with serve_store(store) as address, KVStoreClient(address, timeout_s=10) as client:

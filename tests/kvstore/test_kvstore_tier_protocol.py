@@ -1,5 +1,6 @@
-"""The tiered store composes tiers through kvstore/tier.py's protocols: memory, disk and
-Redis are each a Tier, and a tier the store has never heard of works below memory."""
+"""The tiered store composes tiers through kvstore/tier.py's protocols: memory, disk, the
+shared filesystem and Redis are each a Tier, and a tier the store has never heard of works
+below memory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvmesh.kvstore.disk_spill import DiskSpillTier
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.memory_tier import MemoryTier
 from kvmesh.kvstore.server import build_store
+from kvmesh.kvstore.shared_fs_tier import SharedFsTier
 from kvmesh.kvstore.testing import numbered_key as key
 from kvmesh.kvstore.testing import numbered_payload as data
 from kvmesh.kvstore.testing import put_block
@@ -59,28 +61,36 @@ class DictSharedTier:
         self.blocks[key] = block
 
 
-def test_memory_disk_and_redis_are_tiers(tmp_path: Path) -> None:
+async def test_memory_disk_shared_fs_and_redis_are_tiers(tmp_path: Path) -> None:
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
     from kvmesh.kvstore.redis_tier import RedisTier
 
     memory = MemoryTier(100)
-    disk = DiskSpillTier(DiskTier(tmp_path, 1000))
+    disk = DiskSpillTier(DiskTier(tmp_path / "disk", 1000))
+    (tmp_path / "shared").mkdir()
+    shared_fs = SharedFsTier.from_path(tmp_path / "shared", 1000)
     redis = RedisTier.from_url("redis://127.0.0.1:1/0")  # never connected here
-    assert all(isinstance(t, Tier) for t in (memory, disk, redis))
+    tiers = (memory, disk, shared_fs, redis)
+    assert all(isinstance(t, Tier) for t in tiers)
     assert isinstance(disk, ExclusiveTier) and not isinstance(disk, SharedTier)
-    assert isinstance(redis, SharedTier) and not isinstance(redis, ExclusiveTier)
-    assert [t.name for t in (memory, disk, redis)] == ["memory", "disk", "redis"]
+    for shared in (shared_fs, redis):
+        assert isinstance(shared, SharedTier) and not isinstance(shared, ExclusiveTier)
+    assert [t.name for t in tiers] == ["memory", "disk", "shared_fs", "redis"]
+    await shared_fs.close()
 
 
-def test_build_store_stacks_the_configured_tiers_in_lookup_order(tmp_path: Path) -> None:
+async def test_build_store_stacks_the_configured_tiers_in_lookup_order(tmp_path: Path) -> None:
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e .)")
+    (tmp_path / "shared").mkdir()
     config = KVStoreConfig(
-        kvstore_disk_path=str(tmp_path),
+        kvstore_disk_path=str(tmp_path / "disk"),
         kvstore_disk_bytes=10_000,
+        kvstore_shared_fs_path=str(tmp_path / "shared"),
         kvstore_redis_url="redis://127.0.0.1:1/0",
     )
     store = build_store(config)
-    assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
+    assert [t.name for t in store.tiers] == ["memory", "disk", "shared_fs", "redis"]
+    await store.tier("shared_fs").close()
 
 
 async def test_a_new_shared_tier_needs_no_change_to_the_store() -> None:

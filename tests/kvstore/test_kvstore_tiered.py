@@ -1,12 +1,15 @@
-"""TieredStore over memory + disk: spill on eviction, promote on hit, exclusive tiers."""
+"""TieredStore over memory + disk (+ the shared filesystem): spill on eviction, promote on
+hit, exclusive and shared tiers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvmesh.kvstore.block import PutOutcome
+from kvmesh.kvstore.block import RECORD_HEADER_BYTES, PutOutcome
 from kvmesh.kvstore.disk_spill import DiskSpillTier
 from kvmesh.kvstore.disk_tier import DiskTier
+from kvmesh.kvstore.layout import KVLayout
+from kvmesh.kvstore.shared_fs_tier import SharedFsTier
 from kvmesh.kvstore.testing import FakeClock, put_block
 from kvmesh.kvstore.testing import numbered_key as key
 from kvmesh.kvstore.testing import numbered_payload as data
@@ -152,3 +155,46 @@ async def test_failed_puts_are_counted_by_reason(tmp_path: Path) -> None:
     assert store.commit_put(pending, 0) is PutOutcome.CORRUPT
     assert store.stats().failed_puts == {"no_room": 1, "aborted": 1, "corrupt": 1}
     await store.close()
+
+
+async def test_shared_fs_below_disk_holds_every_block_for_every_store(tmp_path: Path) -> None:
+    """Memory → disk → shared filesystem: the disk gets memory's evictions, the shared
+    directory every committed block; a block the disk dropped, or another store's, is
+    promoted from the directory, which keeps its copy."""
+    layout = KVLayout(model="m", dtype="float32", block_size=16, layout_version=1)
+    keys = [layout.block_key(bytes([i]) * 8) for i in range(4)]
+    (tmp_path / "shared").mkdir()
+
+    def with_shared_fs(name: str, disk_bytes: int) -> TieredStore:
+        return TieredStore(
+            200,
+            [
+                DiskSpillTier(DiskTier(tmp_path / name, capacity_bytes=disk_bytes)),
+                SharedFsTier.from_path(tmp_path / "shared", 10_000),
+            ],
+            high_watermark=1,
+            low_watermark=1,
+        )
+
+    # The disk holds one block: block 0, spilled first, is evicted from it by block 1.
+    store = with_shared_fs("disk-a", disk_bytes=RECORD_HEADER_BYTES + 100)
+    for i, k in enumerate(keys):
+        assert put_block(store, k, data(i)) is PutOutcome.STORED
+    await store.flush()
+    disk, shared = store.tier("disk"), store.tier("shared_fs")
+    assert isinstance(disk, DiskSpillTier) and isinstance(shared, SharedFsTier)
+    assert [disk.contains(k) for k in keys] == [False, True, False, False]
+    assert await shared.contains_many(keys) == [True] * 4  # written through
+    blocks, _, _ = await store.get([keys[0], keys[1], layout.block_key(b"absent")])
+    assert [b.data if b else None for b in blocks] == [data(0), data(1), None]
+    await store.flush()
+    hits = {t.tier: t.hits for t in store.stats().tiers}
+    assert hits == {"memory": 0, "disk": 1, "shared_fs": 1} and store.stats().misses == 1
+    assert store.memory.contains(keys[0]) and await shared.contains_many([keys[0]]) == [True]
+
+    other = with_shared_fs("disk-b", disk_bytes=10_000)  # another replica's kvstore
+    assert await other.lookup_prefix([keys]) == 4
+    assert await other.delete([keys[3]]) == 1  # only the shared copy: its memory had none
+    assert await other.lookup_prefix([keys]) == 3
+    await store.close()
+    await other.close()

@@ -9,6 +9,7 @@ service on purpose.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.services.runtime.config.choices import (
     ATTENTION_BACKENDS,
@@ -111,6 +112,18 @@ class KVStoreConfig(CommonConfig):
     )
     kvstore_disk_path: str = opt("", "directory of the disk tier, owned by the store (empty: off)")
     kvstore_disk_bytes: int = opt(8 << 30, "capacity of the disk tier in bytes", minimum=1)
+    kvstore_shared_fs_path: str = opt(
+        "",
+        "directory on a volume several kvstores mount (NFS, a ReadWriteMany claim, a path "
+        "shared on one host): every committed block is written there and read back by any "
+        "of them (empty: off; must exist and be writable)",
+    )
+    kvstore_shared_fs_bytes: int = opt(
+        64 << 30,
+        "bound on the shared-filesystem tier's bytes, the same for every kvstore sharing it "
+        "(the least recently used blocks are evicted past it)",
+        minimum=1,
+    )
     kvstore_redis_url: str = opt("", "redis://host:port/db of the shared Redis tier (empty: off)")
     kvstore_max_lease_ttl_s: float = opt(
         300.0, "longest lease a caller may ask for, in seconds", minimum=0
@@ -122,6 +135,16 @@ class KVStoreConfig(CommonConfig):
             raise ValueError("need 0 < kvstore_low_watermark <= kvstore_high_watermark <= 1")
         if self.kvstore_max_lease_ttl_s <= 0:
             raise ValueError("kvstore_max_lease_ttl_s must be positive")
+        if self.kvstore_disk_path and self.kvstore_shared_fs_path:
+            disk = Path(self.kvstore_disk_path).resolve()
+            shared = Path(self.kvstore_shared_fs_path).resolve()
+            # The disk tier clears its directory at start; the shared one is other
+            # kvstores' too.
+            if disk == shared or disk in shared.parents or shared in disk.parents:
+                raise ValueError(
+                    "kvstore_disk_path (this kvstore's own, cleared at start) and "
+                    "kvstore_shared_fs_path (shared with other kvstores) must not overlap"
+                )
 
 
 @dataclass(frozen=True)
