@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from kvmesh.services.cli.bench.sse import sse_lines
+
 
 @dataclass
 class StreamResult:
@@ -50,7 +52,7 @@ async def stream_completion(
         if response.status_code != 200:
             result.error = (await response.aread()).decode(errors="replace")
             return result
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])

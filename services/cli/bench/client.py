@@ -19,6 +19,7 @@ import httpx
 
 from kvmesh.services.cli.bench.dataset import SampleRequest
 from kvmesh.services.cli.bench.sampling import GREEDY, SamplingSetting
+from kvmesh.services.cli.bench.sse import sse_lines
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class CompletionsClient:
                     body = (await response.aread()).decode(errors="replace")
                     output.error = f"HTTP {response.status_code}: {body[:_MAX_ERROR_CHARS]}"
                     return output
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     # Blank separators, ": ping" comments and "event:" lines carry no data.
                     if not line.startswith(_DATA_PREFIX):
                         continue
