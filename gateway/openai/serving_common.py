@@ -1,15 +1,17 @@
-"""What completions and chat completions share: fan-out, collection, usage, SSE framing."""
+"""What the generating endpoints share: admission, fan-out, collection, usage, SSE framing."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.responses import Response
 
 from kvmesh.gateway.engine.client import (
     EngineClient,
@@ -25,17 +27,19 @@ from kvmesh.gateway.engine_params.validation import (
     Prompt,
     check_allowed_tokens_unconstrained,
     check_cache_salt,
+    check_unsupported,
     detokenize_params,
     sampling_params,
 )
 from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai.errors import error_body
 from kvmesh.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
     UsageInfo,
 )
-from kvmesh.gateway.request_cost import check_request_tokens
+from kvmesh.gateway.request_cost import check_n, check_request_tokens
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.services.contracts.errors import UnavailableError
 from kvmesh.services.contracts.lora_request import LoRARequest
@@ -74,6 +78,38 @@ class Serving:
         with span_or_nothing(self._tracing, "tokenize"):
             return await self._tokenizer.offload(work, *args)
 
+    def _admit(self, request: CompletionRequest | ChatCompletionRequest) -> LoRARequest | None:
+        """The request's adapter (404 for a model not served), after refusing (400) what
+        no generation serves: checked before the prompts are tokenized or rendered."""
+        lora_request = self._models.resolve(request.model)
+        check_unsupported(request)
+        check_n(request, self._limits)
+        return lora_request
+
+    def _answering_model(self, requested: str | None) -> str:
+        """The model name a response carries: the one asked for, else the served name."""
+        return requested or self._model_name
+
+    async def _generate(
+        self,
+        engine_requests: list[GenerationRequest],
+        stream: bool,
+        events: Callable[[MultiGeneration], AsyncIterator[str]],
+        respond: Callable[[MultiGeneration], Awaitable[Response]],
+    ) -> Response:
+        """Submit the engine requests, then answer with the server-sent ``events``
+        (which close the generation when they end) or, without ``stream``, with
+        the one body ``respond`` builds, closing the generation after it."""
+        generation = await start_generation(
+            self._engine, engine_requests, self._metrics, self._model_name
+        )
+        if stream:
+            return StreamingResponse(events(generation), media_type="text/event-stream")
+        try:
+            return await respond(generation)
+        finally:
+            await generation.close()
+
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -85,6 +121,19 @@ def sse_event(payload: BaseModel | dict, exclude: set[str] | None = None) -> str
     else:
         body = json.dumps(payload)
     return f"data: {body}\n\n"
+
+
+def stream_failure_event(delta: GenerationDelta) -> str | None:
+    """The SSE error event that ends a chat or completion stream whose choice the
+    engine failed; None for any other delta."""
+    if delta.finish_reason != "error":
+        return None
+    return sse_event(error_body(UnavailableError(delta.error or "generation failed")))
+
+
+def stream_usage_requested(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return request.stream_options is not None and request.stream_options.include_usage
 
 
 def build_engine_requests(

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from kvmesh.gateway.engine.client import TokenLogprob
@@ -15,11 +15,9 @@ from kvmesh.gateway.engine.generation_stream import MultiGeneration
 from kvmesh.gateway.engine_params.limits import GatewayLimits
 from kvmesh.gateway.engine_params.validation import (
     Prompt,
-    check_unsupported,
     completion_prompts,
     truncate_prompts,
 )
-from kvmesh.gateway.openai.errors import error_body
 from kvmesh.gateway.openai.logprobs_format import (
     completion_logprobs,
     concat_logprobs,
@@ -41,12 +39,11 @@ from kvmesh.gateway.openai.serving_common import (
     collect_choices,
     new_request_id,
     sse_event,
-    start_generation,
+    stream_failure_event,
+    stream_usage_requested,
     usage_info,
 )
-from kvmesh.gateway.request_cost import check_n
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.contracts.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +68,7 @@ def _tokenized_prompts(
 
 class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        lora_request = self._models.resolve(request.model)
-        check_unsupported(request)
-        check_n(request, self._limits)  # before the prompts are tokenized
+        lora_request = self._admit(request)
         model_info = self._engine.model_info
         prompts = await self._tokenize(
             _tokenized_prompts, request, self._tokenizer, self._limits, model_info.max_model_len
@@ -95,18 +90,12 @@ class CompletionServing(Serving):
             request.n,
             request.stream,
         )
-        generation = await start_generation(
-            self._engine, engine_requests, self._metrics, self._model_name
+        return await self._generate(
+            engine_requests,
+            request.stream,
+            lambda generation: self._stream(request_id, request, prompts, generation),
+            lambda generation: self._respond(request_id, request, prompts, generation),
         )
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request_id, request, prompts, generation),
-                media_type="text/event-stream",
-            )
-        try:
-            return await self._respond(request_id, request, prompts, generation)
-        finally:
-            await generation.close()
 
     async def _respond(
         self,
@@ -138,7 +127,7 @@ class CompletionServing(Serving):
             [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
-            id=request_id, model=request.model or self._model_name, choices=choices, usage=usage
+            id=request_id, model=self._answering_model(request.model), choices=choices, usage=usage
         )
         return JSONResponse(response.model_dump())
 
@@ -189,7 +178,7 @@ class CompletionServing(Serving):
         generation: MultiGeneration,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage = stream_usage_requested(request)
         exclude = None if include_usage else {"usage"}
         cursors = [
             _StreamCursor(echo_text=prompts[index // request.n].text if request.echo else "")
@@ -197,10 +186,9 @@ class CompletionServing(Serving):
         ]
         try:
             async for index, delta in generation.deltas():
-                if delta.finish_reason == "error":
-                    yield sse_event(
-                        error_body(UnavailableError(delta.error or "generation failed"))
-                    )
+                failure = stream_failure_event(delta)
+                if failure is not None:
+                    yield failure
                     break
                 cursor = cursors[index]
                 cursor.num_output_tokens = delta.num_output_tokens
@@ -221,7 +209,7 @@ class CompletionServing(Serving):
                 chunk = CompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=request.model or self._model_name,
+                    model=self._answering_model(request.model),
                     choices=[
                         CompletionChoice(
                             index=index,
@@ -243,7 +231,7 @@ class CompletionServing(Serving):
                     final = CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=request.model or self._model_name,
+                        model=self._answering_model(request.model),
                         choices=[],
                         usage=usage,
                     )
