@@ -263,47 +263,31 @@ void dot_group(const float* x, int64_t M, int64_t K, const float* w, int64_t row
   }
 }
 
-void check_segment(const at::Tensor& blocks, int64_t kind, int64_t K, const char* op) {
-  const Format f = format_of(kind, "ggml blocks");
-  TORCH_CHECK(K % f.weights == 0, op, ": K ", K, " is not a multiple of ", f.weights,
-              " for ggml type ", kind);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) == K / f.weights * f.bytes,
-              op, ": blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes, "]");
-}
-
 at::Tensor ggml_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "ggml_linear: x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(blocks.size() == kinds.size() && !blocks.empty(),
               "ggml_linear: one ggml type per block tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  // Work items: groups of kRowGroup rows within one segment.
-  std::vector<int64_t> first_group(blocks.size() + 1, 0), first_row(blocks.size() + 1, 0);
-  for (size_t s = 0; s < blocks.size(); ++s) {
-    check_segment(blocks[s], kinds[s], K, "ggml_linear");
-    const int64_t rows = blocks[s].size(0);
-    first_group[s + 1] = first_group[s] + (rows + kRowGroup - 1) / kRowGroup;
-    first_row[s + 1] = first_row[s] + rows;
-  }
-  const int64_t N = first_row.back();
+  for (size_t s = 0; s < blocks.size(); ++s) check_segment(blocks[s], kinds[s], K, "ggml_linear");
+  const SegmentItems groups(blocks, kRowGroup);
+  const int64_t N = groups.rows();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  kvmesh::parallel_items(first_group.back(), [&](int64_t g, bool /*forward*/) {
-    const size_t s = std::upper_bound(first_group.begin(), first_group.end(), g) -
-                     first_group.begin() - 1;
-    const Format f = format_of(kinds[s], "ggml blocks");
-    const int64_t rows_in = blocks[s].size(0);
-    const int64_t r0 = (g - first_group[s]) * kRowGroup;
-    const int64_t rows = std::min(kRowGroup, rows_in - r0);
+  kvmesh::parallel_items(groups.items(), [&](int64_t g, bool /*forward*/) {
+    const SegmentItems::Item group = groups.item(g);
+    const size_t s = group.segment;
+    const Format f = block_format(kinds[s]);
     const int64_t row_bytes = K / f.weights * f.bytes;
-    const uint8_t* base = blocks[s].data_ptr<uint8_t>() + r0 * row_bytes;
+    const uint8_t* base = blocks[s].data_ptr<uint8_t>() + group.row0 * row_bytes;
     // thread_local: one allocation per thread and K, reused by every call.
     thread_local std::vector<float> w;
     if (static_cast<int64_t>(w.size()) < kRowGroup * K) w.resize(kRowGroup * K);
-    for (int64_t r = 0; r < rows; ++r) dequant_row(kinds[s], f, base + r * row_bytes, K, &w[r * K]);
-    dot_group(xp, M, K, w.data(), rows, yp + first_row[s] + r0, N);
+    for (int64_t r = 0; r < group.rows; ++r) {
+      dequant_row(kinds[s], f, base + r * row_bytes, K, &w[r * K]);
+    }
+    dot_group(xp, M, K, w.data(), group.rows, yp + groups.first_row(s) + group.row0, N);
   });
   return y;
 }
@@ -316,7 +300,7 @@ void ggml_dequantize_into(const at::Tensor& blocks, int64_t kind, const at::Tens
               "ggml_dequantize: out must be a contiguous float32 [rows, K] tensor");
   const int64_t K = out.size(1);
   check_segment(blocks, kind, K, "ggml_dequantize");
-  const Format f = format_of(kind, "ggml blocks");
+  const Format f = block_format(kind);
   const int64_t rows = blocks.size(0), row_bytes = K / f.weights * f.bytes;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

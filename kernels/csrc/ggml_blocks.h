@@ -8,11 +8,14 @@
 // its fifth or sixth bit). The kernels differ only in what they do with them.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -59,6 +62,57 @@ inline Format format_of(int64_t kind, const char* op) {
   TORCH_CHECK(f.weights > 0, op, ": unsupported ggml type ", kind);
   return f;
 }
+
+// One segment of a caller's weights: uint8 [rows, K / weights * bytes], the
+// blocks of each row back to back as in the file.
+inline void check_segment(const at::Tensor& blocks, int64_t kind, int64_t K, const char* op) {
+  const Format f = format_of(kind, op);
+  TORCH_CHECK(K % f.weights == 0, op, ": K ", K, " is not a multiple of ", f.weights,
+              " for ggml type ", kind);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == K / f.weights * f.bytes,
+              op, ": blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes, "]");
+}
+
+// A fused projection's output rows (its segments one after the other) cut
+// into work items of at most `rows_per_item` rows, none across two segments
+// (a segment has one type).
+class SegmentItems {
+ public:
+  struct Item {
+    size_t segment;
+    int64_t row0;  // within the segment
+    int64_t rows;
+  };
+
+  SegmentItems(at::TensorList blocks, int64_t rows_per_item)
+      : first_item_(blocks.size() + 1, 0),
+        first_row_(blocks.size() + 1, 0),
+        rows_per_item_(rows_per_item) {
+    for (size_t s = 0; s < blocks.size(); ++s) {
+      const int64_t rows = blocks[s].size(0);
+      first_item_[s + 1] = first_item_[s] + (rows + rows_per_item - 1) / rows_per_item;
+      first_row_[s + 1] = first_row_[s] + rows;
+    }
+  }
+
+  int64_t items() const { return first_item_.back(); }
+  int64_t rows() const { return first_row_.back(); }
+  // The output row (column of y) where segment s starts.
+  int64_t first_row(size_t s) const { return first_row_[s]; }
+
+  Item item(int64_t i) const {
+    const size_t s =
+        std::upper_bound(first_item_.begin(), first_item_.end(), i) - first_item_.begin() - 1;
+    const int64_t row0 = (i - first_item_[s]) * rows_per_item_;
+    return {s, row0, std::min(rows_per_item_, first_row_[s + 1] - first_row_[s] - row0)};
+  }
+
+ private:
+  std::vector<int64_t> first_item_;  // [segments + 1]
+  std::vector<int64_t> first_row_;   // [segments + 1]
+  int64_t rows_per_item_;
+};
 
 // The float16 at p (block scales sit at any byte offset: memcpy, not a cast).
 inline float half_at(const uint8_t* p) {

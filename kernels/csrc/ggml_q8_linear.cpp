@@ -300,35 +300,24 @@ at::Tensor ggml_linear_q8(const at::Tensor& x, at::TensorList blocks, at::IntArr
               "ggml_linear_q8: one ggml type per block tensor");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kRun == 0, "ggml_linear_q8: K ", K, " is not a multiple of ", kRun);
-  std::vector<int64_t> first_item(blocks.size() + 1, 0), first_row(blocks.size() + 1, 0);
   for (size_t s = 0; s < blocks.size(); ++s) {
-    const Format f = format_of(kinds[s], "ggml_linear_q8");
-    TORCH_CHECK(K % f.weights == 0, "ggml_linear_q8: K ", K, " is not a multiple of ",
-                f.weights, " for ggml type ", kinds[s]);
-    TORCH_CHECK(blocks[s].scalar_type() == at::kByte && blocks[s].dim() == 2 &&
-                    blocks[s].is_contiguous() && blocks[s].size(1) == K / f.weights * f.bytes,
-                "ggml_linear_q8: blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes,
-                "]");
-    const int64_t rows = blocks[s].size(0);
-    first_item[s + 1] = first_item[s] + (rows + kRowsPerItem - 1) / kRowsPerItem;
-    first_row[s + 1] = first_row[s] + rows;
+    check_segment(blocks[s], kinds[s], K, "ggml_linear_q8");
   }
-  const int64_t N = first_row.back();
+  const SegmentItems items(blocks, kRowsPerItem);
+  const int64_t N = items.rows();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   QuantizedX qx;
   quantize_x(x.data_ptr<float>(), M, K, qx);
   float* yp = y.data_ptr<float>();
-  kvmesh::parallel_items(first_item.back(), [&](int64_t item, bool /*forward*/) {
-    const size_t s = std::upper_bound(first_item.begin(), first_item.end(), item) -
-                     first_item.begin() - 1;
-    const Format f = format_of(kinds[s], "ggml_linear_q8");
-    const int64_t rows_in = blocks[s].size(0);
-    const int64_t r0 = (item - first_item[s]) * kRowsPerItem;
-    const int64_t r1 = std::min(rows_in, r0 + kRowsPerItem);
+  kvmesh::parallel_items(items.items(), [&](int64_t i, bool /*forward*/) {
+    const SegmentItems::Item item = items.item(i);
+    const size_t s = item.segment;
+    const Format f = block_format(kinds[s]);
+    const int64_t r0 = item.row0, r1 = item.row0 + item.rows;
     const int64_t row_bytes = K / f.weights * f.bytes;
     const uint8_t* base = blocks[s].data_ptr<uint8_t>();
-    float* out = yp + first_row[s];
+    float* out = yp + items.first_row(s);
     switch (kinds[s]) {
       case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
       case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
