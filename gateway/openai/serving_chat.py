@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
@@ -35,11 +35,10 @@ from kvmesh.gateway.openai.protocol import (
 )
 from kvmesh.gateway.openai.serving_chat_template import ChatTemplateServing
 from kvmesh.gateway.openai.serving_common import (
-    SSE_DONE,
     collect_choices,
     new_request_id,
     sse_event,
-    stream_failure_event,
+    sse_stream,
     stream_usage_requested,
     usage_info,
 )
@@ -185,7 +184,7 @@ class ChatServing(ChatTemplateServing):
             )
         return chunks
 
-    async def _stream(
+    def _stream(
         self,
         request_id: str,
         request: ChatCompletionRequest,
@@ -195,6 +194,7 @@ class ChatServing(ChatTemplateServing):
         parsers: list[OutputParser],
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        model = self._answering_model(request.model)
         include_usage = stream_usage_requested(request)
         exclude = None if include_usage else {"usage"}
         num_top = self._num_top_logprobs(request)
@@ -204,57 +204,43 @@ class ChatServing(ChatTemplateServing):
 
         def chunk(choice: ChatStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
-                id=request_id,
-                created=created,
-                model=self._answering_model(request.model),
-                choices=[choice],
+                id=request_id, created=created, model=model, choices=[choice]
             )
             return sse_event(body, exclude=exclude)
 
-        try:
-            # OpenAI opens every choice with the assistant role and empty content.
-            for index in range(request.n):
-                yield chunk(
-                    ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+        def chunks(index: int, delta: GenerationDelta) -> Iterator[str]:
+            num_output_tokens[index] = delta.num_output_tokens
+            num_cached_tokens[index] = delta.num_cached_tokens
+            if not delta.text and not delta.finished and not delta.logprobs:
+                return  # the detokenizer is holding text back (possible stop string)
+            logprobs = None
+            if num_top is not None and delta.logprobs:
+                logprobs = chat_logprobs(
+                    delta.logprobs, num_top, request.return_tokens_as_token_ids
                 )
-            async for index, delta in generation.deltas():
-                failure = stream_failure_event(delta)
-                if failure is not None:
-                    yield failure
-                    break
-                num_output_tokens[index] = delta.num_output_tokens
-                num_cached_tokens[index] = delta.num_cached_tokens
-                if not delta.text and not delta.finished and not delta.logprobs:
-                    continue  # the detokenizer is holding text back (possible stop string)
-                logprobs = None
-                if num_top is not None and delta.logprobs:
-                    logprobs = chat_logprobs(
-                        delta.logprobs, num_top, request.return_tokens_as_token_ids
+            if not parsed:
+                yield chunk(
+                    ChatStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=delta.text or None),
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
                     )
-                if not parsed:
-                    yield chunk(
-                        ChatStreamChoice(
-                            index=index,
-                            delta=DeltaMessage(content=delta.text or None),
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
-                            stop_reason=delta.stop_reason,
-                        )
-                    )
-                    continue
-                for event in self._parsed_stream_chunks(index, delta, logprobs, parsers[index]):
-                    yield chunk(event)
-            else:
-                if include_usage:
-                    usage = usage_info([prompt], num_output_tokens, num_cached_tokens)
-                    final = ChatCompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=self._answering_model(request.model),
-                        choices=[],
-                        usage=usage,
-                    )
-                    yield sse_event(final)
-            yield SSE_DONE
-        finally:
-            await generation.close()
+                )
+                return
+            for event in self._parsed_stream_chunks(index, delta, logprobs, parsers[index]):
+                yield chunk(event)
+
+        def usage_chunk() -> ChatCompletionStreamResponse:
+            usage = usage_info([prompt], num_output_tokens, num_cached_tokens)
+            return ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+
+        # OpenAI opens every choice with the assistant role and empty content.
+        opening = (
+            chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            for index in range(request.n)
+        )
+        return sse_stream(generation, chunks, usage_chunk if include_usage else None, opening)

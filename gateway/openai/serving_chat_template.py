@@ -12,20 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.gateway.engine.client import EngineClient, GenerationRequest
-from kvmesh.gateway.engine_params.limits import GatewayLimits
-from kvmesh.gateway.engine_params.served_models import ServedModels
+from kvmesh.gateway.engine.client import GenerationRequest
 from kvmesh.gateway.engine_params.structured_outputs import structured_output_spec
 from kvmesh.gateway.engine_params.validation import Prompt, chat_prompt, truncate_prompts
-from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai.output_parsing import OutputParser, OutputParsing
 from kvmesh.gateway.openai.protocol import ChatCompletionRequest
-from kvmesh.gateway.openai.serving_common import Serving, build_engine_requests
-from kvmesh.gateway.tokenizer import Tokenizer
+from kvmesh.gateway.openai.serving_common import Serving, ServingContext, build_engine_requests
 from kvmesh.gateway.tool_calling.plan import ToolPlan
 from kvmesh.services.contracts.errors import InvalidRequestError
 from kvmesh.services.contracts.lora_request import LoRARequest
-from kvmesh.services.runtime.tracing import Tracing
 
 
 @dataclass(frozen=True)
@@ -43,17 +38,9 @@ class ChatTemplateServing(Serving):
     """An endpoint whose requests are chats, their output read by the server's parsers."""
 
     def __init__(
-        self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-        limits: GatewayLimits,
-        models: ServedModels,
-        tracing: Tracing | None = None,
-        output_parsing: OutputParsing | None = None,
+        self, context: ServingContext, output_parsing: OutputParsing | None = None
     ) -> None:
-        super().__init__(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+        super().__init__(context)
         self._parsing = output_parsing or OutputParsing()
 
     async def _prepare_chat(

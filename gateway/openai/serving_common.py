@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -51,26 +51,30 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
-class Serving:
+@dataclass(frozen=True)
+class ServingContext:
     """What every OpenAI endpoint handler holds: the engine, tokenizer, name and metrics."""
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-        limits: GatewayLimits,
-        models: ServedModels,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self._engine = engine
-        self._models = models
-        self._tokenizer = tokenizer
-        self._model_name = served_model_name
-        self._metrics = metrics
-        self._limits = limits
-        self._tracing = tracing
+    engine: EngineClient
+    tokenizer: Tokenizer
+    served_model_name: str
+    metrics: GatewayMetrics
+    limits: GatewayLimits
+    models: ServedModels
+    tracing: Tracing | None = None
+
+
+class Serving:
+    """An OpenAI endpoint handler; subclasses add the endpoints' own handlers."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self._engine = context.engine
+        self._models = context.models
+        self._tokenizer = context.tokenizer
+        self._model_name = context.served_model_name
+        self._metrics = context.metrics
+        self._limits = context.limits
+        self._tracing = context.tracing
 
     async def _tokenize(self, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` (a template render, tokenization) on the tokenizer's thread,
@@ -123,12 +127,35 @@ def sse_event(payload: BaseModel | dict, exclude: set[str] | None = None) -> str
     return f"data: {body}\n\n"
 
 
-def stream_failure_event(delta: GenerationDelta) -> str | None:
-    """The SSE error event that ends a chat or completion stream whose choice the
-    engine failed; None for any other delta."""
-    if delta.finish_reason != "error":
-        return None
-    return sse_event(error_body(UnavailableError(delta.error or "generation failed")))
+async def sse_stream(
+    generation: MultiGeneration,
+    chunks: Callable[[int, GenerationDelta], Iterable[str]],
+    usage_chunk: Callable[[], BaseModel] | None,
+    opening: Iterable[str] = (),
+) -> AsyncIterator[str]:
+    """A chat or completion stream: the ``opening`` events, each engine delta's
+    ``chunks`` (its choice index and the delta), after the last delta the
+    ``usage_chunk`` where the client asked for usage, then [DONE].
+
+    A choice the engine failed ends the stream with an error event (and [DONE]);
+    the generation is closed however the stream ends, a client gone included.
+    """
+    try:
+        for event in opening:
+            yield event
+        async for index, delta in generation.deltas():
+            if delta.finish_reason == "error":
+                error = UnavailableError(delta.error or "generation failed")
+                yield sse_event(error_body(error))
+                break
+            for event in chunks(index, delta):
+                yield event
+        else:
+            if usage_chunk is not None:
+                yield sse_event(usage_chunk())
+        yield SSE_DONE
+    finally:
+        await generation.close()
 
 
 def stream_usage_requested(request: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from kvmesh.gateway.engine.client import TokenLogprob
+from kvmesh.gateway.engine.client import GenerationDelta, TokenLogprob
 from kvmesh.gateway.engine.generation_stream import MultiGeneration
 from kvmesh.gateway.engine_params.limits import GatewayLimits
 from kvmesh.gateway.engine_params.validation import (
@@ -33,13 +33,12 @@ from kvmesh.gateway.openai.protocol import (
     PromptLogprobs,
 )
 from kvmesh.gateway.openai.serving_common import (
-    SSE_DONE,
     Serving,
     build_engine_requests,
     collect_choices,
     new_request_id,
     sse_event,
-    stream_failure_event,
+    sse_stream,
     stream_usage_requested,
     usage_info,
 )
@@ -170,7 +169,7 @@ class CompletionServing(Serving):
             num_top = request.logprobs or 0
         return vllm_prompt_logprobs(prompt_logprobs, num_top)
 
-    async def _stream(
+    def _stream(
         self,
         request_id: str,
         request: CompletionRequest,
@@ -178,64 +177,55 @@ class CompletionServing(Serving):
         generation: MultiGeneration,
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        model = self._answering_model(request.model)
         include_usage = stream_usage_requested(request)
         exclude = None if include_usage else {"usage"}
         cursors = [
             _StreamCursor(echo_text=prompts[index // request.n].text if request.echo else "")
             for index in range(len(prompts) * request.n)
         ]
-        try:
-            async for index, delta in generation.deltas():
-                failure = stream_failure_event(delta)
-                if failure is not None:
-                    yield failure
-                    break
-                cursor = cursors[index]
-                cursor.num_output_tokens = delta.num_output_tokens
-                cursor.num_cached_tokens = delta.num_cached_tokens
-                echo = cursor.echo_text
-                text = echo + delta.text
-                cursor.echo_text = ""
-                if not text and not delta.finished and not delta.logprobs:
-                    continue  # the detokenizer is holding text back (possible stop string)
-                logprobs = self._logprobs(
-                    request,
-                    prompts[index // request.n],
-                    delta.prompt_logprobs if echo else None,
-                    delta.logprobs or [],
-                    cursor.text_offset + len(echo),
-                )
-                cursor.text_offset += len(text)
-                chunk = CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self._answering_model(request.model),
-                    choices=[
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
-                            stop_reason=delta.stop_reason,
-                        )
-                    ],
-                )
-                yield sse_event(chunk, exclude=exclude)
-            else:
-                if include_usage:
-                    usage = usage_info(
-                        prompts,
-                        [cursor.num_output_tokens for cursor in cursors],
-                        [cursor.num_cached_tokens for cursor in cursors],
+
+        def chunks(index: int, delta: GenerationDelta) -> Iterator[str]:
+            cursor = cursors[index]
+            cursor.num_output_tokens = delta.num_output_tokens
+            cursor.num_cached_tokens = delta.num_cached_tokens
+            echo = cursor.echo_text
+            text = echo + delta.text
+            cursor.echo_text = ""
+            if not text and not delta.finished and not delta.logprobs:
+                return  # the detokenizer is holding text back (possible stop string)
+            logprobs = self._logprobs(
+                request,
+                prompts[index // request.n],
+                delta.prompt_logprobs if echo else None,
+                delta.logprobs or [],
+                cursor.text_offset + len(echo),
+            )
+            cursor.text_offset += len(text)
+            chunk = CompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=model,
+                choices=[
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
                     )
-                    final = CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=self._answering_model(request.model),
-                        choices=[],
-                        usage=usage,
-                    )
-                    yield sse_event(final)
-            yield SSE_DONE
-        finally:
-            await generation.close()
+                ],
+            )
+            yield sse_event(chunk, exclude=exclude)
+
+        def usage_chunk() -> CompletionStreamResponse:
+            usage = usage_info(
+                prompts,
+                [cursor.num_output_tokens for cursor in cursors],
+                [cursor.num_cached_tokens for cursor in cursors],
+            )
+            return CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+
+        return sse_stream(generation, chunks, usage_chunk if include_usage else None)

@@ -22,15 +22,11 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from kvmesh.gateway.engine.client import EngineClient
 from kvmesh.gateway.engine.generation_stream import MultiGeneration
-from kvmesh.gateway.engine_params.limits import GatewayLimits
-from kvmesh.gateway.engine_params.served_models import ServedModels
 from kvmesh.gateway.engine_params.validation import Prompt
-from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai.output_parsing import OutputParser, OutputParsing
 from kvmesh.gateway.openai.serving_chat_template import ChatTemplateServing
-from kvmesh.gateway.openai.serving_common import collect_choices, failure_error
+from kvmesh.gateway.openai.serving_common import ServingContext, collect_choices, failure_error
 from kvmesh.gateway.responses.conversation import (
     ChatMessageDict,
     chat_request,
@@ -54,10 +50,8 @@ from kvmesh.gateway.responses.protocol import (
     ResponseUsage,
 )
 from kvmesh.gateway.responses.store import ResponseStore, StoredResponse
-from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tool_calling.plan import ToolPlan, plan_tools
 from kvmesh.services.contracts.errors import InvalidRequestError, NotFoundError
-from kvmesh.services.runtime.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -98,19 +92,11 @@ def _status(finish_reason: str | None) -> ResponseStatus:
 class ResponsesServing(ChatTemplateServing):
     def __init__(
         self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-        limits: GatewayLimits,
-        models: ServedModels,
+        context: ServingContext,
         store: ResponseStore,
-        tracing: Tracing | None = None,
         output_parsing: OutputParsing | None = None,
     ) -> None:
-        super().__init__(
-            engine, tokenizer, served_model_name, metrics, limits, models, tracing, output_parsing
-        )
+        super().__init__(context, output_parsing)
         self._store = store
 
     async def create_response(self, request: ResponsesRequest) -> Response:
