@@ -323,6 +323,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.info
 
 
+def decoder_model_config(config: WorkerConfig, path: str | Path) -> ModelConfig:
+    """The decoder checkpoint's ModelConfig under the worker's --dtype,
+    --max-model-len, --device and --quantization, for generation and for a
+    converted pooling model alike; an unknown architecture or config feature is
+    refused here, before anything is allocated."""
+    model_config = ModelConfig.from_pretrained(
+        path,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len or None,
+        device=config.device,
+        quantization=config.quantization or None,
+    )
+    check_model(model_config)
+    return model_config
+
+
 def build_pooling_runner(
     config: WorkerConfig, path: Path, choice: RunnerChoice | None = None
 ) -> tuple[PoolingRunner, worker_pb2.WorkerInfo]:
@@ -334,14 +350,7 @@ def build_pooling_runner(
     if config.enable_lora:
         raise ValueError("LoRA is not implemented for pooling models")
     if choice is not None and choice.pools_decoder:
-        model_config = ModelConfig.from_pretrained(
-            path,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len or None,
-            device=config.device,
-            quantization=config.quantization or None,
-        )
-        check_model(model_config)
+        model_config = decoder_model_config(config, path)
         runner = PoolingRunner(
             path,
             num_threads=config.num_threads or None,
@@ -393,25 +402,15 @@ def build_runner(
     config: WorkerConfig, collectives: Collectives | None = None
 ) -> tuple[ModelRunner | PoolingRunner, worker_pb2.WorkerInfo]:
     path = prepare_model_folder(config.model)
-    if is_pooling_checkpoint(path):
-        choose_runner(
-            checkpoint_architecture(path), config.runner, config.convert, config.hf_overrides
-        )
-        return build_pooling_runner(config, Path(path))
+    # Checks --runner / --convert against the architecture, for encoders too.
     choice = choose_runner(
         checkpoint_architecture(path), config.runner, config.convert, config.hf_overrides
     )
+    if is_pooling_checkpoint(path):
+        return build_pooling_runner(config, Path(path))
     if choice.runner == "pooling":
         return build_pooling_runner(config, Path(path), choice)
-    model_config = ModelConfig.from_pretrained(
-        path,
-        dtype=config.dtype,
-        max_model_len=config.max_model_len or None,
-        device=config.device,
-        quantization=config.quantization or None,
-    )
-    # Refuse an unknown architecture or config feature before anything is allocated.
-    check_model(model_config)
+    model_config = decoder_model_config(config, path)
     cache_config = CacheConfig(
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or None,

@@ -33,7 +33,11 @@ from kvmesh.gateway.metrics import GatewayMetrics
 from kvmesh.gateway.openai.errors import invalid_request_from_validation
 from kvmesh.gateway.openai.protocol import ChatMessage, CompletionRequest
 from kvmesh.gateway.openai.protocol_pooling import EmbeddingRequest
-from kvmesh.gateway.openai.serving_common import build_engine_requests, start_generation
+from kvmesh.gateway.openai.serving_common import (
+    ServingContext,
+    build_engine_requests,
+    start_generation,
+)
 from kvmesh.gateway.openai.serving_pooling import PoolingServing
 from kvmesh.gateway.request_cost import check_n
 from kvmesh.gateway.tokenizer import Tokenizer
@@ -168,13 +172,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tracing = tracing
         # Embed answers as the HTTP API's /v1/embeddings does.
         self.pooling = PoolingServing(
-            engine,
-            tokenizer,
-            model_name,
-            self.metrics,
-            self.limits,
-            ServedModels(model_name),
-            tracing,
+            ServingContext(
+                engine,
+                tokenizer,
+                model_name,
+                self.metrics,
+                self.limits,
+                ServedModels(model_name),
+                tracing,
+            )
         )
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:

@@ -56,6 +56,7 @@ from kvmesh.gateway.openai.protocol import (
     VersionResponse,
 )
 from kvmesh.gateway.openai.serving_chat import ChatServing
+from kvmesh.gateway.openai.serving_common import ServingContext
 from kvmesh.gateway.openai.serving_completions import CompletionServing
 from kvmesh.gateway.openai.serving_pooling import PoolingServing
 from kvmesh.gateway.responses.routes import add_responses_routes
@@ -269,23 +270,10 @@ def build_app(
         app.add_middleware(HttpTracingMiddleware, tracing=tracing)
     registry = REGISTRY if metrics_registry is None else metrics_registry
     metrics = GatewayMetrics.for_registry(registry)
-    completions = CompletionServing(
-        engine, tokenizer, served_model_name, metrics, limits, models, tracing
-    )
-    chat = ChatServing(
-        engine, tokenizer, served_model_name, metrics, limits, models, tracing, output_parsing
-    )
-    responses = ResponsesServing(
-        engine,
-        tokenizer,
-        served_model_name,
-        metrics,
-        limits,
-        models,
-        response_store or MemoryResponseStore(),
-        tracing,
-        output_parsing,
-    )
+    context = ServingContext(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+    completions = CompletionServing(context)
+    chat = ChatServing(context, output_parsing)
+    responses = ResponsesServing(context, response_store or MemoryResponseStore(), output_parsing)
 
     generation_errors = {**errors, 404: _MODEL_NOT_FOUND, 429: _OVERLOADED, 503: _UNAVAILABLE}
 
@@ -341,7 +329,7 @@ def build_app(
     if models.lora_enabled:
         add_lora_routes(app, models, errors)
 
-    pooling = PoolingServing(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+    pooling = PoolingServing(context)
     add_pooling_routes(app, pooling, generation_errors, _serve_until_disconnect)
 
     @app.get("/health")

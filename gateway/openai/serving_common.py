@@ -1,15 +1,17 @@
-"""What completions and chat completions share: fan-out, collection, usage, SSE framing."""
+"""What the generating endpoints share: admission, fan-out, collection, usage, SSE framing."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.responses import Response
 
 from kvmesh.gateway.engine.client import (
     EngineClient,
@@ -25,17 +27,19 @@ from kvmesh.gateway.engine_params.validation import (
     Prompt,
     check_allowed_tokens_unconstrained,
     check_cache_salt,
+    check_unsupported,
     detokenize_params,
     sampling_params,
 )
 from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.openai.errors import error_body
 from kvmesh.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
     UsageInfo,
 )
-from kvmesh.gateway.request_cost import check_request_tokens
+from kvmesh.gateway.request_cost import check_n, check_request_tokens
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.services.contracts.errors import UnavailableError
 from kvmesh.services.contracts.lora_request import LoRARequest
@@ -47,32 +51,68 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
-class Serving:
+@dataclass(frozen=True)
+class ServingContext:
     """What every OpenAI endpoint handler holds: the engine, tokenizer, name and metrics."""
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-        limits: GatewayLimits,
-        models: ServedModels,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self._engine = engine
-        self._models = models
-        self._tokenizer = tokenizer
-        self._model_name = served_model_name
-        self._metrics = metrics
-        self._limits = limits
-        self._tracing = tracing
+    engine: EngineClient
+    tokenizer: Tokenizer
+    served_model_name: str
+    metrics: GatewayMetrics
+    limits: GatewayLimits
+    models: ServedModels
+    tracing: Tracing | None = None
+
+
+class Serving:
+    """An OpenAI endpoint handler; subclasses add the endpoints' own handlers."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self._engine = context.engine
+        self._models = context.models
+        self._tokenizer = context.tokenizer
+        self._model_name = context.served_model_name
+        self._metrics = context.metrics
+        self._limits = context.limits
+        self._tracing = context.tracing
 
     async def _tokenize(self, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` (a template render, tokenization) on the tokenizer's thread,
         as the request's ``tokenize`` span when it is traced."""
         with span_or_nothing(self._tracing, "tokenize"):
             return await self._tokenizer.offload(work, *args)
+
+    def _admit(self, request: CompletionRequest | ChatCompletionRequest) -> LoRARequest | None:
+        """The request's adapter (404 for a model not served), after refusing (400) what
+        no generation serves: checked before the prompts are tokenized or rendered."""
+        lora_request = self._models.resolve(request.model)
+        check_unsupported(request)
+        check_n(request, self._limits)
+        return lora_request
+
+    def _answering_model(self, requested: str | None) -> str:
+        """The model name a response carries: the one asked for, else the served name."""
+        return requested or self._model_name
+
+    async def _generate(
+        self,
+        engine_requests: list[GenerationRequest],
+        stream: bool,
+        events: Callable[[MultiGeneration], AsyncIterator[str]],
+        respond: Callable[[MultiGeneration], Awaitable[Response]],
+    ) -> Response:
+        """Submit the engine requests, then answer with the server-sent ``events``
+        (which close the generation when they end) or, without ``stream``, with
+        the one body ``respond`` builds, closing the generation after it."""
+        generation = await start_generation(
+            self._engine, engine_requests, self._metrics, self._model_name
+        )
+        if stream:
+            return StreamingResponse(events(generation), media_type="text/event-stream")
+        try:
+            return await respond(generation)
+        finally:
+            await generation.close()
 
 
 def new_request_id(prefix: str) -> str:
@@ -85,6 +125,42 @@ def sse_event(payload: BaseModel | dict, exclude: set[str] | None = None) -> str
     else:
         body = json.dumps(payload)
     return f"data: {body}\n\n"
+
+
+async def sse_stream(
+    generation: MultiGeneration,
+    chunks: Callable[[int, GenerationDelta], Iterable[str]],
+    usage_chunk: Callable[[], BaseModel] | None,
+    opening: Iterable[str] = (),
+) -> AsyncIterator[str]:
+    """A chat or completion stream: the ``opening`` events, each engine delta's
+    ``chunks`` (its choice index and the delta), after the last delta the
+    ``usage_chunk`` where the client asked for usage, then [DONE].
+
+    A choice the engine failed ends the stream with an error event (and [DONE]);
+    the generation is closed however the stream ends, a client gone included.
+    """
+    try:
+        for event in opening:
+            yield event
+        async for index, delta in generation.deltas():
+            if delta.finish_reason == "error":
+                error = UnavailableError(delta.error or "generation failed")
+                yield sse_event(error_body(error))
+                break
+            for event in chunks(index, delta):
+                yield event
+        else:
+            if usage_chunk is not None:
+                yield sse_event(usage_chunk())
+        yield SSE_DONE
+    finally:
+        await generation.close()
+
+
+def stream_usage_requested(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return request.stream_options is not None and request.stream_options.include_usage
 
 
 def build_engine_requests(

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from kvmesh.gateway.engine.client import TokenLogprob
+from kvmesh.gateway.engine.client import GenerationDelta, TokenLogprob
 from kvmesh.gateway.engine.generation_stream import MultiGeneration
 from kvmesh.gateway.engine_params.limits import GatewayLimits
 from kvmesh.gateway.engine_params.validation import (
     Prompt,
-    check_unsupported,
     completion_prompts,
     truncate_prompts,
 )
-from kvmesh.gateway.openai.errors import error_body
 from kvmesh.gateway.openai.logprobs_format import (
     completion_logprobs,
     concat_logprobs,
@@ -35,18 +33,16 @@ from kvmesh.gateway.openai.protocol import (
     PromptLogprobs,
 )
 from kvmesh.gateway.openai.serving_common import (
-    SSE_DONE,
     Serving,
     build_engine_requests,
     collect_choices,
     new_request_id,
     sse_event,
-    start_generation,
+    sse_stream,
+    stream_usage_requested,
     usage_info,
 )
-from kvmesh.gateway.request_cost import check_n
 from kvmesh.gateway.tokenizer import Tokenizer
-from kvmesh.services.contracts.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +67,7 @@ def _tokenized_prompts(
 
 class CompletionServing(Serving):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        lora_request = self._models.resolve(request.model)
-        check_unsupported(request)
-        check_n(request, self._limits)  # before the prompts are tokenized
+        lora_request = self._admit(request)
         model_info = self._engine.model_info
         prompts = await self._tokenize(
             _tokenized_prompts, request, self._tokenizer, self._limits, model_info.max_model_len
@@ -95,18 +89,12 @@ class CompletionServing(Serving):
             request.n,
             request.stream,
         )
-        generation = await start_generation(
-            self._engine, engine_requests, self._metrics, self._model_name
+        return await self._generate(
+            engine_requests,
+            request.stream,
+            lambda generation: self._stream(request_id, request, prompts, generation),
+            lambda generation: self._respond(request_id, request, prompts, generation),
         )
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request_id, request, prompts, generation),
-                media_type="text/event-stream",
-            )
-        try:
-            return await self._respond(request_id, request, prompts, generation)
-        finally:
-            await generation.close()
 
     async def _respond(
         self,
@@ -138,7 +126,7 @@ class CompletionServing(Serving):
             [result.num_cached_tokens for result in results],
         )
         response = CompletionResponse(
-            id=request_id, model=request.model or self._model_name, choices=choices, usage=usage
+            id=request_id, model=self._answering_model(request.model), choices=choices, usage=usage
         )
         return JSONResponse(response.model_dump())
 
@@ -181,7 +169,7 @@ class CompletionServing(Serving):
             num_top = request.logprobs or 0
         return vllm_prompt_logprobs(prompt_logprobs, num_top)
 
-    async def _stream(
+    def _stream(
         self,
         request_id: str,
         request: CompletionRequest,
@@ -189,65 +177,55 @@ class CompletionServing(Serving):
         generation: MultiGeneration,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        model = self._answering_model(request.model)
+        include_usage = stream_usage_requested(request)
         exclude = None if include_usage else {"usage"}
         cursors = [
             _StreamCursor(echo_text=prompts[index // request.n].text if request.echo else "")
             for index in range(len(prompts) * request.n)
         ]
-        try:
-            async for index, delta in generation.deltas():
-                if delta.finish_reason == "error":
-                    yield sse_event(
-                        error_body(UnavailableError(delta.error or "generation failed"))
+
+        def chunks(index: int, delta: GenerationDelta) -> Iterator[str]:
+            cursor = cursors[index]
+            cursor.num_output_tokens = delta.num_output_tokens
+            cursor.num_cached_tokens = delta.num_cached_tokens
+            echo = cursor.echo_text
+            text = echo + delta.text
+            cursor.echo_text = ""
+            if not text and not delta.finished and not delta.logprobs:
+                return  # the detokenizer is holding text back (possible stop string)
+            logprobs = self._logprobs(
+                request,
+                prompts[index // request.n],
+                delta.prompt_logprobs if echo else None,
+                delta.logprobs or [],
+                cursor.text_offset + len(echo),
+            )
+            cursor.text_offset += len(text)
+            chunk = CompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=model,
+                choices=[
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
                     )
-                    break
-                cursor = cursors[index]
-                cursor.num_output_tokens = delta.num_output_tokens
-                cursor.num_cached_tokens = delta.num_cached_tokens
-                echo = cursor.echo_text
-                text = echo + delta.text
-                cursor.echo_text = ""
-                if not text and not delta.finished and not delta.logprobs:
-                    continue  # the detokenizer is holding text back (possible stop string)
-                logprobs = self._logprobs(
-                    request,
-                    prompts[index // request.n],
-                    delta.prompt_logprobs if echo else None,
-                    delta.logprobs or [],
-                    cursor.text_offset + len(echo),
-                )
-                cursor.text_offset += len(text)
-                chunk = CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=request.model or self._model_name,
-                    choices=[
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
-                            stop_reason=delta.stop_reason,
-                        )
-                    ],
-                )
-                yield sse_event(chunk, exclude=exclude)
-            else:
-                if include_usage:
-                    usage = usage_info(
-                        prompts,
-                        [cursor.num_output_tokens for cursor in cursors],
-                        [cursor.num_cached_tokens for cursor in cursors],
-                    )
-                    final = CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=request.model or self._model_name,
-                        choices=[],
-                        usage=usage,
-                    )
-                    yield sse_event(final)
-            yield SSE_DONE
-        finally:
-            await generation.close()
+                ],
+            )
+            yield sse_event(chunk, exclude=exclude)
+
+        def usage_chunk() -> CompletionStreamResponse:
+            usage = usage_info(
+                prompts,
+                [cursor.num_output_tokens for cursor in cursors],
+                [cursor.num_cached_tokens for cursor in cursors],
+            )
+            return CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+
+        return sse_stream(generation, chunks, usage_chunk if include_usage else None)

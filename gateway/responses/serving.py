@@ -19,24 +19,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from kvmesh.gateway.engine.client import EngineClient
 from kvmesh.gateway.engine.generation_stream import MultiGeneration
-from kvmesh.gateway.engine_params.limits import GatewayLimits
-from kvmesh.gateway.engine_params.served_models import ServedModels
-from kvmesh.gateway.engine_params.structured_outputs import structured_output_spec
-from kvmesh.gateway.engine_params.validation import Prompt, chat_prompt
-from kvmesh.gateway.metrics import GatewayMetrics
+from kvmesh.gateway.engine_params.validation import Prompt
 from kvmesh.gateway.openai.output_parsing import OutputParser, OutputParsing
-from kvmesh.gateway.openai.serving_common import (
-    Serving,
-    build_engine_requests,
-    collect_choices,
-    failure_error,
-    start_generation,
-)
+from kvmesh.gateway.openai.serving_chat_template import ChatTemplateServing
+from kvmesh.gateway.openai.serving_common import ServingContext, collect_choices, failure_error
 from kvmesh.gateway.responses.conversation import (
     ChatMessageDict,
     chat_request,
@@ -60,10 +50,8 @@ from kvmesh.gateway.responses.protocol import (
     ResponseUsage,
 )
 from kvmesh.gateway.responses.store import ResponseStore, StoredResponse
-from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.gateway.tool_calling.plan import ToolPlan, plan_tools
 from kvmesh.services.contracts.errors import InvalidRequestError, NotFoundError
-from kvmesh.services.runtime.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -101,22 +89,15 @@ def _status(finish_reason: str | None) -> ResponseStatus:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-class ResponsesServing(Serving):
+class ResponsesServing(ChatTemplateServing):
     def __init__(
         self,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
-        served_model_name: str,
-        metrics: GatewayMetrics,
-        limits: GatewayLimits,
-        models: ServedModels,
+        context: ServingContext,
         store: ResponseStore,
-        tracing: Tracing | None = None,
         output_parsing: OutputParsing | None = None,
     ) -> None:
-        super().__init__(engine, tokenizer, served_model_name, metrics, limits, models, tracing)
+        super().__init__(context, output_parsing)
         self._store = store
-        self._parsing = output_parsing or OutputParsing()
 
     async def create_response(self, request: ResponsesRequest) -> Response:
         lora_request = self._models.resolve(request.model)
@@ -126,27 +107,16 @@ class ResponsesServing(Serving):
             chat = chat_request(request, history)
             unparsed = unparsed_tools(request, self._parsing.auto_tool_choice)
             plan = plan_tools(chat, self._parsing.auto_tool_choice or unparsed)
-            parsed_plan = ToolPlan("none") if unparsed else plan
-            if self._parsing.keeps_special_tokens(parsed_plan):
-                # The format's markers are special tokens, which detokenizing would drop.
-                chat = chat.model_copy(update={"skip_special_tokens": False})
-            prompt = await self._tokenize(
-                chat_prompt, chat, self._tokenizer, plan.tools if plan.renders_tools else None
-            )
-            parser = self._parsing.parser(parsed_plan, prompt.text, chat.chat_template_kwargs)
-            constraint = self._parsing.after_reasoning(
-                plan.constraint() or structured_output_spec(chat), parser, self._tokenizer
-            )
-            engine_requests = build_engine_requests(
+            # Tools the server parses no calls for come back as text for the client to read.
+            prepared = await self._prepare_chat(
                 response_id,
-                [prompt],
                 chat,
-                self._engine.model_info,
-                self._tokenizer,
-                self._limits,
-                structured_output=constraint,
-                lora_request=lora_request,
+                plan,
+                lora_request,
+                parsed_plan=ToolPlan("none") if unparsed else plan,
+                refuse_two_constraints=False,
             )
+        prompt, (parser,) = prepared.prompt, prepared.parsers
         logger.info(
             "request %s: responses, %d prompt tokens, stream=%s, previous=%s",
             response_id,
@@ -154,18 +124,13 @@ class ResponsesServing(Serving):
             request.stream,
             request.previous_response_id,
         )
-        generation = await start_generation(
-            self._engine, engine_requests, self._metrics, self._model_name
+        turn = _Turn(request, response_id, self._answering_model(request.model), history, prompt)
+        return await self._generate(
+            prepared.engine_requests,
+            request.stream,
+            lambda generation: self._stream(turn, generation, parser),
+            lambda generation: self._respond(turn, generation, parser),
         )
-        turn = _Turn(request, response_id, request.model or self._model_name, history, prompt)
-        if request.stream:
-            return StreamingResponse(
-                self._stream(turn, generation, parser), media_type="text/event-stream"
-            )
-        try:
-            return await self._respond(turn, generation, parser)
-        finally:
-            await generation.close()
 
     async def get_response(self, response_id: str) -> Response:
         entry = await self._store.get(response_id)

@@ -32,7 +32,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -43,59 +42,12 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#include "ggml_blocks.h"
 #include "work_stealing.h"
 
 namespace {
 
-// ggml_type numbers (the GGUF file's tensor types).
-enum Kind : int64_t {
-  kQ4_0 = 2,
-  kQ4_1 = 3,
-  kQ5_0 = 6,
-  kQ5_1 = 7,
-  kQ8_0 = 8,
-  kQ4_K = 12,
-  kQ5_K = 13,
-  kQ6_K = 14,
-};
-
-struct Format {
-  int64_t weights;  // per block
-  int64_t bytes;    // per block
-};
-
-Format format_of(int64_t kind) {
-  switch (kind) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "ggml blocks: unsupported ggml type ", kind);
-  }
-  return {0, 0};
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block
-// (llama.cpp's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+using namespace kvmesh::ggml;
 
 // Sub-block of 32 weights: out[l] = a * q[l] - b (two roundings).
 inline void affine32(const uint8_t* q, float a, float b, float* out) {
@@ -108,7 +60,7 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
     case kQ4_0:
     case kQ4_1: {
       const float d = half_at(blk);
-      const uint8_t* qs = blk + (kind == kQ4_0 ? 2 : 4);
+      const uint8_t* qs = blk + legacy_layout(kind).qs;
       for (int l = 0; l < 16; ++l) {
         q[l] = qs[l] & 0xF;
         q[l + 16] = qs[l] >> 4;
@@ -124,12 +76,12 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
     case kQ5_0:
     case kQ5_1: {
       const float d = half_at(blk);
-      const int head = kind == kQ5_0 ? 2 : 4;
-      uint32_t qh;
-      std::memcpy(&qh, blk + head, sizeof(qh));
-      const uint8_t* qs = blk + head + 4;
 #if defined(__AVX2__) && defined(__FMA__)
       {
+        const LegacyLayout at = legacy_layout(kind);
+        uint32_t qh;
+        std::memcpy(&qh, blk + at.qh, sizeof(qh));
+        const uint8_t* qs = blk + at.qs;
         // Eight weights at a time: nibble of qs, fifth bit (qh >> l) & 1.
         const __m256i qh_v = _mm256_set1_epi32(static_cast<int>(qh));
         const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -154,17 +106,14 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
         return;
       }
 #endif
-      uint8_t high[32];
-      for (int l = 0; l < 32; ++l) high[l] = static_cast<uint8_t>(((qh >> l) & 1u) << 4);
-      for (int l = 0; l < 16; ++l) {
-        q[l] = (qs[l] & 0xF) | high[l];
-        q[l + 16] = (qs[l] >> 4) | high[l + 16];
-      }
+      int16_t c[32];
       if (kind == kQ5_0) {
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(static_cast<int>(q[l]) - 16);
+        run_codes<kQ5_0>(blk, 0, c);
+        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l] - 16);
       } else {
+        run_codes<kQ5_1>(blk, 0, c);
         const float m = half_at(blk + 2);
-        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(q[l]) + m;
+        for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(c[l]) + m;
       }
       return;
     }
@@ -179,7 +128,7 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
       const float d = half_at(blk), dmin = half_at(blk + 2);
       const uint8_t* scales = blk + 4;
       const uint8_t* qh = blk + 16;                          // Q5_K only
-      const uint8_t* qs = blk + (kind == kQ4_K ? 16 : 48);  // 128 bytes of nibbles
+      const uint8_t* qs = blk + kquant_nibbles_at(kind);  // 128 bytes of nibbles
       // Byte l of 64-weight chunk c: sub-block 2c's weight l (low nibble) and
       // sub-block 2c + 1's (high nibble); Q5_K's fifth bit of sub-block s is
       // bit s of qh[l].
@@ -208,13 +157,13 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
       // (nibble r / 64), high 2 bits in qh[32 h + r % 32] (bits 2 (r / 32));
       // minus 32; scale 8 h + r / 16. Byte l feeds r = l, l + 32, l + 64, l + 96.
       for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = blk + 64 * h;
-        const uint8_t* qh = blk + 128 + 32 * h;
         const auto* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h);
         float ds[8];
         for (int i = 0; i < 8; ++i) ds[i] = d * static_cast<float>(sc[i]);
         float* y = out + 128 * h;
 #if defined(__AVX2__) && defined(__FMA__)
+        const uint8_t* ql = blk + 64 * h;
+        const uint8_t* qh = blk + 128 + 32 * h;
         const __m256i low4 = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3);
         const __m256i bias = _mm256_set1_epi32(32);
         const auto load8 = [](const uint8_t* p) {
@@ -237,16 +186,13 @@ void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
         }
         continue;
 #endif
-        for (int l = 0; l < 32; ++l) {
-          const int is = l / 16;
-          const int q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
-          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-          y[l] = ds[is] * static_cast<float>(q1);
-          y[l + 32] = ds[is + 2] * static_cast<float>(q2);
-          y[l + 64] = ds[is + 4] * static_cast<float>(q3);
-          y[l + 96] = ds[is + 6] * static_cast<float>(q4);
+        // Run g of this half: weights 32 g .. 32 g + 31, scales 2 g and 2 g + 1.
+        int16_t c[32];
+        for (int g = 0; g < 4; ++g) {
+          run_codes<kQ6_K>(blk, 4 * h + g, c);
+          for (int l = 0; l < 32; ++l) {
+            y[32 * g + l] = ds[2 * g + l / 16] * static_cast<float>(c[l] - 32);
+          }
         }
       }
       return;
@@ -317,47 +263,31 @@ void dot_group(const float* x, int64_t M, int64_t K, const float* w, int64_t row
   }
 }
 
-void check_segment(const at::Tensor& blocks, int64_t kind, int64_t K, const char* op) {
-  const Format f = format_of(kind);
-  TORCH_CHECK(K % f.weights == 0, op, ": K ", K, " is not a multiple of ", f.weights,
-              " for ggml type ", kind);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) == K / f.weights * f.bytes,
-              op, ": blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes, "]");
-}
-
 at::Tensor ggml_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "ggml_linear: x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(blocks.size() == kinds.size() && !blocks.empty(),
               "ggml_linear: one ggml type per block tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  // Work items: groups of kRowGroup rows within one segment.
-  std::vector<int64_t> first_group(blocks.size() + 1, 0), first_row(blocks.size() + 1, 0);
-  for (size_t s = 0; s < blocks.size(); ++s) {
-    check_segment(blocks[s], kinds[s], K, "ggml_linear");
-    const int64_t rows = blocks[s].size(0);
-    first_group[s + 1] = first_group[s] + (rows + kRowGroup - 1) / kRowGroup;
-    first_row[s + 1] = first_row[s] + rows;
-  }
-  const int64_t N = first_row.back();
+  for (size_t s = 0; s < blocks.size(); ++s) check_segment(blocks[s], kinds[s], K, "ggml_linear");
+  const SegmentItems groups(blocks, kRowGroup);
+  const int64_t N = groups.rows();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  kvmesh::parallel_items(first_group.back(), [&](int64_t g, bool /*forward*/) {
-    const size_t s = std::upper_bound(first_group.begin(), first_group.end(), g) -
-                     first_group.begin() - 1;
-    const Format f = format_of(kinds[s]);
-    const int64_t rows_in = blocks[s].size(0);
-    const int64_t r0 = (g - first_group[s]) * kRowGroup;
-    const int64_t rows = std::min(kRowGroup, rows_in - r0);
+  kvmesh::parallel_items(groups.items(), [&](int64_t g, bool /*forward*/) {
+    const SegmentItems::Item group = groups.item(g);
+    const size_t s = group.segment;
+    const Format f = block_format(kinds[s]);
     const int64_t row_bytes = K / f.weights * f.bytes;
-    const uint8_t* base = blocks[s].data_ptr<uint8_t>() + r0 * row_bytes;
+    const uint8_t* base = blocks[s].data_ptr<uint8_t>() + group.row0 * row_bytes;
     // thread_local: one allocation per thread and K, reused by every call.
     thread_local std::vector<float> w;
     if (static_cast<int64_t>(w.size()) < kRowGroup * K) w.resize(kRowGroup * K);
-    for (int64_t r = 0; r < rows; ++r) dequant_row(kinds[s], f, base + r * row_bytes, K, &w[r * K]);
-    dot_group(xp, M, K, w.data(), rows, yp + first_row[s] + r0, N);
+    for (int64_t r = 0; r < group.rows; ++r) {
+      dequant_row(kinds[s], f, base + r * row_bytes, K, &w[r * K]);
+    }
+    dot_group(xp, M, K, w.data(), group.rows, yp + groups.first_row(s) + group.row0, N);
   });
   return y;
 }
@@ -370,7 +300,7 @@ void ggml_dequantize_into(const at::Tensor& blocks, int64_t kind, const at::Tens
               "ggml_dequantize: out must be a contiguous float32 [rows, K] tensor");
   const int64_t K = out.size(1);
   check_segment(blocks, kind, K, "ggml_dequantize");
-  const Format f = format_of(kind);
+  const Format f = block_format(kind);
   const int64_t rows = blocks.size(0), row_bytes = K / f.weights * f.bytes;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

@@ -30,7 +30,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -39,59 +38,20 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define KVMESH_Q8_AVX2 1
 #endif
+#include "ggml_blocks.h"
 #include "work_stealing.h"
 
 namespace {
 
-// ggml_type numbers (the GGUF file's tensor types), as ggml_block_linear.cpp.
-enum Kind : int64_t {
-  kQ4_0 = 2,
-  kQ4_1 = 3,
-  kQ5_0 = 6,
-  kQ5_1 = 7,
-  kQ8_0 = 8,
-  kQ4_K = 12,
-  kQ5_K = 13,
-  kQ6_K = 14,
-};
+using namespace kvmesh::ggml;
 
 constexpr int64_t kRun = 32;  // activation block: weights per x scale
-
-struct Format {
-  int64_t weights;  // per block
-  int64_t bytes;    // per block
-};
-
-Format format_of(int64_t kind) {
-  switch (kind) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "ggml_linear_q8: unsupported ggml type ", kind);
-  }
-  return {0, 0};
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; c10::Half's is a dozen
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
 
 // x [M, K] per 32 features: int8 codes, the block's scale, and the code sums
 // of each half block (16 features: Q6_K's sub-blocks).
@@ -150,13 +110,7 @@ inline void block_factors(const uint8_t* blk, Factors& f) {
       const uint8_t* q = blk + 4;  // 12 bytes of 6-bit scales and minimums
       for (int j = 0; j < 8; ++j) {
         uint8_t sc, m;
-        if (j < 4) {
-          sc = q[j] & 63;
-          m = q[j + 4] & 63;
-        } else {
-          sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-          m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
+        scale_min_k4(j, q, sc, m);
         // Rounded as the dequantization rounds them (d * sc, dmin * m).
         f.a[2 * j] = f.a[2 * j + 1] = d * static_cast<float>(sc);
         f.b[2 * j] = f.b[2 * j + 1] = -(dmin * static_cast<float>(m));
@@ -173,59 +127,6 @@ inline void block_factors(const uint8_t* blk, Factors& f) {
   }
 }
 
-// The 32 codes of run r of a block (unsigned, int8 for Q8_0), plain C++.
-template <int64_t kind>
-void run_codes(const uint8_t* blk, int r, int16_t* c) {
-  switch (kind) {
-    case kQ4_0:
-    case kQ4_1:
-    case kQ5_0:
-    case kQ5_1: {
-      const bool five = kind == kQ5_0 || kind == kQ5_1;
-      const int head = (kind == kQ4_0 || kind == kQ5_0) ? 2 : 4;
-      uint32_t qh = 0;
-      if (five) std::memcpy(&qh, blk + head, sizeof(qh));
-      const uint8_t* qs = blk + head + (five ? 4 : 0);
-      for (int l = 0; l < 32; ++l) {
-        const int nibble = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
-        c[l] = static_cast<int16_t>(nibble | (((qh >> l) & 1u) << 4));
-      }
-      return;
-    }
-    case kQ8_0: {
-      const auto* qs = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int l = 0; l < 32; ++l) c[l] = qs[l];
-      return;
-    }
-    case kQ4_K:
-    case kQ5_K: {
-      // Byte l of 64-weight chunk r / 2: run r's weight l in the low nibble
-      // (r even) or the high one; Q5_K's fifth bit of run r: bit r of qh[l].
-      const uint8_t* qs = blk + (kind == kQ4_K ? 16 : 48) + 32 * (r / 2);
-      const uint8_t* qh = blk + 16;
-      for (int l = 0; l < 32; ++l) {
-        int v = r % 2 ? qs[l] >> 4 : qs[l] & 0xF;
-        if (kind == kQ5_K) v |= ((qh[l] >> r) & 1) << 4;
-        c[l] = static_cast<int16_t>(v);
-      }
-      return;
-    }
-    case kQ6_K: {
-      // Run r: half h = r / 4, g = r % 4; low 4 bits in ql[64 h + 32 (g % 2) + l]
-      // (nibble g / 2), high 2 bits in qh[32 h + l] (bits 2 g).
-      const int h = r / 4, g = r % 4;
-      const uint8_t* ql = blk + 64 * h + 32 * (g % 2);
-      const uint8_t* qh = blk + 128 + 32 * h;
-      for (int l = 0; l < 32; ++l) {
-        const int low = g < 2 ? ql[l] & 0xF : ql[l] >> 4;
-        c[l] = static_cast<int16_t>(low | (((qh[l] >> (2 * g)) & 3) << 4));
-      }
-      return;
-    }
-    default: break;  // every kind dispatches to its own instance
-  }
-}
-
 #if KVMESH_Q8_AVX2
 // Run r's 32 codes in one register: unsigned bytes (Q8_0: its int8 codes).
 template <int64_t kind>
@@ -236,17 +137,15 @@ inline __m256i run_codes_avx2(const uint8_t* blk, int r) {
     case kQ4_1:
     case kQ5_0:
     case kQ5_1: {
-      const bool five = kind == kQ5_0 || kind == kQ5_1;
-      const int head = (kind == kQ4_0 || kind == kQ5_0) ? 2 : 4;
-      const __m128i qs =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + head + (five ? 4 : 0)));
+      constexpr LegacyLayout at = legacy_layout(kind);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at.qs));
       const __m128i m4 = _mm_set1_epi8(0x0F);
       __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-      if (five) {
+      if constexpr (at.five) {
         // Bit l of qh to byte l (llama.cpp's bytes_from_bits_32): byte l takes
         // qh's byte l / 8, keeps bit l % 8, and becomes 0x10 where it is set.
         uint32_t qh;
-        std::memcpy(&qh, blk + head, sizeof(qh));
+        std::memcpy(&qh, blk + at.qh, sizeof(qh));
         const __m256i spread = _mm256_shuffle_epi8(
             _mm256_set1_epi32(static_cast<int>(qh)),
             _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
@@ -260,7 +159,7 @@ inline __m256i run_codes_avx2(const uint8_t* blk, int r) {
     case kQ8_0: return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     case kQ4_K:
     case kQ5_K: {
-      const uint8_t* qs = blk + (kind == kQ4_K ? 16 : 48) + 32 * (r / 2);
+      const uint8_t* qs = blk + kquant_nibbles_at(kind) + 32 * (r / 2);
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
       __m256i c = _mm256_and_si256(r % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
       if (kind == kQ5_K) {
@@ -299,14 +198,7 @@ inline float hsum(__m256 v) {
 template <int64_t kind, int MB>
 void dot_row(const uint8_t* row, const QuantizedX& qx, int64_t m0, int64_t K, float* y,
              int64_t ldy) {
-  constexpr Format f = kind == kQ4_0   ? Format{32, 18}
-                       : kind == kQ4_1 ? Format{32, 20}
-                       : kind == kQ5_0 ? Format{32, 22}
-                       : kind == kQ5_1 ? Format{32, 24}
-                       : kind == kQ8_0 ? Format{32, 34}
-                       : kind == kQ4_K ? Format{256, 144}
-                       : kind == kQ5_K ? Format{256, 176}
-                                       : Format{256, 210};
+  constexpr Format f = block_format(kind);
   constexpr int runs = f.weights / kRun;
   const int64_t blocks = K / f.weights, x_runs = K / kRun;
   const int8_t* codes = qx.codes.data() + m0 * K;
@@ -408,35 +300,24 @@ at::Tensor ggml_linear_q8(const at::Tensor& x, at::TensorList blocks, at::IntArr
               "ggml_linear_q8: one ggml type per block tensor");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kRun == 0, "ggml_linear_q8: K ", K, " is not a multiple of ", kRun);
-  std::vector<int64_t> first_item(blocks.size() + 1, 0), first_row(blocks.size() + 1, 0);
   for (size_t s = 0; s < blocks.size(); ++s) {
-    const Format f = format_of(kinds[s]);
-    TORCH_CHECK(K % f.weights == 0, "ggml_linear_q8: K ", K, " is not a multiple of ",
-                f.weights, " for ggml type ", kinds[s]);
-    TORCH_CHECK(blocks[s].scalar_type() == at::kByte && blocks[s].dim() == 2 &&
-                    blocks[s].is_contiguous() && blocks[s].size(1) == K / f.weights * f.bytes,
-                "ggml_linear_q8: blocks must be contiguous uint8 [rows, ", K / f.weights * f.bytes,
-                "]");
-    const int64_t rows = blocks[s].size(0);
-    first_item[s + 1] = first_item[s] + (rows + kRowsPerItem - 1) / kRowsPerItem;
-    first_row[s + 1] = first_row[s] + rows;
+    check_segment(blocks[s], kinds[s], K, "ggml_linear_q8");
   }
-  const int64_t N = first_row.back();
+  const SegmentItems items(blocks, kRowsPerItem);
+  const int64_t N = items.rows();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   QuantizedX qx;
   quantize_x(x.data_ptr<float>(), M, K, qx);
   float* yp = y.data_ptr<float>();
-  kvmesh::parallel_items(first_item.back(), [&](int64_t item, bool /*forward*/) {
-    const size_t s = std::upper_bound(first_item.begin(), first_item.end(), item) -
-                     first_item.begin() - 1;
-    const Format f = format_of(kinds[s]);
-    const int64_t rows_in = blocks[s].size(0);
-    const int64_t r0 = (item - first_item[s]) * kRowsPerItem;
-    const int64_t r1 = std::min(rows_in, r0 + kRowsPerItem);
+  kvmesh::parallel_items(items.items(), [&](int64_t i, bool /*forward*/) {
+    const SegmentItems::Item item = items.item(i);
+    const size_t s = item.segment;
+    const Format f = block_format(kinds[s]);
+    const int64_t r0 = item.row0, r1 = item.row0 + item.rows;
     const int64_t row_bytes = K / f.weights * f.bytes;
     const uint8_t* base = blocks[s].data_ptr<uint8_t>();
-    float* out = yp + first_row[s];
+    float* out = yp + items.first_row(s);
     switch (kinds[s]) {
       case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
       case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;

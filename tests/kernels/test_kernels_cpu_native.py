@@ -215,7 +215,11 @@ def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message:
         _call(args)
 
 
-def test_cache_key_changes_with_any_file_in_csrc(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+@pytest.mark.parametrize("edited", [next(iter(native.SOURCES)), "ggml_blocks.h"])
+def test_cache_key_changes_with_any_file_in_csrc(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, edited: str
+) -> None:
+    """A source or a header only sources include (the GGUF block formats): either rebuilds."""
     level = all_levels()[0]
     before = native.build_key(level)
     for path in native.CSRC.iterdir():
@@ -223,7 +227,7 @@ def test_cache_key_changes_with_any_file_in_csrc(monkeypatch: pytest.MonkeyPatch
         copy.write_bytes(path.read_bytes())
     monkeypatch.setattr(native, "CSRC", tmp_path)
     assert native.build_key(level) == before
-    source = tmp_path / next(iter(native.SOURCES))
+    source = tmp_path / edited
     source.write_text(source.read_text() + "\n// edited\n")
     assert native.build_key(level) != before
 
