@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels import batch_invariant, kv_quant, native
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.cpu_attention import (
     CpuAttentionBackend,
@@ -67,6 +67,12 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             return f"C++ kernels run on CPU tensors only, not {device.type}"
         reason = native.unavailable_reason()
         return None if reason is None else f"C++ kernels unavailable: {reason}"
+
+    @classmethod
+    def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
+        if batch_invariant.enabled() and kv_quant.resolve(kv_cache_dtype) is not None:
+            return "batch-invariant mode reads model-dtype caches only"
+        return None
 
     @classmethod
     def build_plan(cls, metadata: AttentionMetadata) -> object:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from kvmesh.kernels import kv_quant
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.services.runtime.config.process import TRITON_INTERPRET
 
@@ -77,6 +78,12 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type == "cpu" and triton_interpret_enabled():
             return None
         return f"device {device} is not CUDA and TRITON_INTERPRET is not set"
+
+    @classmethod
+    def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
+        if kv_quant.resolve(kv_cache_dtype) is None:
+            return None
+        return "the Triton kernels read model-dtype caches only (use --kv-cache-dtype auto)"
 
     @classmethod
     def build_plan(cls, metadata: AttentionMetadata) -> object:
