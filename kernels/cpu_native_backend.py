@@ -69,12 +69,6 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         return None if reason is None else f"C++ kernels unavailable: {reason}"
 
     @classmethod
-    def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
-        if batch_invariant.enabled() and kv_quant.resolve(kv_cache_dtype) is not None:
-            return "batch-invariant mode reads model-dtype caches only"
-        return None
-
-    @classmethod
     def build_plan(cls, metadata: AttentionMetadata) -> object:
         if batch_invariant.enabled():
             return every_row_plan(metadata)
@@ -134,7 +128,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
     ) -> None:
         if (
             query.dtype not in native.NATIVE_DTYPES
-            or k_cache.dtype != query.dtype
+            or not _reads_cache(query, k_cache)
             or not query.is_cpu
         ):
             CpuAttentionBackend._decode(query, k_cache, v_cache, plan, scale, group, out, layer)
@@ -190,6 +184,13 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         )
 
 
+def _reads_cache(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ attention ops read ``k_cache`` for ``query``: a cache of
+    the query's dtype, or a quantized one (codes and scales, dequantized in
+    registers)."""
+    return k_cache.dtype == query.dtype or kv_quant.is_quantized(k_cache)
+
+
 def _dense_rows(rows: torch.Tensor) -> bool:
     """[tokens, heads, head_dim] whose per-token part is one dense row."""
     return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
@@ -202,7 +203,19 @@ def _native_write_fits(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """Whether kvmesh::write_kv_cache takes these (its checks, asked up front)."""
+    """Whether kvmesh::write_kv_cache takes these (its checks, asked up front):
+    rows in the cache's dtype, or float32/bfloat16 rows into a quantized cache's
+    pages (kernels/kv_quant.py, whose layout the op checks)."""
+    if kv_quant.is_quantized(k_cache):
+        return (
+            _dense_rows(key)
+            and _dense_rows(value)
+            and key.dtype == value.dtype
+            and key.dtype in native.NATIVE_DTYPES
+            and v_cache.dtype == k_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+        )
     return (
         _dense_rows(key)
         and _dense_rows(value)

@@ -14,10 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvmesh.kernels import kv_quant, native
+from kvmesh.kernels import batch_invariant, kv_quant, native
 from kvmesh.kernels.backend import AttentionBackend
 from kvmesh.kernels.cpu_attention import CpuAttentionBackend
 from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
+from kvmesh.kernels.registry import select_attention_backend
 from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
 from tests.kernels.paged_batch import (
     SCENARIOS,
@@ -204,3 +205,55 @@ def test_pages_hold_codes_then_scales() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'int4' is not supported"):
         kv_quant.resolve("int4")
     assert kv_quant.resolve("fp8") is kv_quant.FP8_E4M3 and kv_quant.resolve("auto") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decodes_and_writes_run_in_cpp(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No torch fallback: the C++ write quantizes and the C++ decode dequantizes."""
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+
+    def fell_back(*args: object) -> None:
+        raise AssertionError("a quantized cache fell back to the torch path")
+
+    monkeypatch.setattr(CpuAttentionBackend, "_decode", staticmethod(fell_back))
+    monkeypatch.setattr(kv_quant, "write_rows", fell_back)
+    batch = make_paged_batch(
+        SCENARIOS["decodes_ragged"],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    for fmt in FORMATS:
+        check(NativeCpuAttentionBackend(), quantized_batch(batch, fmt))
+
+
+def test_batch_invariant_mode_reads_a_quantized_cache() -> None:
+    """In the mode, a chunk's rows over a quantized prefix equal the same
+    positions as one-token decodes, bit for bit, and the reference within tolerance."""
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    prefix, chunk = 300, 24
+    batch = quantized_batch(
+        make_paged_batch(
+            [(prefix, chunk)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16
+        ),
+        kv_quant.INT8,
+    )
+    with batch_invariant.forced(True):
+        backend = select_attention_backend("cpu")
+        whole, k_cache, v_cache = run_quantized(backend, batch)
+        for i in (0, chunk - 1):
+            one = backend.build_metadata(
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                context_lens=torch.tensor([prefix + i + 1], dtype=torch.int32),
+                block_tables=batch.block_tables,
+                slot_mapping=batch.slot_mapping[i : i + 1],
+            )
+            row = backend.forward(batch.query[i : i + 1], k_cache, v_cache, one, batch.scale)
+            assert torch.equal(row[0], whole[i]), i
+    torch.testing.assert_close(whole, reference_output(batch), atol=1e-5, rtol=1e-5)
