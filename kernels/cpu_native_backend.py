@@ -31,6 +31,12 @@ context with fixed-length runs (kernels/invariant_attention.py).
 New K/V rows go into the cache with one ``write_kv_cache`` call per layer
 (kernels/csrc/kv_cache_write_cpu.cpp) instead of a negative-slot check and
 two ``index_copy_``; a cache of another dtype or layout takes the torch path.
+
+A quantized cache (--kv-cache-dtype int8 / fp8, kernels/kv_quant.py) runs the
+same ops: the write quantizes each (token, KV head) row into its page's codes
+and scale, decode attention dequantizes K and V rows in registers (a score
+times its K row's scale, a probability times its V row's), and prefill packs
+the dequantized rows (kernels/csrc/kv_codes.h).
 """
 
 from __future__ import annotations
@@ -162,7 +168,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         head_dim = query.shape[2]
         if (
             query.dtype not in native.prefill_attention_dtypes()
-            or k_cache.dtype != query.dtype
+            or not _reads_cache(query, k_cache)
             or not query.is_cpu
             or head_dim % _HEAD_DIM_MULTIPLE
             or head_dim > _MAX_HEAD_DIM

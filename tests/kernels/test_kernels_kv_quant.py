@@ -211,7 +211,8 @@ def test_pages_hold_codes_then_scales() -> None:
 def test_native_decodes_and_writes_run_in_cpp(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No torch fallback: the C++ write quantizes and the C++ decode dequantizes."""
+    """No torch fallback: the C++ write quantizes, C++ decode and (where the
+    level runs it for the dtype) prefill attention dequantize."""
     if native.unavailable_reason() is not None:
         pytest.skip(native.unavailable_reason())
 
@@ -220,8 +221,10 @@ def test_native_decodes_and_writes_run_in_cpp(
 
     monkeypatch.setattr(CpuAttentionBackend, "_decode", staticmethod(fell_back))
     monkeypatch.setattr(kv_quant, "write_rows", fell_back)
+    if dtype in native.prefill_attention_dtypes():
+        monkeypatch.setattr(CpuAttentionBackend, "_prefill", classmethod(fell_back))
     batch = make_paged_batch(
-        SCENARIOS["decodes_ragged"],
+        SCENARIOS["mixed_any_order"],
         num_heads=9,
         num_kv_heads=3,
         head_dim=64,
