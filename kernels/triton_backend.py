@@ -81,9 +81,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
-        if kv_quant.resolve(kv_cache_dtype) is None:
+        if kv_quant.resolve(kv_cache_dtype) is not kv_quant.FP8_E5M2:
             return None
-        return "the Triton kernels read model-dtype caches only (use --kv-cache-dtype auto)"
+        return (
+            "fp8_e5m2 is not implemented in the Triton kernels (its codes could not be checked "
+            "against torch's rounding under the interpreter); use int8 or fp8_e4m3"
+        )
 
     @classmethod
     def build_plan(cls, metadata: AttentionMetadata) -> object:

@@ -13,6 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvmesh.kernels import batch_invariant, kv_quant, native
 from kvmesh.kernels.backend import AttentionBackend
@@ -20,6 +22,9 @@ from kvmesh.kernels.cpu_attention import CpuAttentionBackend
 from kvmesh.kernels.cpu_native_backend import NativeCpuAttentionBackend
 from kvmesh.kernels.registry import select_attention_backend
 from kvmesh.kernels.torch_reference_backend import TorchReferenceBackend
+from kvmesh.kernels.triton_backend import TritonAttentionBackend
+from kvmesh.kernels.triton_cache import _e4m3_bits
+from kvmesh.services.runtime.config import KV_CACHE_DTYPES
 from tests.kernels.paged_batch import (
     SCENARIOS,
     PagedBatch,
@@ -28,6 +33,13 @@ from tests.kernels.paged_batch import (
 )
 
 FORMATS = [kv_quant.INT8, kv_quant.FP8_E4M3, kv_quant.FP8_E5M2]
+
+
+@triton.jit
+def _convert_e4m3(x_ptr, out_ptr, N: tl.constexpr) -> None:
+    """The Triton cache writer's float8_e4m3fn bits of N floats."""
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _e4m3_bits(tl.load(x_ptr + i)))
 
 
 def quantized_batch(batch: PagedBatch, fmt: kv_quant.KVCacheFormat) -> PagedBatch:
@@ -260,3 +272,47 @@ def test_batch_invariant_mode_reads_a_quantized_cache() -> None:
             row = backend.forward(batch.query[i : i + 1], k_cache, v_cache, one, batch.scale)
             assert torch.equal(row[0], whole[i]), i
     torch.testing.assert_close(whole, reference_output(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", [kv_quant.INT8, kv_quant.FP8_E4M3], ids=lambda f: f.name)
+def test_triton_writes_and_reads_a_quantized_cache(fmt: kv_quant.KVCacheFormat) -> None:
+    """Under TRITON_INTERPRET (tiny shapes): the same codes and scales, the
+    reference's attention, decodes and prefill chunks, with a window too."""
+    if not TritonAttentionBackend.supports_device(torch.device("cpu")):
+        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET")
+    batch = make_paged_batch(
+        [(5, 1), (0, 7), (20, 1), (14, 3)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=16,
+    )
+    check(TritonAttentionBackend(), quantized_batch(batch, fmt))
+    windowed = free_out_of_window(batch, 6)
+    check(TritonAttentionBackend(), quantized_batch(windowed, fmt), window=6)
+
+
+def test_backends_refuse_what_they_do_not_read() -> None:
+    assert TritonAttentionBackend.kv_cache_unsupported_reason("fp8_e5m2") is not None
+    assert "fp8_e5m2" in TritonAttentionBackend.kv_cache_unsupported_reason("fp8_e5m2")
+    for name in ("auto", "int8", "fp8", "fp8_e4m3"):
+        assert TritonAttentionBackend.kv_cache_unsupported_reason(name) is None
+    for backend in (NativeCpuAttentionBackend, CpuAttentionBackend, TorchReferenceBackend):
+        for name in KV_CACHE_DTYPES:
+            assert backend.kv_cache_unsupported_reason(name) is None
+
+
+def test_triton_e4m3_bits_round_as_torch() -> None:
+    """The Triton writer's float8_e4m3fn bits, over normals, subnormals, ties and
+    the range's end, equal torch's ``.to()`` bits."""
+    if not TritonAttentionBackend.supports_device(torch.device("cpu")):
+        pytest.skip("Triton runs on CPU only under TRITON_INTERPRET")
+    grid = torch.cat([2.0 ** torch.linspace(-12, 8.8, 1500), torch.arange(0, 448.5, 0.5)])
+    codes = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes)].sort().values
+    ties = (values[:-1] + values[1:]) / 2  # halfway between neighbours: to even
+    x = torch.cat([grid, -grid, ties, -ties, values]).float()
+    x = torch.cat([x, torch.zeros(4096 - x.numel())]) if x.numel() < 4096 else x[:4096]
+    out = torch.empty(4096, dtype=torch.uint8)
+    _convert_e4m3[(1,)](x, out, N=4096)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
