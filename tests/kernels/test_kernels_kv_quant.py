@@ -146,7 +146,9 @@ def check(backend: AttentionBackend, batch: PagedBatch, window: int | None = Non
 def test_quantized_cache_matches_reference(
     backend: AttentionBackend, scenario: str, fmt: kv_quant.KVCacheFormat
 ) -> None:
-    for head_dim, heads in ((64, (9, 3)), (32, (4, 4))):
+    # head_dim 32: the C++ kernel's generic per-head path (the torch paths have one).
+    shapes = [(64, (9, 3))] + ([(32, (4, 4))] if backend.name == "cpu_native" else [])
+    for head_dim, heads in shapes:
         batch = make_paged_batch(
             SCENARIOS[scenario],
             num_heads=heads[0],
