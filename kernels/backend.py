@@ -99,6 +99,14 @@ class AttentionBackend(ABC):
         """Why this backend cannot run on ``device``, or None if it can."""
 
     @classmethod
+    def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
+        """Why this backend cannot run a cache of ``kv_cache_dtype`` (vLLM's
+        --kv-cache-dtype name, kernels/kv_quant.py), or None if it can. Every
+        backend in the registry writes and reads the quantized formats; one
+        that does not overrides this, and the worker refuses it at start-up."""
+        return None
+
+    @classmethod
     def supports_device(cls, device: torch.device) -> bool:
         return cls.unsupported_reason(device) is None
 

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels import reference
+from kvmesh.kernels import kv_quant, reference
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 
 
@@ -202,9 +202,15 @@ def build_cpu_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
 
 
 def _gather_slots(
-    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Rows ``[len(slots), H_kv, D]`` of a ``[num_blocks, block_size, H_kv, D]`` cache."""
+    """Rows ``[len(slots), H_kv, D]`` of a ``[num_blocks, block_size, H_kv, D]``
+    cache; a quantized cache's dequantized to ``dtype`` (``out`` unused)."""
+    if kv_quant.is_quantized(cache):
+        return kv_quant.gather_rows(cache, slots, dtype or torch.float32)
     rows = cache.view(-1, *cache.shape[2:])
     if out is None:
         return rows.index_select(0, slots)
@@ -262,6 +268,9 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if kv_quant.is_quantized(k_cache):
+            kv_quant.write_rows(key, value, k_cache, v_cache, slot_mapping)
+            return
         if slot_mapping.numel() and bool((slot_mapping >= 0).all()):
             # The worker's case: no skipped tokens, so no boolean masks (each a
             # nonzero + gather) per layer, just two scatters.
@@ -337,11 +346,17 @@ class CpuAttentionBackend(AttentionBackend):
             slots = plan.decode_slots(k_cache.shape[1])
         else:
             slots, mask, length = plan.window_decode(layer.sliding_window, k_cache.shape[1])
-        k_rows = plan.gather_buffer("k", k_cache, slots.shape[0])
-        v_rows = plan.gather_buffer("v", v_cache, slots.shape[0])
+        quantized = kv_quant.is_quantized(k_cache)
+        # A quantized cache's rows are dequantized into fresh tensors.
+        k_rows = None if quantized else plan.gather_buffer("k", k_cache, slots.shape[0])
+        v_rows = None if quantized else plan.gather_buffer("v", v_cache, slots.shape[0])
         # [N, L, H_kv, D] -> [N, H_kv, L, D] as a view; SDPA reads the strides.
-        k = _gather_slots(k_cache, slots, k_rows).view(num_decodes, length, num_kv_heads, head_dim)
-        v = _gather_slots(v_cache, slots, v_rows).view(num_decodes, length, num_kv_heads, head_dim)
+        k = _gather_slots(k_cache, slots, k_rows, query.dtype).view(
+            num_decodes, length, num_kv_heads, head_dim
+        )
+        v = _gather_slots(v_cache, slots, v_rows, query.dtype).view(
+            num_decodes, length, num_kv_heads, head_dim
+        )
         q = query.index_select(0, plan.decode_rows).view(num_decodes, num_kv_heads, group, -1)
         attended = attend(
             q, k.transpose(1, 2), v.transpose(1, 2), scale, mask, softcap=layer.softcap
@@ -368,7 +383,7 @@ class CpuAttentionBackend(AttentionBackend):
 
         def expanded(cache: torch.Tensor) -> torch.Tensor:
             # [keys, H_kv, D] -> [H_kv, group, keys, D] with a stride-0 group axis.
-            rows = _gather_slots(cache, slots).permute(1, 0, 2)
+            rows = _gather_slots(cache, slots, dtype=query.dtype).permute(1, 0, 2)
             return rows.unsqueeze(1).expand(num_kv_heads, group, context_len - first, head_dim)
 
         q = query[chunk.query_start : chunk.query_end].view(q_len, num_kv_heads, group, head_dim)

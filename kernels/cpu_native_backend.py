@@ -31,6 +31,12 @@ context with fixed-length runs (kernels/invariant_attention.py).
 New K/V rows go into the cache with one ``write_kv_cache`` call per layer
 (kernels/csrc/kv_cache_write_cpu.cpp) instead of a negative-slot check and
 two ``index_copy_``; a cache of another dtype or layout takes the torch path.
+
+A quantized cache (--kv-cache-dtype int8 / fp8, kernels/kv_quant.py) runs the
+same ops: the write quantizes each (token, KV head) row into its page's codes
+and scale, decode attention dequantizes K and V rows in registers (a score
+times its K row's scale, a probability times its V row's), and prefill packs
+the dequantized rows (kernels/csrc/kv_codes.h).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels import batch_invariant, kv_quant, native
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.cpu_attention import (
     CpuAttentionBackend,
@@ -128,7 +134,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
     ) -> None:
         if (
             query.dtype not in native.NATIVE_DTYPES
-            or k_cache.dtype != query.dtype
+            or not _reads_cache(query, k_cache)
             or not query.is_cpu
         ):
             CpuAttentionBackend._decode(query, k_cache, v_cache, plan, scale, group, out, layer)
@@ -162,7 +168,7 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         head_dim = query.shape[2]
         if (
             query.dtype not in native.prefill_attention_dtypes()
-            or k_cache.dtype != query.dtype
+            or not _reads_cache(query, k_cache)
             or not query.is_cpu
             or head_dim % _HEAD_DIM_MULTIPLE
             or head_dim > _MAX_HEAD_DIM
@@ -184,6 +190,13 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
         )
 
 
+def _reads_cache(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ attention ops read ``k_cache`` for ``query``: a cache of
+    the query's dtype, or a quantized one (codes and scales, dequantized in
+    registers)."""
+    return k_cache.dtype == query.dtype or kv_quant.is_quantized(k_cache)
+
+
 def _dense_rows(rows: torch.Tensor) -> bool:
     """[tokens, heads, head_dim] whose per-token part is one dense row."""
     return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
@@ -196,7 +209,19 @@ def _native_write_fits(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """Whether kvmesh::write_kv_cache takes these (its checks, asked up front)."""
+    """Whether kvmesh::write_kv_cache takes these (its checks, asked up front):
+    rows in the cache's dtype, or float32/bfloat16 rows into a quantized cache's
+    pages (kernels/kv_quant.py, whose layout the op checks)."""
+    if kv_quant.is_quantized(k_cache):
+        return (
+            _dense_rows(key)
+            and _dense_rows(value)
+            and key.dtype == value.dtype
+            and key.dtype in native.NATIVE_DTYPES
+            and v_cache.dtype == k_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+        )
     return (
         _dense_rows(key)
         and _dense_rows(value)

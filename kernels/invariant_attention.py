@@ -8,7 +8,8 @@ one order that depends only on its context: not on the batch, on how the
 prompt was chunked, on whether its prefix came from the cache, or on a
 recompute after preemption (kernels/batch_invariant.py says why the usual
 paths differ). A prompt's rows each cost a decode's attention (K/V read per
-row, no query tiling).
+row, no query tiling). A quantized cache (--kv-cache-dtype) is read the same
+way: the kernel dequantizes each row in registers, in one order per row.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kernels import batch_invariant, native
+from kvmesh.kernels import batch_invariant, kv_quant, native
 from kvmesh.kernels.backend import AttentionMetadata
 from kvmesh.kernels.cpu_attention import LayerOptions
 
@@ -64,10 +65,12 @@ def attend_every_row(
     layer = layer or LayerOptions()
     if query.shape[0] != plan.num_tokens:
         raise ValueError(f"query has {query.shape[0]} rows, metadata {plan.num_tokens}")
-    if query.dtype not in native.NATIVE_DTYPES or k_cache.dtype != query.dtype:
+    if query.dtype not in native.NATIVE_DTYPES or not (
+        k_cache.dtype == query.dtype or kv_quant.is_quantized(k_cache)
+    ):
         raise ValueError(
             f"batch-invariant attention runs float32 or bfloat16 with a cache of the same "
-            f"dtype, not {query.dtype} over a {k_cache.dtype} cache"
+            f"dtype or a quantized one, not {query.dtype} over a {k_cache.dtype} cache"
         )
     out = torch.empty_like(query)
     if plan.rows.numel():

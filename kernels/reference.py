@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.kernels import kv_quant
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -32,7 +34,11 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot means "skip"
 ) -> None:
-    """Scatter new K/V rows into their cache slots, in place."""
+    """Scatter new K/V rows into their cache slots, in place (a quantized
+    cache, kernels/kv_quant.py: their codes and scales)."""
+    if kv_quant.is_quantized(k_cache):
+        kv_quant.write_rows(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -49,10 +55,14 @@ def _gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, context_len: int, first_block: int = 0
 ) -> torch.Tensor:
     """Keys ``first_block * block_size .. context_len - 1`` of one request, read
-    through its block table: ``[n, num_kv_heads, head_dim]``."""
+    through its block table: ``[n, num_kv_heads, head_dim]`` (a quantized
+    cache's dequantized to float32)."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = cache[block_table[first_block:num_blocks].long()]  # [n, block_size, H, D]
+    ids = block_table[first_block:num_blocks].long()
+    blocks = cache[ids]  # [n, block_size, H, D]
+    if kv_quant.is_quantized(cache):
+        blocks = kv_quant.dequantize(blocks, kv_quant.cache_scales(cache)[ids], torch.float32)
     return blocks.reshape(-1, *cache.shape[2:])[: context_len - first_block * block_size]
 
 

@@ -10,6 +10,11 @@ block per loop iteration, with an online (flash) softmax in float32.
   of one sequence, query head). A row at position p sees keys 0..p; the loop
   stops at the tile's last position, so later blocks are never read.
 
+A quantized cache (--kv-cache-dtype int8 / fp8_e4m3, kernels/kv_quant.py)
+passes its codes and its per-(token, KV head) float32 scales (a view of the
+same pages); each K/V tile is widened to float32 and times its rows' scales
+as it is loaded (``QUANTIZED``), the rest of the loop unchanged.
+
 Per layer, a sliding window (``window`` > 0: keys p - window < j <= p) starts
 each loop at the block holding the first row's window start, so blocks that
 fell out of the window are never read, and a soft-cap (``softcap`` > 0:
@@ -26,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels import kv_quant
+
 PREFILL_BLOCK_M = 32
 _MIN_DOT = 16
 
@@ -38,11 +45,24 @@ def _soft_cap(scores, softcap):
 
 
 @triton.jit
+def _dequantize(
+    k, v, k_scale_ptr, v_scale_ptr, block, slots, kv_head, valid, stride_block, stride_slot
+):
+    """A block's code tiles [slots, dims] times their rows' scales (0 where not valid)."""
+    offsets = block * stride_block + slots * stride_slot + kv_head
+    k_scale = tl.load(k_scale_ptr + offsets, mask=valid, other=0.0)
+    v_scale = tl.load(v_scale_ptr + offsets, mask=valid, other=0.0)
+    return k * k_scale[:, None], v * v_scale[:, None]
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     decode_rows_ptr,
@@ -58,6 +78,9 @@ def _paged_decode_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_slot,
+    QUANTIZED: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -100,6 +123,11 @@ def _paged_decode_kernel(
         # other=0 keeps never-written (possibly NaN) slots out of the sums.
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            k, v = _dequantize(
+                k, v, k_scale_ptr, v_scale_ptr, block, slots, kv_head, valid,
+                stride_scale_block, stride_scale_slot,
+            )  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if softcap > 0:
             scores = _soft_cap(scores, softcap)
@@ -125,6 +153,8 @@ def _paged_prefill_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     query_start_loc_ptr,
@@ -141,6 +171,9 @@ def _paged_prefill_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_slot,
+    QUANTIZED: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -192,6 +225,11 @@ def _paged_prefill_kernel(
         kv_mask = k_valid[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            k, v = _dequantize(
+                k, v, k_scale_ptr, v_scale_ptr, block, slots, kv_head, k_valid,
+                stride_scale_block, stride_scale_slot,
+            )  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if softcap > 0:
             scores = _soft_cap(scores, softcap)
@@ -217,6 +255,21 @@ def _paged_prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=q_mask,
     )
+
+
+def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized cache's scale views (kernels/kv_quant.py); the caches themselves
+    otherwise (never read: QUANTIZED is off)."""
+    if not kv_quant.is_quantized(k_cache):
+        return k_cache, v_cache
+    return kv_quant.cache_scales(k_cache), kv_quant.cache_scales(v_cache)
+
+
+def _scale_strides(k_cache: torch.Tensor) -> tuple[int, int]:
+    if not kv_quant.is_quantized(k_cache):
+        return 0, 0
+    scales = kv_quant.cache_scales(k_cache)
+    return scales.stride(0), scales.stride(1)
 
 
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -253,6 +306,7 @@ def paged_decode(
         query,
         k_cache,
         v_cache,
+        *_scales(k_cache, v_cache),
         block_tables,
         context_lens,
         decode_rows,
@@ -268,6 +322,8 @@ def paged_decode(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *_scale_strides(k_cache),
+        QUANTIZED=kv_quant.is_quantized(k_cache),
         GROUP=group,
         GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -299,6 +355,7 @@ def paged_prefill(
         query,
         k_cache,
         v_cache,
+        *_scales(k_cache, v_cache),
         block_tables,
         context_lens,
         query_start_loc,
@@ -315,6 +372,8 @@ def paged_prefill(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *_scale_strides(k_cache),
+        QUANTIZED=kv_quant.is_quantized(k_cache),
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=max(_MIN_DOT, triton.next_power_of_2(head_dim)),

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from kvmesh.kernels import kv_quant
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from kvmesh.services.runtime.config.process import TRITON_INTERPRET
 
@@ -77,6 +78,15 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type == "cpu" and triton_interpret_enabled():
             return None
         return f"device {device} is not CUDA and TRITON_INTERPRET is not set"
+
+    @classmethod
+    def kv_cache_unsupported_reason(cls, kv_cache_dtype: str) -> str | None:
+        if kv_quant.resolve(kv_cache_dtype) is not kv_quant.FP8_E5M2:
+            return None
+        return (
+            "fp8_e5m2 is not implemented in the Triton kernels (its codes could not be checked "
+            "against torch's rounding under the interpreter); use int8 or fp8_e4m3"
+        )
 
     @classmethod
     def build_plan(cls, metadata: AttentionMetadata) -> object:

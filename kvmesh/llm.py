@@ -58,9 +58,11 @@ class LLM(PoolingMethods):
     prepared default, SmolLM2-135M-Instruct). ``dtype``: "auto" (by the
     hardware, as ``kvmesh serve worker``), "float32" or "bfloat16". The KV
     cache holds ``num_kv_blocks`` blocks of ``block_size`` tokens, or as many as
-    ``kv_cache_memory_bytes`` holds. ``max_num_batched_tokens`` None takes the
-    step budget the worker would ask for on this hardware. Loading takes the
-    process's torch threads (``num_threads``, None: one per CPU).
+    ``kv_cache_memory_bytes`` holds; ``kv_cache_dtype``: vLLM's --kv-cache-dtype
+    (auto, int8, fp8 / fp8_e4m3, fp8_e5m2: kernels/kv_quant.py).
+    ``max_num_batched_tokens`` None takes the step budget the worker would ask
+    for on this hardware. Loading takes the process's torch threads
+    (``num_threads``, None: one per CPU).
 
     ``runner``/``convert``/``hf_overrides``: vLLM's (worker/runner_choice.py):
     an encoder checkpoint pools by itself; ``runner="pooling"`` serves a
@@ -78,6 +80,7 @@ class LLM(PoolingMethods):
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 128,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
@@ -96,6 +99,11 @@ class LLM(PoolingMethods):
         self._pooling: PoolingEngine | None = None
         self._ids = itertools.count()
         if choice.runner == "pooling":
+            if kv_cache_dtype != "auto":
+                raise ValueError(
+                    f"kv_cache_dtype={kv_cache_dtype!r} is for generation: a pooling model "
+                    "keeps no KV cache between steps"
+                )
             self._pooling = build_pooling_engine(
                 Path(folder),
                 choice,
@@ -127,6 +135,7 @@ class LLM(PoolingMethods):
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=None if num_kv_blocks else kv_cache_memory_bytes,
+            kv_cache_dtype=kv_cache_dtype,
         )
         runner = ModelRunner(model_config, cache_config, num_threads=num_threads)
         budget = max_num_batched_tokens or preferred_step_tokens("cpu", model_config.dtype)

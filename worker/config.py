@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.kernels import kv_quant
 from kvmesh.services.runtime.config import DEFAULT_MAX_MODEL_LEN, DTYPES, QUANTIZATIONS
 from kvmesh.services.runtime.model_prep import gguf_weights_file, resolve_model_path
 from kvmesh.worker.dtype_choice import choose_dtype
@@ -254,13 +255,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Size of the paged KV cache: a block count, or a memory budget to derive it from."""
+    """Size of the paged KV cache: a block count, or a memory budget to derive it from,
+    and its element format (``kv_cache_dtype``: kernels/kv_quant.py)."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # vLLM's --kv-cache-dtype: "auto" (the model dtype), int8, fp8 / fp8_e4m3, fp8_e5m2.
+    kv_cache_dtype: str = kv_quant.AUTO
 
     def __post_init__(self) -> None:
+        kv_quant.resolve(self.kv_cache_dtype)  # refuses an unknown name
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is None and self.kv_cache_memory_bytes is None:
@@ -268,11 +273,21 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 
+    @property
+    def kv_format(self) -> kv_quant.KVCacheFormat | None:
+        """The quantized cache format, or None for the model dtype."""
+        return kv_quant.resolve(self.kv_cache_dtype)
+
     def bytes_per_block(self, model_config: ModelConfig, kv_head_layers: int | None = None) -> int:
         """K and V of every layer for ``block_size`` tokens; ``kv_head_layers``: KV heads
-        times layers a parallel rank holds (default: the whole model's)."""
-        element_size = torch.empty((), dtype=model_config.dtype).element_size()
+        times layers a parallel rank holds (default: the whole model's). A quantized
+        cache's block counts its scales too (one float32 per token per KV head)."""
         share = kv_head_layers or model_config.num_layers * model_config.num_kv_heads
+        if self.kv_format is not None:
+            # Pages per KV head, as kv_quant lays them out (one head's page per layer).
+            per_head = kv_quant.page_bytes(self.block_size, 1, model_config.head_dim)
+            return 2 * share * per_head
+        element_size = torch.empty((), dtype=model_config.dtype).element_size()
         return 2 * share * self.block_size * model_config.head_dim * element_size
 
     def resolve_num_kv_blocks(

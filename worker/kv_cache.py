@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvmesh.kernels import kv_quant
 from kvmesh.services.contracts.kv_cache_groups import (
     KVCacheGroup,
     group_layers,
@@ -34,28 +35,33 @@ def allocate_kv_caches(
     device: str | torch.device = "cpu",
     num_kv_heads: int | None = None,
     num_layers: int | None = None,
+    kv_format: kv_quant.KVCacheFormat | None = None,
 ) -> list[KVCache]:
     """Per layer, K and V as ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     ``num_kv_heads``/``num_layers``: a tensor/pipeline-parallel rank's share
     (default: the whole model's). Zero-filled rather than empty: padding slots
     that a kernel might read past a context's end then hold finite values
-    instead of NaNs from stale memory.
+    instead of NaNs from stale memory. ``kv_format``: a quantized cache
+    (--kv-cache-dtype), each tensor the codes' view of its pages of codes and
+    scales (kernels/kv_quant.py); None: the model dtype.
     """
     heads = num_kv_heads or model_config.num_kv_heads
     shape = (num_blocks, block_size, heads, model_config.head_dim)
-    caches = [
-        (
-            torch.zeros(shape, dtype=model_config.dtype, device=device),
-            torch.zeros(shape, dtype=model_config.dtype, device=device),
-        )
-        for _ in range(num_layers or model_config.num_layers)
-    ]
-    total_bytes = 2 * len(caches) * caches[0][0].numel() * caches[0][0].element_size()
+
+    def one() -> torch.Tensor:
+        if kv_format is None:
+            return torch.zeros(shape, dtype=model_config.dtype, device=device)
+        return kv_quant.allocate_pages(kv_format, *shape, device=device)
+
+    caches = [(one(), one()) for _ in range(num_layers or model_config.num_layers)]
+    pages = kv_quant.cache_pages(caches[0][0])
+    total_bytes = 2 * len(caches) * pages.numel() * pages.element_size()
     logger.info(
-        "allocated KV cache: %s blocks x %s tokens, %.1f MiB",
+        "allocated KV cache: %s blocks x %s tokens, %s, %.1f MiB",
         num_blocks,
         block_size,
+        kv_format.store_name if kv_format else str(model_config.dtype).removeprefix("torch."),
         total_bytes / 2**20,
     )
     return caches
@@ -84,6 +90,7 @@ def allocate_group_kv_caches(
     block_size: int,
     device: str | torch.device = "cpu",
     num_kv_heads: int | None = None,
+    kv_format: kv_quant.KVCacheFormat | None = None,
 ) -> list[KVCache]:
     """Per model layer, its (K, V): the tensor pair of its position in its group
     (one pair per layer when there is one group)."""
@@ -94,5 +101,6 @@ def allocate_group_kv_caches(
         device,
         num_kv_heads=num_kv_heads,
         num_layers=group_size(groups),
+        kv_format=kv_format,
     )
     return [pairs[slot] for _, slot in layer_slots(groups, model_config.num_layers)]

@@ -2,7 +2,11 @@
 
 Layout version 1: a block's bytes are, for each layer in order, K[block] then
 V[block], each ``[block_size, num_kv_heads, head_dim]`` in the cache dtype and
-C-contiguous, concatenated. Two workers can exchange blocks exactly when their
+C-contiguous, concatenated; a quantized cache's (--kv-cache-dtype,
+kernels/kv_quant.py) K[block] and V[block] are each the block's whole page,
+its codes then its float32 scales, and the layout's dtype names the format
+(``int8+scale_per_token_head``...), so a store never serves one cache dtype to
+another. Two workers can exchange blocks exactly when their
 ``KVLayout`` (kvstore/layout.py, whose namespace prefixes every store key) is
 equal, so everything that changes those bytes (or their meaning) goes into it.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.kernels import kv_quant
 from kvmesh.kvstore.layout import KVLayout
 from kvmesh.worker.kv_cache import KVCache
 
@@ -19,7 +24,7 @@ LAYOUT_VERSION = 1
 
 def worker_kv_layout(
     model_name: str,
-    dtype: torch.dtype,
+    dtype: torch.dtype | kv_quant.KVCacheFormat,
     block_size: int,
     num_layers: int,
     num_kv_heads: int,
@@ -33,13 +38,18 @@ def worker_kv_layout(
     exchange blocks. A tensor-parallel rank's blocks hold only its KV heads
     (``tp_rank`` of ``tp_size``, both in the layout, so TP=2 replicas share
     blocks rank by rank and never with TP=1); a pipeline stage's hold only its
-    ``layers``, named in the identity."""
+    ``layers``, named in the identity. ``dtype``: the cache's, a torch dtype
+    (``auto``: the model's) or a quantized format."""
     identity = f"{model_name};layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim}"
     if layers is not None and len(layers) != num_layers:
         identity += f";stage_layers={layers.start}-{layers.stop}"
     return KVLayout(
         model=identity,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=(
+            dtype.store_name
+            if isinstance(dtype, kv_quant.KVCacheFormat)
+            else str(dtype).removeprefix("torch.")
+        ),
         block_size=block_size,
         layout_version=LAYOUT_VERSION,
         tp_rank=tp_rank,
@@ -53,18 +63,24 @@ class KVBlockCodec:
     Both directions stage all blocks of a call in one ``[n, layers, 2, elems]``
     tensor, so each layer costs one gather (``index_select``) or one scatter
     (``index_copy_``) however many blocks move; a staged row is exactly one
-    block's bytes in layout version 1.
+    block's bytes in layout version 1. Blocks move as whole pages
+    (``kv_quant.cache_pages``): a quantized cache's codes with their scales.
     """
 
     def __init__(self, kv_caches: list[KVCache]) -> None:
-        key_cache = kv_caches[0][0]
         self.kv_caches = kv_caches
-        self.num_blocks = key_cache.shape[0]
-        self.dtype = key_cache.dtype
-        self.device = key_cache.device
+        # Per layer, [num_blocks, elements of one block's page] views of K and V.
+        self._pages = [
+            (kv_quant.cache_pages(key_cache), kv_quant.cache_pages(value_cache))
+            for key_cache, value_cache in kv_caches
+        ]
+        first = self._pages[0][0]
+        self.num_blocks = first.shape[0]
+        self.dtype = first.dtype
+        self.device = first.device
         # Elements of one block of K (or V) in one layer.
-        self._block_elems = key_cache[0].numel()
-        self.block_bytes = len(kv_caches) * 2 * self._block_elems * key_cache.element_size()
+        self._block_elems = first.shape[1]
+        self.block_bytes = len(kv_caches) * 2 * self._block_elems * first.element_size()
 
     def _staging_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, len(self.kv_caches), 2, self._block_elems)
@@ -80,9 +96,7 @@ class KVBlockCodec:
         staged = torch.empty(
             self._staging_shape(len(block_ids)), dtype=self.dtype, device=self.device
         )
-        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            flat_keys = key_cache.view(self.num_blocks, -1)
-            flat_values = value_cache.view(self.num_blocks, -1)
+        for layer, (flat_keys, flat_values) in enumerate(self._pages):
             torch.index_select(flat_keys, 0, ids, out=staged[:, layer, 0])
             torch.index_select(flat_values, 0, ids, out=staged[:, layer, 1])
         rows = staged.cpu().view(torch.uint8).reshape(len(block_ids), -1).numpy()
@@ -107,6 +121,6 @@ class KVBlockCodec:
             .to(self.device)
         )
         ids = self._ids(block_ids)
-        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            key_cache.view(self.num_blocks, -1).index_copy_(0, ids, staged[:, layer, 0])
-            value_cache.view(self.num_blocks, -1).index_copy_(0, ids, staged[:, layer, 1])
+        for layer, (flat_keys, flat_values) in enumerate(self._pages):
+            flat_keys.index_copy_(0, ids, staged[:, layer, 0])
+            flat_values.index_copy_(0, ids, staged[:, layer, 1])

@@ -186,6 +186,12 @@ class ModelRunner:
             else None
         )
         self.backend = select_attention_backend(self.device, attention_backend)
+        refused = self.backend.kv_cache_unsupported_reason(cache_config.kv_cache_dtype)
+        if refused is not None:
+            raise ValueError(
+                f"--kv-cache-dtype {cache_config.kv_cache_dtype} is not supported by the "
+                f"{self.backend.name!r} attention backend: {refused}"
+            )
         self.kv_caches = (
             allocate_group_kv_caches(
                 model_config,
@@ -194,6 +200,7 @@ class ModelRunner:
                 cache_config.block_size,
                 self.device,
                 num_kv_heads=len(self.plan.heads.kv_heads),
+                kv_format=cache_config.kv_format,
             )
             if multi_group
             else allocate_kv_caches(
@@ -203,6 +210,7 @@ class ModelRunner:
                 self.device,
                 num_kv_heads=len(self.plan.heads.kv_heads),
                 num_layers=len(self.plan.layers),
+                kv_format=cache_config.kv_format,
             )
         )
         self.input_batch = InputBatch(

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from kvmesh.kernels import batch_invariant
+from kvmesh.kernels import batch_invariant, kv_quant
 from kvmesh.kvstore.client import KVStoreClient
 from kvmesh.kvstore.layout import KVLayout
 from kvmesh.protos import worker_pb2, worker_pb2_grpc
@@ -349,6 +349,11 @@ def build_pooling_runner(
         raise ValueError("tensor/pipeline parallelism is not implemented for pooling models")
     if config.enable_lora:
         raise ValueError("LoRA is not implemented for pooling models")
+    if kv_quant.resolve(config.kv_cache_dtype) is not None:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} is for generation: a pooling model "
+            "keeps no KV cache between steps (leave it auto)"
+        )
     if choice is not None and choice.pools_decoder:
         model_config = decoder_model_config(config, path)
         runner = PoolingRunner(
@@ -415,6 +420,7 @@ def build_runner(
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or None,
         kv_cache_memory_bytes=None if config.num_kv_blocks else config.kv_cache_memory,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     # Before the runner: its attention backend is chosen by the mode.
     batch_invariant.enable(config.batch_invariant or BATCH_INVARIANT.get(), config.device)
@@ -464,7 +470,7 @@ def runner_kv_layout(runner: ModelRunner, info: worker_pb2.WorkerInfo) -> KVLayo
     model, plan = runner.model_config, runner.plan
     return worker_kv_layout(
         info.model_name,
-        model.dtype,
+        runner.cache_config.kv_format or model.dtype,
         info.block_size,
         model.num_layers,
         model.num_kv_heads,

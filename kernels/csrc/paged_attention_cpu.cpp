@@ -48,12 +48,40 @@
 #endif
 
 #include "float_or_bf16.h"
+#include "kv_codes.h"
 #include "work_stealing.h"
 
 namespace {
 
 using kvmesh::from_float;
+using kvmesh::kIsCode;
 using kvmesh::to_float;
+
+// Where a cache's rows are. A model-dtype cache is contiguous (block_stride =
+// block_size * row_stride elements); a quantized one (kv_codes.h) strides its
+// blocks by their pages and keeps per-(token, KV head) scales at each page's
+// end. C is the element type of the cache (T for a model-dtype cache).
+struct CacheGeometry {
+  int64_t block_size;
+  int64_t block_stride;  // elements between two blocks' first rows
+  int64_t row_stride;    // elements between two tokens' rows (num_kv_heads * head_dim)
+  int64_t num_kv_heads;
+};
+
+template <typename C>
+inline const C* cache_row(const C* base, const CacheGeometry& g, int64_t block, int64_t offset) {
+  return base + block * g.block_stride + offset * g.row_stride;
+}
+
+// A quantized block's scales, [block_size][num_kv_heads] (nullptr for a model-dtype cache).
+template <typename C>
+inline const float* block_scales(const C* base, const CacheGeometry& g, int64_t block) {
+  if constexpr (kIsCode<C>) {
+    return kvmesh::page_scales(base, block, g.block_stride, g.block_size, g.num_kv_heads);
+  } else {
+    return nullptr;
+  }
+}
 
 // s[t] = exp(s[t] - max(s)) in place; returns their sum (the softmax's denominator).
 inline float exp_in_place(float* s, int64_t len) {
@@ -77,11 +105,15 @@ inline void soft_cap(float* s, int64_t len, float cap) {
 // that share the KV head. HEAD_DIM is a compile-time constant so the per-head
 // accumulators live in vector registers (4 zmm or 8 ymm for 64 floats)
 // instead of memory. `scores` holds group x (len - begin) floats.
-template <int HEAD_DIM, typename T>
-void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base, const T* v_base,
-                const int64_t* table, int64_t begin, int64_t len, int64_t block_size,
-                int64_t row_stride, float scale, float softcap, float* scores) {
+// C: the cache's element type (T, or a quantized cache's codes: each K score
+// and each V weight then times its row's scale). k_base/v_base: the caches'
+// first rows; `kv_head` picks the head's slice of each row and its scale.
+template <int HEAD_DIM, typename T, typename C>
+void attend_one(const T* const* q, T* const* out, int64_t group, const C* k_base, const C* v_base,
+                const int64_t* table, int64_t begin, int64_t len, const CacheGeometry& geo,
+                int64_t kv_head, float scale, float softcap, float* scores) {
   const int64_t count = len - begin;
+  const int64_t block_size = geo.block_size, row_stride = geo.row_stride;
   // Scores: one dot product per (head, token), K rows read through the block table.
   for (int64_t g = 0; g < group; ++g) {
     float qg[HEAD_DIM];
@@ -90,12 +122,15 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
     // Block-major walk: no division per token.
     for (int64_t start = begin; start < len;) {
       const int64_t offset = start % block_size;
-      const T* k = k_base + (table[start / block_size] * block_size + offset) * row_stride;
+      const int64_t block = table[start / block_size];
+      const C* k = cache_row(k_base, geo, block, offset) + kv_head * HEAD_DIM;
+      const float* k_scales = block_scales(k_base, geo, block);
       const int64_t n = std::min(block_size - offset, len - start);
       for (int64_t j = 0; j < n; ++j, k += row_stride) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int d = 0; d < HEAD_DIM; ++d) sum += qg[d] * to_float(k[d]);
+        if constexpr (kIsCode<C>) sum *= k_scales[(offset + j) * geo.num_kv_heads + kv_head];
         s[start + j] = sum;
       }
       start += n;
@@ -108,10 +143,13 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
     float acc[HEAD_DIM] = {};
     for (int64_t start = begin; start < len;) {
       const int64_t offset = start % block_size;
-      const T* v = v_base + (table[start / block_size] * block_size + offset) * row_stride;
+      const int64_t block = table[start / block_size];
+      const C* v = cache_row(v_base, geo, block, offset) + kv_head * HEAD_DIM;
+      const float* v_scales = block_scales(v_base, geo, block);
       const int64_t n = std::min(block_size - offset, len - start);
       for (int64_t j = 0; j < n; ++j, v += row_stride) {
-        const float p = s[start + j];
+        float p = s[start + j];
+        if constexpr (kIsCode<C>) p *= v_scales[(offset + j) * geo.num_kv_heads + kv_head];
 #pragma omp simd
         for (int d = 0; d < HEAD_DIM; ++d) acc[d] += p * to_float(v[d]);
       }
@@ -124,21 +162,33 @@ void attend_one(const T* const* q, T* const* out, int64_t group, const T* k_base
 }
 
 // Any head size: same math, accumulators in memory.
-template <typename T>
+template <typename T, typename C>
 void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t head_dim,
-                        const T* k_base, const T* v_base, const int64_t* table, int64_t begin,
-                        int64_t len, int64_t block_size, int64_t row_stride, float scale,
+                        const C* k_base, const C* v_base, const int64_t* table, int64_t begin,
+                        int64_t len, const CacheGeometry& geo, int64_t kv_head, float scale,
                         float softcap, float* scores, float* acc) {
   const int64_t count = len - begin;
+  const int64_t block_size = geo.block_size;
+  // Row t's scale (1 for a model-dtype cache).
+  auto row_scale = [&](const C* base, int64_t t) {
+    if constexpr (kIsCode<C>) {
+      return block_scales(base, geo, table[t / block_size])[(t % block_size) * geo.num_kv_heads +
+                                                             kv_head];
+    } else {
+      return 1.f;
+    }
+  };
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * count - begin;  // indexed by position
     for (int64_t t = begin; t < len; ++t) {
-      const T* k = k_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+      const C* k = cache_row(k_base, geo, table[t / block_size], t % block_size) +
+                   kv_head * head_dim;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < head_dim; ++d) {
         sum += to_float(q[g][d]) * to_float(k[d]);
       }
+      if constexpr (kIsCode<C>) sum *= row_scale(k_base, t);
       s[t] = sum * scale;
     }
     if (softcap > 0.f) soft_cap(s + begin, count, softcap);
@@ -151,9 +201,11 @@ void attend_one_generic(const T* const* q, T* const* out, int64_t group, int64_t
     }
     std::fill(acc, acc + head_dim, 0.f);
     for (int64_t t = begin; t < len; ++t) {
-      const T* v = v_base + (table[t / block_size] * block_size + t % block_size) * row_stride;
+      const C* v = cache_row(v_base, geo, table[t / block_size], t % block_size) +
+                   kv_head * head_dim;
+      const float p = kIsCode<C> ? s[t] * row_scale(v_base, t) : s[t];
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] += s[t] * to_float(v[d]);
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
     }
     for (int64_t d = 0; d < head_dim; ++d) out[g][d] = from_float<T>(acc[d] / total);
   }
@@ -243,6 +295,11 @@ inline Vec16 load_row(const float* p) { return Vec16::load(p); }
 inline Vec16 load_row(const Bf16* p) {
   return Vec16::load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
+// A quantized cache's codes, widened (kv_codes.h); the row's scale is applied
+// to its score (K) or its probability (V), once per row.
+inline Vec16 load_row(const int8_t* p) { return kvmesh::load_codes(p); }
+inline Vec16 load_row(const kvmesh::E4m3* p) { return kvmesh::load_codes(p); }
+inline Vec16 load_row(const kvmesh::E5m2* p) { return kvmesh::load_codes(p); }
 
 // q·k for one query head against sixteen-lane slices of K rows: the query
 // held in registers as the row type wants it. dot() returns the unreduced
@@ -293,6 +350,26 @@ struct QueryDots<Bf16, HEAD_DIM> {
   }
 #endif
 };
+
+// q . codes for a quantized cache: the query widened to float32 once, each
+// row's codes widened as they are read.
+template <typename T, int HEAD_DIM>
+struct WidenedQueryDots {
+  Vec16 q[HEAD_DIM / 16];
+  explicit WidenedQueryDots(const T* query) {
+    for (int i = 0; i < HEAD_DIM / 16; ++i) q[i] = load_row(query + 16 * i);
+  }
+  template <typename C>
+  Vec16 dot(const C* k) const {
+    Vec16 acc = q[0] * load_row(k);
+    for (int i = 1; i < HEAD_DIM / 16; ++i) acc = Vec16::fma(q[i], load_row(k + 16 * i), acc);
+    return acc;
+  }
+};
+
+template <typename T, typename C, int HEAD_DIM>
+using DotsFor =
+    std::conditional_t<kIsCode<C>, WidenedQueryDots<T, HEAD_DIM>, QueryDots<T, HEAD_DIM>>;
 
 #if defined(__AVX512BF16__)
 #define KVMESH_PV_PAIRS 1
@@ -363,11 +440,15 @@ inline void unpermute_pairs(float* acc) {
 
 // Tokens [begin, end) of one sequence, all heads. `scores`: 1.5 x GROUP x
 // round_up(block_size, 16) floats of scratch (the scores, then room for the
-// bfloat16 probabilities of the pair path).
-template <typename T, int HEAD_DIM, int GROUP>
-void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
-                const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
-                int64_t num_kv_heads, float scale, float softcap, float* scores, RunState state) {
+// bfloat16 probabilities of the pair path). C: the cache's element type, T
+// or a quantized cache's codes (scores then times their K rows' scales, the
+// probabilities P V multiplies times their V rows').
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+void attend_run(const T* q, int64_t q_head, const C* k_cache, const C* v_cache,
+                const int64_t* table, int64_t begin, int64_t end, const CacheGeometry& geo,
+                float scale, float softcap, float* scores, RunState state) {
+  constexpr bool kCodes = kIsCode<C>;
+  const int64_t block_size = geo.block_size, num_kv_heads = geo.num_kv_heads;
   constexpr int kVecs = HEAD_DIM / 16;  // Vec16 per head row
 #if defined(__AVX512F__)
   constexpr int kChunk = kVecs;  // GROUP x 4 of 32 zmm for head_dim 64
@@ -383,7 +464,7 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
   const int64_t tile_stride = (block_size + 15) / 16 * 16;
   const int64_t num_heads = num_kv_heads * GROUP;
 #if defined(KVMESH_PV_PAIRS)
-  constexpr bool kPairs = std::is_same_v<T, Bf16>;
+  constexpr bool kPairs = std::is_same_v<T, Bf16> && std::is_same_v<C, Bf16>;
   uint16_t* probs = reinterpret_cast<uint16_t*>(scores + GROUP * tile_stride);
 #else
   constexpr bool kPairs = false;
@@ -393,15 +474,20 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
     state.sum[h] = 0.f;
     std::fill(state.acc + h * HEAD_DIM, state.acc + (h + 1) * HEAD_DIM, 0.f);
   }
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(C));
   const Vec16 minus_inf = Vec16::splat(-INFINITY);
   int64_t fetched = begin;
   for (int64_t start = begin; start < end;) {
     const int64_t offset = start % block_size;
     const int64_t n = std::min(block_size - offset, end - start);
-    const int64_t first_row = table[start / block_size] * block_size + offset;
-    const T* k_block = k_cache + first_row * row_stride;
-    const T* v_block = v_cache + first_row * row_stride;
+    const int64_t block = table[start / block_size];
+    const C* k_block = cache_row(k_cache, geo, block, offset);
+    const C* v_block = cache_row(v_cache, geo, block, offset);
+    // The block's scales from this run's first row (quantized caches only).
+    const float* k_scales = kCodes ? block_scales(k_cache, geo, block) + offset * num_kv_heads
+                                   : nullptr;
+    const float* v_scales = kCodes ? block_scales(v_cache, geo, block) + offset * num_kv_heads
+                                   : nullptr;
     // Rows kPrefetchTokens ahead, asked for (into L2) while this block is
     // computed: blocks are scattered through the cache, so the hardware
     // prefetcher stops at each block's end.
@@ -414,22 +500,30 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
       const int64_t lo = fetch_from + count * kv / num_kv_heads;
       const int64_t hi = fetch_from + count * (kv + 1) / num_kv_heads;
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t row = table[t / block_size] * block_size + t % block_size;
-        prefetch_row(k_cache + row * row_stride, row_bytes);
-        prefetch_row(v_cache + row * row_stride, row_bytes);
+        const int64_t ahead = table[t / block_size];
+        prefetch_row(cache_row(k_cache, geo, ahead, t % block_size), row_bytes);
+        prefetch_row(cache_row(v_cache, geo, ahead, t % block_size), row_bytes);
       }
-      const T* k_head = k_block + kv * HEAD_DIM;
-      const T* v_head = v_block + kv * HEAD_DIM;
+      const C* k_head = k_block + kv * HEAD_DIM;
+      const C* v_head = v_block + kv * HEAD_DIM;
+      // This head's K row scales, 16 tokens per tile (zeros past n).
+      alignas(64) float k_scale[16];
       // Scores for the block: s[g][j] = q_g · k_j * scale.
       for (int g = 0; g < GROUP; ++g) {
-        const QueryDots<T, HEAD_DIM> query(q + (kv * GROUP + g) * q_head);
+        const DotsFor<T, C, HEAD_DIM> query(q + (kv * GROUP + g) * q_head);
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
           const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
           Vec16 dots[16];
           for (int j = 0; j < 16; ++j) {
             dots[j] = j < m ? query.dot(k_head + (t0 + j) * row_stride) : Vec16::zero();
           }
-          const Vec16 scaled = transpose_sum16(dots) * Vec16::splat(scale);
+          Vec16 scaled = transpose_sum16(dots) * Vec16::splat(scale);
+          if constexpr (kCodes) {
+            for (int j = 0; j < 16; ++j) {
+              k_scale[j] = j < m ? k_scales[(t0 + j) * num_kv_heads + kv] : 0.f;
+            }
+            scaled = scaled * Vec16::load(k_scale);
+          }
           (softcap > 0.f ? kvmesh::softcap16(scaled, softcap) : scaled)
               .store(scores + g * tile_stride + t0);
         }
@@ -482,11 +576,13 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
           }
         }
         for (int64_t j = 0; j < n; ++j) {
-          const T* v = v_head + j * row_stride + 16 * i0;
+          const C* v = v_head + j * row_stride + 16 * i0;
           Vec16 vf[kChunk];
           for (int i = 0; i < kChunk; ++i) vf[i] = load_row(v + 16 * i);
           for (int g = 0; g < GROUP; ++g) {
-            const Vec16 p = Vec16::splat(scores[g * tile_stride + j]);
+            const float weight = scores[g * tile_stride + j];
+            const Vec16 p =
+                Vec16::splat(kCodes ? weight * v_scales[j * num_kv_heads + kv] : weight);
             for (int i = 0; i < kChunk; ++i) acc[g][i] = Vec16::fma(p, vf[i], acc[g][i]);
           }
         }
@@ -505,21 +601,21 @@ void attend_run(const T* q, int64_t q_head, const T* k_cache, const T* v_cache,
 #endif
 }
 
-template <typename T, int HEAD_DIM>
-using RunFn = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t,
-                       int64_t, int64_t, float, float, float*, RunState);
+template <typename T, typename C, int HEAD_DIM>
+using RunFn = void (*)(const T*, int64_t, const C*, const C*, const int64_t*, int64_t, int64_t,
+                       const CacheGeometry&, float, float, float*, RunState);
 
-template <typename T, int HEAD_DIM>
-RunFn<T, HEAD_DIM> run_for(int64_t group) {
+template <typename T, typename C, int HEAD_DIM>
+RunFn<T, C, HEAD_DIM> run_for(int64_t group) {
   switch (group) {
-    case 1: return &attend_run<T, HEAD_DIM, 1>;
-    case 2: return &attend_run<T, HEAD_DIM, 2>;
-    case 3: return &attend_run<T, HEAD_DIM, 3>;
-    case 4: return &attend_run<T, HEAD_DIM, 4>;
-    case 5: return &attend_run<T, HEAD_DIM, 5>;
-    case 6: return &attend_run<T, HEAD_DIM, 6>;
-    case 7: return &attend_run<T, HEAD_DIM, 7>;
-    case 8: return &attend_run<T, HEAD_DIM, 8>;
+    case 1: return &attend_run<T, C, HEAD_DIM, 1>;
+    case 2: return &attend_run<T, C, HEAD_DIM, 2>;
+    case 3: return &attend_run<T, C, HEAD_DIM, 3>;
+    case 4: return &attend_run<T, C, HEAD_DIM, 4>;
+    case 5: return &attend_run<T, C, HEAD_DIM, 5>;
+    case 6: return &attend_run<T, C, HEAD_DIM, 6>;
+    case 7: return &attend_run<T, C, HEAD_DIM, 7>;
+    case 8: return &attend_run<T, C, HEAD_DIM, 8>;
     default: return nullptr;
   }
 }
@@ -546,14 +642,15 @@ inline int64_t run_length(const int64_t* begins, const int64_t* lens, int64_t nu
 // Runs are aligned to multiples of the run length from token 0 (the first
 // one cut at the sequence's window start), so a row's split depends on its
 // position and window only.
-template <typename T, int HEAD_DIM>
-bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_cache,
+template <typename T, typename C, int HEAD_DIM>
+bool attend_all_runs(T* out_base, const T* q_base, const C* k_cache, const C* v_cache,
                      const int64_t* tables, const int64_t* begins, const int64_t* lens,
-                     const int64_t* row_ids, int64_t num_decodes, int64_t num_kv_heads,
-                     int64_t group, int64_t max_blocks, int64_t block_size, int64_t q_tok,
-                     int64_t q_head, int64_t o_tok, int64_t o_head, float scale, float softcap,
+                     const int64_t* row_ids, int64_t num_decodes, const CacheGeometry& geo,
+                     int64_t group, int64_t max_blocks, int64_t q_tok, int64_t q_head,
+                     int64_t o_tok, int64_t o_head, float scale, float softcap,
                      int64_t fixed_run) {
-  const RunFn<T, HEAD_DIM> fn = run_for<T, HEAD_DIM>(group);
+  const int64_t num_kv_heads = geo.num_kv_heads, block_size = geo.block_size;
+  const RunFn<T, C, HEAD_DIM> fn = run_for<T, C, HEAD_DIM>(group);
   if (fn == nullptr) return false;
   const int64_t num_heads = num_kv_heads * group;
   const int64_t run = run_length(begins, lens, num_decodes, block_size, fixed_run);
@@ -581,7 +678,7 @@ bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_
     const int64_t end = std::min(lens[seq], aligned + run);
     float* state = states.data() + item * state_floats;
     fn(q_base + row_ids[seq] * q_tok, q_head, k_cache, v_cache, tables + seq * max_blocks, begin,
-       end, block_size, num_kv_heads, scale, softcap, scores.data(),
+       end, geo, scale, softcap, scores.data(),
        RunState{state, state + num_heads, state + 2 * num_heads});
   });
   // out = sum_r exp(max_r - M) acc_r / sum_r exp(max_r - M) sum_r, M = max_r max_r.
@@ -619,13 +716,13 @@ bool attend_all_runs(T* out_base, const T* q_base, const T* k_cache, const T* v_
 
 // Every (sequence, KV head) pair of the batch, over torch's threads; the
 // arguments are validated by paged_decode_attention.
-template <typename T>
-void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
-                const int64_t* tables, const int64_t* begins, const int64_t* lens,
-                const int64_t* row_ids, int64_t num_decodes, int64_t num_kv_heads, int64_t group,
-                int64_t head_dim, int64_t max_blocks, int64_t max_len, int64_t block_size,
-                int64_t row_stride, int64_t q_tok, int64_t q_head, int64_t o_tok, int64_t o_head,
-                float scale, float softcap) {
+template <typename T, typename C>
+void attend_all(T* out_base, const T* q_base, const C* k, const C* v, const int64_t* tables,
+                const int64_t* begins, const int64_t* lens, const int64_t* row_ids,
+                int64_t num_decodes, const CacheGeometry& geo, int64_t group, int64_t head_dim,
+                int64_t max_blocks, int64_t max_len, int64_t q_tok, int64_t q_head, int64_t o_tok,
+                int64_t o_head, float scale, float softcap) {
+  const int64_t num_kv_heads = geo.num_kv_heads;
   kvmesh::parallel_items(num_decodes * num_kv_heads, [&](int64_t item, bool) {
     thread_local std::vector<float> scores;
     thread_local std::vector<float> acc;
@@ -642,22 +739,20 @@ void attend_all(T* out_base, const T* q_base, const T* k_base, const T* v_base,
       q[g] = q_base + row * q_tok + (kv_head * group + g) * q_head;
       o[g] = out_base + row * o_tok + (kv_head * group + g) * o_head;
     }
-    const T* k = k_base + kv_head * head_dim;
-    const T* v = v_base + kv_head * head_dim;
     const int64_t* table = tables + seq * max_blocks;
     const int64_t begin = begins[seq], len = lens[seq];
     switch (head_dim) {
       case 64:
-        attend_one<64>(q.data(), o.data(), group, k, v, table, begin, len, block_size, row_stride,
-                       scale, softcap, scores.data());
+        attend_one<64>(q.data(), o.data(), group, k, v, table, begin, len, geo, kv_head, scale,
+                       softcap, scores.data());
         break;
       case 128:
-        attend_one<128>(q.data(), o.data(), group, k, v, table, begin, len, block_size,
-                        row_stride, scale, softcap, scores.data());
+        attend_one<128>(q.data(), o.data(), group, k, v, table, begin, len, geo, kv_head, scale,
+                        softcap, scores.data());
         break;
       default:
-        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, begin, len,
-                           block_size, row_stride, scale, softcap, scores.data(), acc.data());
+        attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, begin, len, geo,
+                           kv_head, scale, softcap, scores.data(), acc.data());
     }
   });
 }
@@ -683,12 +778,20 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                             int64_t run_tokens, int64_t sliding_window, double softcap) {
   const char* op = "paged_decode_attention";
   kvmesh::check_same_dtype(query, out, op, "query", "out");
-  kvmesh::check_same_dtype(query, key_cache, op, "query", "key_cache");
-  kvmesh::check_same_dtype(query, value_cache, op, "query", "value_cache");
+  // A quantized cache (kv_codes.h) holds codes and scales; any other has the query's dtype.
+  const bool codes = kvmesh::is_code_type(key_cache.scalar_type());
+  if (!codes) {
+    kvmesh::check_same_dtype(query, key_cache, op, "query", "key_cache");
+    kvmesh::check_same_dtype(query, value_cache, op, "query", "value_cache");
+  }
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4,
               "paged_decode_attention: bad ranks");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_decode_attention: caches must be contiguous");
+  if (codes) {
+    kvmesh::check_code_pages(key_cache, value_cache, op);
+  } else {
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+                "paged_decode_attention: caches must be contiguous");
+  }
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(),
               "paged_decode_attention: key and value caches differ in shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1,
@@ -742,29 +845,31 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     max_len = std::max(max_len, len - begin_keys[i]);
   }
   const int64_t* begins = begin_keys.data();
+  // In elements of the cache (one byte for codes): a block's page apart.
+  const CacheGeometry geo{block_size, key_cache.stride(0), row_stride, num_kv_heads};
 
+  kvmesh::dispatch_float_or_bf16(query.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    kvmesh::dispatch_cache<T>(key_cache.scalar_type(), op, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const auto* k = static_cast<const C*>(key_cache.data_ptr());
+      const auto* v = static_cast<const C*>(value_cache.data_ptr());
 #if defined(__AVX2__) && defined(__FMA__)
-  bool done = false;
-  kvmesh::dispatch_float_or_bf16(query.scalar_type(), op, [&](auto tag) {
-    using T = decltype(tag);
-    auto runs = [&](auto fn) {
-      done = fn(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
-                value_cache.data_ptr<T>(), tables, begins, lens, row_ids, num_decodes,
-                num_kv_heads, group, max_blocks, block_size, query.stride(0), query.stride(1),
-                out.stride(0), out.stride(1), scale_f, softcap_f, run_tokens);
-    };
-    if (head_dim == 64) runs(&attend_all_runs<T, 64>);
-    if (head_dim == 128) runs(&attend_all_runs<T, 128>);
-  });
-  if (done) return;
+      bool done = false;
+      auto runs = [&](auto fn) {
+        done = fn(out.data_ptr<T>(), query.data_ptr<T>(), k, v, tables, begins, lens, row_ids,
+                  num_decodes, geo, group, max_blocks, query.stride(0), query.stride(1),
+                  out.stride(0), out.stride(1), scale_f, softcap_f, run_tokens);
+      };
+      if (head_dim == 64) runs(&attend_all_runs<T, C, 64>);
+      if (head_dim == 128) runs(&attend_all_runs<T, C, 128>);
+      if (done) return;
 #endif
-  kvmesh::dispatch_float_or_bf16(query.scalar_type(), op, [&](auto tag) {
-    using T = decltype(tag);
-    attend_all<T>(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(),
-                  value_cache.data_ptr<T>(), tables, begins, lens, row_ids, num_decodes,
-                  num_kv_heads, group, head_dim, max_blocks, max_len, block_size, row_stride,
-                  query.stride(0), query.stride(1), out.stride(0), out.stride(1), scale_f,
-                  softcap_f);
+      attend_all<T, C>(out.data_ptr<T>(), query.data_ptr<T>(), k, v, tables, begins, lens,
+                       row_ids, num_decodes, geo, group, head_dim, max_blocks, max_len,
+                       query.stride(0), query.stride(1), out.stride(0), out.stride(1), scale_f,
+                       softcap_f);
+    });
   });
 }
 

@@ -69,6 +69,7 @@
 
 #include <immintrin.h>
 
+#include "kv_codes.h"
 #include "vec16.h"
 
 #include <type_traits>
@@ -141,19 +142,69 @@ struct PackedKv {
   const Word* v;
 };
 
+// Where pass 1 reads one KV head's K and V rows, in the products' word type
+// (float32, or bfloat16 bits): a model-dtype cache's rows as they are (C =
+// Word), or a quantized cache's codes times their row's scale (kv_codes.h),
+// widened in registers, a bfloat16 word rounded once from that float32 value.
+template <typename Word, typename C>
+struct KvRows {
+  const C* k;  // the caches' first rows, not offset by head
+  const C* v;
+  const int64_t* table;
+  int64_t block_size, block_stride, row_stride, num_kv_heads, head, head_dim;
+
+  static constexpr bool kCodes = kvmesh::kIsCode<C>;
+
+  const C* row(const C* base, int64_t key) const {
+    return base + table[key / block_size] * block_stride + key % block_size * row_stride +
+           head * head_dim;
+  }
+  float scale(const C* base, int64_t key) const {
+    const float* scales = kvmesh::page_scales(base, table[key / block_size], block_stride,
+                                              block_size, num_kv_heads);
+    return scales[key % block_size * num_kv_heads + head];
+  }
+  void into(const C* base, int64_t key, Word* dst) const {
+    if constexpr (!kCodes) {
+      std::memcpy(dst, row(base, key), head_dim * sizeof(Word));
+    } else {
+      const C* codes = row(base, key);
+      const Vec16 s = Vec16::splat(scale(base, key));
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const Vec16 x = kvmesh::load_codes(codes + d) * s;
+        if constexpr (std::is_same_v<Word, float>) {
+          x.store(dst + d);
+        } else {
+          x.store_bf16(dst + d);
+        }
+      }
+    }
+  }
+  void k_into(int64_t key, Word* dst) const { into(k, key, dst); }
+  void v_into(int64_t key, Word* dst) const { into(v, key, dst); }
+  // Key `key`'s K row: in the cache itself, or dequantized into `scratch`.
+  const Word* k_row(int64_t key, Word* scratch) const {
+    if constexpr (!kCodes) {
+      return row(k, key);
+    } else {
+      into(k, key, scratch);
+      return scratch;
+    }
+  }
+};
+
 #if defined(__AVX512BF16__)
 // Pass 1 for one 64-key block: keys [key0, key0 + 64) of one KV head, bfloat16.
-void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const uint16_t* v_cache,
-                     const int64_t* table, int64_t block_size, int64_t row_stride,
-                     int64_t first_key, int64_t context_len, int64_t key0, int64_t head_dim) {
+template <typename Rows>
+void pack_block_bf16(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
+                     int64_t context_len, int64_t key0, int64_t head_dim) {
   alignas(64) uint16_t rows_k[kKeyBlock][kMaxHeadDim];
   alignas(64) uint16_t rows_v[kKeyBlock][kMaxHeadDim];
   for (int64_t j = 0; j < kKeyBlock; ++j) {
     const int64_t key = key0 + j;
     if (key >= first_key && key < context_len) {
-      const int64_t slot = table[key / block_size] * block_size + key % block_size;
-      std::memcpy(rows_k[j], k_cache + slot * row_stride, head_dim * sizeof(uint16_t));
-      std::memcpy(rows_v[j], v_cache + slot * row_stride, head_dim * sizeof(uint16_t));
+      rows.k_into(key, rows_k[j]);
+      rows.v_into(key, rows_v[j]);
     } else {
       std::memset(rows_k[j], 0, head_dim * sizeof(uint16_t));
       std::memset(rows_v[j], 0, head_dim * sizeof(uint16_t));
@@ -189,17 +240,17 @@ void pack_block_bf16(uint16_t* kt, uint16_t* v, const uint16_t* k_cache, const u
 #endif
 
 // Pass 1 in float32: K^T as 16-key vectors per head dim, V rows copied.
-void pack_block_f32(float* kt, float* v, const float* k_cache, const float* v_cache,
-                    const int64_t* table, int64_t block_size, int64_t row_stride,
-                    int64_t first_key, int64_t context_len, int64_t key0, int64_t head_dim) {
+template <typename Rows>
+void pack_block_f32(float* kt, float* v, const Rows& rows, int64_t first_key,
+                    int64_t context_len, int64_t key0, int64_t head_dim) {
+  alignas(64) float scratch[kMaxHeadDim];
   for (int64_t j = 0; j < kKeyBlock; ++j) {
     const int64_t key = key0 + j;
     float* kt_lane = kt + (j / kKeyTile) * head_dim * kKeyTile + j % kKeyTile;
     if (key >= first_key && key < context_len) {
-      const int64_t slot = table[key / block_size] * block_size + key % block_size;
-      const float* k_row = k_cache + slot * row_stride;
+      const float* k_row = rows.k_row(key, scratch);
       for (int64_t d = 0; d < head_dim; ++d) kt_lane[d * kKeyTile] = k_row[d];
-      std::memcpy(v + j * head_dim, v_cache + slot * row_stride, head_dim * sizeof(float));
+      rows.v_into(key, v + j * head_dim);
     } else {
       for (int64_t d = 0; d < head_dim; ++d) kt_lane[d * kKeyTile] = 0.f;
       std::memset(v + j * head_dim, 0, head_dim * sizeof(float));
@@ -314,7 +365,11 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct AmxProducts {
   using Word = uint16_t;
-  static constexpr auto pack = pack_block_bf16;
+  template <typename Rows>
+  static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
+                   int64_t context_len, int64_t key0, int64_t head_dim) {
+    pack_block_bf16(kt, v, rows, first_key, context_len, key0, head_dim);
+  }
 
   static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
     const int64_t dim_chunks = head_dim / kDimChunk;
@@ -372,7 +427,11 @@ using Bf16Products = AmxProducts;
 // accumulators per pass, 16 of the 32 registers.
 struct VectorProducts {
   using Word = uint16_t;
-  static constexpr auto pack = pack_block_bf16;
+  template <typename Rows>
+  static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
+                   int64_t context_len, int64_t key0, int64_t head_dim) {
+    pack_block_bf16(kt, v, rows, first_key, context_len, key0, head_dim);
+  }
   static constexpr int64_t kRows = 4;
 
   static __m512bh pair_of(const uint16_t* words) {
@@ -459,7 +518,11 @@ using Bf16Products = VectorProducts;
 // values, a group of rows x kTiles vectors of accumulators per pass.
 struct Float32Products {
   using Word = float;
-  static constexpr auto pack = pack_block_f32;
+  template <typename Rows>
+  static void pack(float* kt, float* v, const Rows& rows, int64_t first_key, int64_t context_len,
+                   int64_t key0, int64_t head_dim) {
+    pack_block_f32(kt, v, rows, first_key, context_len, key0, head_dim);
+  }
 #if defined(__AVX512F__)
   // 4 rows x 4 vectors: 16 of the 32 zmm registers.
   static constexpr int64_t kTiles = 4;
@@ -649,8 +712,9 @@ struct ChunkPlan {
 
 inline int64_t packed_from(int64_t first_key) { return first_key / kKeyBlock * kKeyBlock; }
 
-// Pass 1 then pass 2 over torch's threads, in the Products' word type.
-template <class Products>
+// Pass 1 then pass 2 over torch's threads, in the Products' word type; C: the
+// cache's element type (the word type, or a quantized cache's codes).
+template <class Products, typename C = typename Products::Word>
 void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& query,
                    const at::Tensor& key_cache, const at::Tensor& value_cache) {
   using Word = typename Products::Word;
@@ -670,8 +734,9 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
     Word* kt = packed_base + 2 * num_kv_heads * packed_offset[c] + 2 * h * words;
     return {kt, kt + words};
   };
-  const auto* k_cache = static_cast<const Word*>(key_cache.data_ptr());
-  const auto* v_cache = static_cast<const Word*>(value_cache.data_ptr());
+  const auto* k_cache = static_cast<const C*>(key_cache.data_ptr());
+  const auto* v_cache = static_cast<const C*>(value_cache.data_ptr());
+  const int64_t block_stride = key_cache.stride(0);  // a quantized cache's: its pages
   const int64_t row_stride = num_kv_heads * head_dim;
   auto chunk_of = [&](const std::vector<int64_t>& firsts, int64_t item) {
     return static_cast<int64_t>(std::upper_bound(firsts.begin(), firsts.end(), item) -
@@ -686,10 +751,11 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
     const int64_t key_blocks = (contexts[c] - base + kKeyBlock - 1) / kKeyBlock;
     const int64_t h = local / key_blocks, kb = local % key_blocks;
     auto [kt, v] = packed_kv(c, h);
-    Products::pack(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim,
-                   k_cache + h * head_dim, v_cache + h * head_dim, tables + c * max_blocks,
-                   block_size, row_stride, first_keys[c], contexts[c], base + kb * kKeyBlock,
-                   head_dim);
+    const KvRows<Word, C> rows{k_cache,    v_cache,      tables + c * max_blocks,
+                               block_size, block_stride, row_stride,
+                               num_kv_heads, h,          head_dim};
+    Products::pack(kt + kb * kKeyBlock * head_dim, v + kb * kKeyBlock * head_dim, rows,
+                   first_keys[c], contexts[c], base + kb * kKeyBlock, head_dim);
   });
 
   auto* out_base = static_cast<Word*>(out.data_ptr());
@@ -715,8 +781,28 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
   });
 }
 
+// attend_chunks over a cache of the query's dtype or of codes.
+template <class Products>
+void attend_with_cache(at::ScalarType cache_type, const ChunkPlan& plan, at::Tensor& out,
+                       const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache) {
+  switch (cache_type) {
+    case at::kChar:
+      attend_chunks<Products, int8_t>(plan, out, query, key_cache, value_cache);
+      break;
+    case at::kFloat8_e4m3fn:
+      attend_chunks<Products, kvmesh::E4m3>(plan, out, query, key_cache, value_cache);
+      break;
+    case at::kFloat8_e5m2:
+      attend_chunks<Products, kvmesh::E5m2>(plan, out, query, key_cache, value_cache);
+      break;
+    default: attend_chunks<Products>(plan, out, query, key_cache, value_cache);
+  }
+}
+
 // out[query_starts[c] + i] = causal attention of chunk c's query row i over its
-// context, for every chunk c.
+// context, for every chunk c. key_cache/value_cache may instead be a quantized
+// cache's codes (kv_codes.h): pass 1 then packs their dequantized values.
 //   out, query:   [num_tokens, num_heads, head_dim] bfloat16 or float32 (all
 //                 four tensors alike), head_dim contiguous
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -737,7 +823,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   const at::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
               ": tensors must be bfloat16 or float32, not ", dtype);
+  // A quantized cache (kv_codes.h) holds codes and scales; any other has the query's dtype.
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool codes = kvmesh::is_code_type(cache_type);
   for (const at::Tensor* t : {&std::as_const(out), &key_cache, &value_cache}) {
+    if (codes && t != &std::as_const(out)) continue;
     TORCH_CHECK(t->scalar_type() == dtype, op, ": tensors must all be ", dtype, ", not ",
                 t->scalar_type());
   }
@@ -745,8 +835,12 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   TORCH_CHECK(dtype == at::kFloat, op, ": bfloat16 needs the avx512_bf16 or amx level");
 #endif
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, op, ": bad ranks");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
-              ": caches must be contiguous");
+  if (codes) {
+    kvmesh::check_code_pages(key_cache, value_cache, op);
+  } else {
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), op,
+                ": caches must be contiguous");
+  }
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), op,
               ": key and value caches differ in shape");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, op, ": head_dim must be contiguous");
@@ -811,11 +905,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     kvmesh::require_amx_permission(op);
 #endif
-    attend_chunks<Bf16Products>(plan, out, query, key_cache, value_cache);
+    attend_with_cache<Bf16Products>(cache_type, plan, out, query, key_cache, value_cache);
     return;
   }
 #endif
-  attend_chunks<Float32Products>(plan, out, query, key_cache, value_cache);
+  attend_with_cache<Float32Products>(cache_type, plan, out, query, key_cache, value_cache);
 }
 
 }  // namespace

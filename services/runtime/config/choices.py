@@ -54,6 +54,9 @@ DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 # What --quantization accepts: weight-only int8 per 32 input features (Q8_0's
 # layout), or the same weights with int8 activations (W8A8, integer dot products).
 QUANTIZATIONS = ("int8", "w8a8")
+# What --kv-cache-dtype accepts, vLLM's names (kvmesh.kernels.kv_quant): auto (the
+# model dtype), int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # --runner and --convert, as vLLM's: which runner serves the checkpoint (auto: by its
 # architecture), and what a generation checkpoint becomes under the pooling runner.
 RUNNERS = ("auto", "generate", "pooling")

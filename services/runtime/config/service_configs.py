@@ -16,6 +16,7 @@ from kvmesh.services.runtime.config.choices import (
     AUTO_DTYPE,
     CONVERTS,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
     REPLICA_DISCOVERIES,
@@ -339,6 +340,14 @@ class WorkerConfig(KVConnectorOptions, StepDeadlineOptions, ParallelOptions, LoR
     block_size: int = opt(16, "tokens per KV block (a power of two)", minimum=1)
     kv_cache_memory: int = opt(
         1 << 30, "bytes for the KV cache (ignored if num_kv_blocks is set)", minimum=0
+    )
+    kv_cache_dtype: str = opt(
+        "auto",
+        "KV cache element format, vLLM's names: auto (the model dtype), int8 or fp8_e4m3 "
+        "(alias fp8) / fp8_e5m2 codes with one float32 scale per token per KV head: ~2x the "
+        "blocks of a bfloat16 cache (~4x float32) in the same kv_cache_memory (docs/serving.md "
+        "'Quantized KV cache')",
+        choices=KV_CACHE_DTYPES,
     )
     num_kv_blocks: int = opt(
         0, "explicit number of KV blocks (0: derive from kv_cache_memory)", minimum=0
