@@ -1,4 +1,4 @@
-"""Write a random-weight checkpoint of a model-zoo family at a realistic size (issue 38's speed rows).
+"""Random-weight checkpoints of model-zoo families at a realistic size (issue 38's speed rows).
 
 Tests use tiny checkpoints (tests/worker/model_families.py); a speed comparison needs the
 shapes a user serves. Each family here is a released model's layer shape scaled to
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvmesh.services.runtime.model_prep import default_model_path  # noqa: E402
+from kvmesh.services.runtime.model_prep import default_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 VOCAB = 49_152  # the default model's tokenizer
