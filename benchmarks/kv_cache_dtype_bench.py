@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmesh.gateway.tokenizer import Tokenizer
 from kvmesh.kernels import kv_quant, native
+from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.services.runtime.model_prep import default_model_path
 from kvmesh.worker.config import CacheConfig, ModelConfig
@@ -117,7 +118,7 @@ def main() -> None:
     torch.set_num_threads(1)
     native.ensure_loaded()
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-args.context // BLOCK)
+    blocks_per_seq = cdiv(args.context, BLOCK)
     num_blocks = args.batch * blocks_per_seq
     # Blocks scattered through the cache, as a long-running pool hands them out.
     tables = torch.randperm(num_blocks, generator=generator).view(args.batch, blocks_per_seq)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.services.contracts.math_utils import cdiv
 from kvmesh.services.runtime.config import KV_CACHE_DTYPES
 
 AUTO = "auto"
@@ -91,7 +92,7 @@ def format_of(cache: torch.Tensor) -> KVCacheFormat:
 def page_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one block's page in one layer's K (or V): codes, padding to 4, scales."""
     codes = block_size * num_kv_heads * head_dim
-    return -(-codes // SCALE_BYTES) * SCALE_BYTES + block_size * num_kv_heads * SCALE_BYTES
+    return cdiv(codes, SCALE_BYTES) * SCALE_BYTES + block_size * num_kv_heads * SCALE_BYTES
 
 
 def allocate_pages(
