@@ -121,9 +121,13 @@ async def http_run(
             max_connections=concurrency,
         )
         # Warm-up: first requests pay for lazy initialisation in every service.
-        await run_load(
-            client.send, requests[:2], LoadConfig(max_concurrency=2, show_progress=False)
-        )
+        # Reversed prompts: the measured prompts themselves would then be
+        # prefix-cache hits on both servers (llama-server's slots keep them too).
+        warm_up = [
+            SampleRequest(f"warm-{r.request_id}", r.prompt[::-1], r.prompt_len, r.output_len)
+            for r in requests[:2]
+        ]
+        await run_load(client.send, warm_up, LoadConfig(max_concurrency=2, show_progress=False))
         result = await run_load(
             client.send,
             requests,

@@ -310,11 +310,16 @@ def main() -> None:
             print(f"{name} idle: {idle_cpu_share(pids, 5.0):.2f} cores busy", flush=True)
         ratios: dict[tuple[Workload, int], list[tuple[HttpRun, HttpRun]]] = {}
         for round_index in range(args.rounds):
-            for workload in workloads:
-                prompts = make_prompts(
-                    workload.num_prompts, workload.input_len, vocab_size, args.seed + round_index
-                )
-                for concurrency in args.concurrency:
+            for workload_index, workload in enumerate(workloads):
+                for concurrency_index, concurrency in enumerate(args.concurrency):
+                    # Fresh prompts for every round and cell, the same for both servers:
+                    # a prompt seen before is a prefix-cache hit on both (kvmesh's block
+                    # hashes, llama-server's slot cache), which would measure no prefill.
+                    cell = workload_index * len(args.concurrency) + concurrency_index
+                    seed = args.seed + round_index * len(workloads) * len(args.concurrency) + cell
+                    prompts = make_prompts(
+                        workload.num_prompts, workload.input_len, vocab_size, seed
+                    )
                     order = [("kvmesh", kvmesh_url), ("llama.cpp", llama_url)]
                     if round_index % 2:
                         order.reverse()
