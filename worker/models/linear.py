@@ -32,6 +32,14 @@ run kernels/csrc/amx_linear.cpp, which reads it in place (a decode step's
 rows at ~1.25x oneDNN's prepacked speed there), and larger batches oneDNN on
 the plain weight, which it reorders inside the call.
 
+A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint served
+in float32, as on a CPU without bfloat16 dot products) is kept only as its
+bfloat16 words (kernels/bf16_weights.py): half the memory, and up to
+``MAX_BF16_WEIGHT_KERNEL_ROWS`` rows run kernels/csrc/bf16_weight_linear.cpp,
+which reads those 2 bytes per weight and widens them in registers (exact)
+before float32 multiply-adds; larger batches widen the weight into the
+thread's scratch buffer and run oneDNN on it, as codes-only weights do.
+
 Quantized weights (a GGUF file's Q4_0/Q4_1/Q8_0 tensors, ``--quantization
 int8``) keep ONLY their codes (``PackedLinear.from_codes``): up to
 ``MAX_CODES_ONLY_KERNEL_ROWS`` rows (decode batches) run the kernel, larger
@@ -58,6 +66,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import batch_invariant, native
 from kvmesh.kernels.bf16_pairs import pack_pairs, packable, unpack_pairs
+from kvmesh.kernels.bf16_weights import exactly_bfloat16, pack_panels, unpack_panels
 from kvmesh.kernels.block_codes import BLOCK, LANES, BlockCodes, find_block_codes
 from kvmesh.services.runtime.config.process import AMX_LINEAR
 
@@ -141,6 +150,16 @@ MAX_W8A8_KERNEL_ROWS_BF16 = 2
 # 86.4, 256: 164.8 / 227.5 / 170.5.
 MIN_PAIR_ROWS_OVER_CODES = 8
 MAX_PAIR_ROWS = 96
+# float32 rows over a weight kept as bfloat16 words (kernels/csrc/
+# bf16_weight_linear.cpp) up to here; larger batches widen the weight into the
+# scratch buffer and run oneDNN. `benchmarks/bf16_weight_bench.py --config
+# <Qwen3 family checkpoint>` (hidden 1,024, MLP 3,072, 12 layers + LM head: 49
+# projections, 478 MB of words) on the 2-core Zen 2 (AVX2, quiet), ms per pass,
+# float32 oneDNN-packed / words kernel / words widened + oneDNN: 1 row 49.3 /
+# 27.1 / 219.5, 4: 70.4 / 31.2 / 265.3, 16: 104.5 / 68.8 / 293.1, 64: 255.0 /
+# 217.2 / 432.0, 128: 466 / 423 / 652, 256: 874 / 820 / 1,092, 512: 1,745 /
+# 1,694 / 1,964, 2,048: 6,908 / 7,777 / 7,040 (widening costs ~2% there).
+MAX_BF16_WEIGHT_KERNEL_ROWS = 512
 
 
 def onednn_available(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -171,18 +190,24 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+def _scratch_floats(size: int) -> torch.Tensor:
+    """The thread's float32 scratch buffer, at least ``size`` elements (valid
+    until the next call on this thread)."""
+    if _scratch.buffer is None or _scratch.buffer.numel() < size:
+        # A normal tensor even when first needed under inference mode: an
+        # inference tensor could not be written outside it (tests, no_grad callers).
+        with torch.inference_mode(False):
+            _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    return _scratch.buffer
+
+
 def _dequantize(codes: BlockCodes) -> torch.Tensor:
     """The float32 weight ``[out_features, in_features]`` of ``codes``, rebuilt in
     the thread's scratch buffer (valid until the next call): ``code * scale``
     is exact and the sum rounds once, the kernel's fused multiply-add."""
     panels, in_features, _ = codes.codes.shape
     size = panels * LANES * in_features
-    if _scratch.buffer is None or _scratch.buffer.numel() < size:
-        # A normal tensor even when first needed under inference mode: an
-        # inference tensor could not be written outside it (tests, no_grad callers).
-        with torch.inference_mode(False):
-            _scratch.buffer = torch.empty(size, dtype=torch.float32)
-    weight = _scratch.buffer[:size].view(panels, LANES, in_features)
+    weight = _scratch_floats(size)[:size].view(panels, LANES, in_features)
     weight.copy_(codes.codes.permute(0, 2, 1))
     blocks = weight.view(panels, LANES, in_features // BLOCK, BLOCK)
     blocks.mul_(codes.scales.permute(0, 2, 1).unsqueeze(-1))
@@ -222,6 +247,7 @@ class PackedLinear:
 
     __slots__ = (
         "_amx_plain",
+        "_bf16_panels",
         "_bias",
         "_codes",
         "_codes_on_amx",
@@ -262,6 +288,20 @@ class PackedLinear:
         # rebuild (their values are this weight's exactly).
         runs_pairs = self._kernel and dtype == torch.bfloat16 and pair_kernel_loaded()
         self._pairs = pack_pairs(weight) if runs_pairs and packable(weight) else None
+        # A bfloat16 checkpoint's weight computing in float32: its bfloat16 words
+        # are all of it (exact), half the bytes for decode rows to read.
+        self._bf16_panels: torch.Tensor | None = None
+        if (
+            self._kernel
+            and self._codes is None
+            and dtype == torch.float32
+            and exactly_bfloat16(weight)
+        ):
+            self._bf16_panels = pack_panels(weight)
+            self._amx_plain = False
+            self._packed = None
+            self.weight = None
+            return
         weight = weight.to(dtype)
         # A plain bfloat16 weight for amx_linear (MAX_AMX_LINEAR_ROWS) and oneDNN
         # above, instead of oneDNN's packed copy; with block codes too, for the
@@ -309,6 +349,7 @@ class PackedLinear:
         self._codes_take_bf16 = self._kernel and _kernel_takes_bf16()
         self._codes_on_amx = self._codes_take_bf16 and native.amx_tiles_loaded()
         self._amx_plain = False
+        self._bf16_panels = None
         self._pairs = None  # only the codes are kept: that is the point of them
         self._int8_activations = int8_activations and self._kernel
         if int8_activations and not self._kernel:
@@ -327,6 +368,11 @@ class PackedLinear:
         return self._codes is not None and self._kernel
 
     @property
+    def keeps_bf16_words(self) -> bool:
+        """Whether a float32 weight is kept as its bfloat16 words (all its values are bfloat16)."""
+        return self._bf16_panels is not None
+
+    @property
     def codes_only(self) -> bool:
         """Whether the codes are all there is of this weight (a quantized one)."""
         return self._codes is not None and self._packed is None and self.weight is None
@@ -335,7 +381,7 @@ class PackedLinear:
     def resident_bytes(self) -> int:
         """Bytes this projection keeps for its weight (codes, packed or dense copy)."""
         total = 0 if self._codes is None else self._codes.nbytes
-        for tensor in (self._packed, self._pairs, self.weight):
+        for tensor in (self._packed, self._pairs, self._bf16_panels, self.weight):
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
         return total
@@ -352,6 +398,8 @@ class PackedLinear:
             return self.weight
         if self._codes is not None:
             return _dequantize(self._codes).clone()
+        if self._bf16_panels is not None:
+            return unpack_panels(self._bf16_panels, self.out_features)
         if self._pairs is not None:
             return unpack_pairs(self._pairs, self.out_features)
         assert self._packed is not None
@@ -371,6 +419,8 @@ class PackedLinear:
             return self._batch_invariant(x)
         if self._int8_activations and _w8a8_fits(x):
             return self._w8a8(x)
+        if self._bf16_panels is not None:
+            return self._bf16_words(x)
         codes = self._codes
         if self._pairs is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             min_rows = 1 if codes is None else MIN_PAIR_ROWS_OVER_CODES
@@ -412,9 +462,35 @@ class PackedLinear:
         per-row sums do not change with the number of rows."""
         if self._int8_activations:
             return self._w8a8(x)  # per-token int8, exact integer sums: any batch
+        if self._bf16_panels is not None and x.dtype == torch.float32:
+            return self._bf16_kernel(x.contiguous())  # a row's sums ignore the others
         if self._kernel and self._codes is not None:
             return self._block_codes(x)
         return batch_invariant.tiled_rows(x.contiguous(), self._without_codes)
+
+    def _bf16_words(self, x: torch.Tensor) -> torch.Tensor:
+        """A weight kept as bfloat16 words: the kernel for decode-sized batches,
+        the weight widened into the scratch buffer and oneDNN above."""
+        panels = self._bf16_panels
+        assert panels is not None
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= MAX_BF16_WEIGHT_KERNEL_ROWS:
+            return self._bf16_kernel(x.contiguous())
+        weight = unpack_panels(
+            panels, self.out_features, _scratch_floats(self.out_features * self.in_features)
+        )
+        if x.dtype != torch.float32:
+            weight = weight.to(x.dtype)
+        if self._onednn and onednn_available(weight) and x.dim() == 2:
+            # A plain dense weight: oneDNN reorders it inside the call.
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), weight, self._bias, "none", [], ""
+            )
+        return F.linear(x, weight, self._bias)
+
+    def _bf16_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvmesh.bf16_weight_linear(
+            x, self._bf16_panels, self._bias, self.out_features
+        )
 
     def _without_codes(self, x: torch.Tensor) -> torch.Tensor:
         """The paths past the codes kernel: oneDNN, amx_linear, F.linear."""
