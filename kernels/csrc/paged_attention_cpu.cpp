@@ -8,8 +8,8 @@
 // done together so every K/V row is read from memory once per group, not once
 // per query head.
 //
-// From the avx2 level up, both dtypes (group sizes <= 8, head_dim 64 or
-// 128) take attend_all_runs: items are runs of a sequence's
+// From the avx2 level up, both dtypes (group sizes <= 8, head_dim 64, 128
+// or 256) take attend_all_runs: items are runs of a sequence's
 // context over all heads (whole cache rows, read front to back), an online
 // softmax per block, long contexts split into runs and merged; bfloat16 dot
 // products by vdpbf16ps where the level has AVX512-BF16. Everything else
@@ -451,7 +451,9 @@ void attend_run(const T* q, int64_t q_head, const C* k_cache, const C* v_cache,
   const int64_t block_size = geo.block_size, num_kv_heads = geo.num_kv_heads;
   constexpr int kVecs = HEAD_DIM / 16;  // Vec16 per head row
 #if defined(__AVX512F__)
-  constexpr int kChunk = kVecs;  // GROUP x 4 of 32 zmm for head_dim 64
+  // GROUP x 4 of 32 zmm for head_dim 64; head_dim 256 (Gemma) in chunks of 8
+  // like 128, or its GROUP x 16 accumulators would not fit in registers.
+  constexpr int kChunk = kVecs < 8 ? kVecs : 8;
 #else
   // AVX2 has 16 ymm: all of a row at once spilled the accumulators. Two
   // Vec16 at a time, on the Zen 4 EPYC built at the avx2 level (30 layers'
@@ -750,6 +752,10 @@ void attend_all(T* out_base, const T* q_base, const C* k, const C* v, const int6
         attend_one<128>(q.data(), o.data(), group, k, v, table, begin, len, geo, kv_head, scale,
                         softcap, scores.data());
         break;
+      case 256:
+        attend_one<256>(q.data(), o.data(), group, k, v, table, begin, len, geo, kv_head, scale,
+                        softcap, scores.data());
+        break;
       default:
         attend_one_generic(q.data(), o.data(), group, head_dim, k, v, table, begin, len, geo,
                            kv_head, scale, softcap, scores.data(), acc.data());
@@ -863,6 +869,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
       };
       if (head_dim == 64) runs(&attend_all_runs<T, C, 64>);
       if (head_dim == 128) runs(&attend_all_runs<T, C, 128>);
+      if (head_dim == 256) runs(&attend_all_runs<T, C, 256>);
       if (done) return;
 #endif
       attend_all<T, C>(out.data_ptr<T>(), query.data_ptr<T>(), k, v, tables, begins, lens,

@@ -33,7 +33,8 @@ BF16_RTOL = 2**-6 if BF16_ROUNDS_P else 2**-8
 BF16_ATOL = 2**-6 if BF16_ROUNDS_P else ATOL
 
 GQA_SHAPES = [(9, 3), (4, 4), (8, 1), (12, 3)]  # (num_heads, num_kv_heads)
-# 64 and 128 take the register-accumulator specializations, 32 and 80 the generic loop.
+# 64 and 128 take the register-accumulator specializations, 32 and 80 the generic loop
+# (256, Gemma's, too: test_native_decode_head_dim_256 below).
 HEAD_DIMS = [64, 128, 32, 80]
 
 
@@ -83,6 +84,23 @@ def test_native_backend_matches_reference(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
+        dtype=dtype,
+    )
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 1), (8, 4), (9, 1)])
+def test_native_decode_head_dim_256(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    """Gemma's head_dim 256 takes the run path (groups up to 8, chunked value
+    accumulators) or, past 8 heads per KV head, the per-head specialization."""
+    lengths = [1, 17, 300, 45]
+    batch = make_paged_batch(
+        [(length - 1, 1) for length in lengths],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=256,
+        block_size=16,
         dtype=dtype,
     )
     assert_matches_reference(batch)

@@ -141,7 +141,7 @@ needs_native = pytest.mark.skipif(
 @needs_native
 @pytest.mark.parametrize("softcap", [None, SOFTCAP])
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("head_dim", [64, 32])  # the run path (and prefill kernel); generic
+@pytest.mark.parametrize("head_dim", [64, 256, 32])  # the run path (and prefill kernel); generic
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize("scenario", list(WINDOW_SCENARIOS))
 def test_native_backend_window_and_softcap(
