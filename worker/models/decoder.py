@@ -58,6 +58,8 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 # Full-vocab logits from this rank's vocab shard.
 GatherVocab = Callable[[torch.Tensor, int], torch.Tensor]
 # Parameters a family may leave out of its declaration (the forward skips them).
+# A layer's norms (Gemma's get their (offset + w) computed once: shifted_norm_weight).
+_NORM_PARAMS = ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 _OPTIONAL_PARAMS = (
     "input_norm",
     "post_attn_norm",
@@ -211,6 +213,13 @@ def offset_rms_norm(
     return (x32 * (offset + weight.float())).to(x.dtype)
 
 
+def shifted_norm_weight(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """Gemma's (offset + w) in float32, once at load: in float32 the fused
+    ``kvmesh::rms_norm`` (weight * (x * inv)) with it computes ``offset_rms_norm``'s
+    very products, so a Gemma layer's six norms stop costing six torch ops each."""
+    return (offset + weight.detach().float()).contiguous()
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer, or this TP rank's part of it: its heads, its slice of
     the MLP; ``all_reduce`` completes o_proj's and down's partial sums.
@@ -270,6 +279,8 @@ class DecoderLayer(nn.Module):
         self.quantization = config.quantization
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
+        # Gemma's norms' (offset + w) in float32, by parameter name (pack_weights).
+        self._shifted_norms: dict[str, torch.Tensor] = {}
         # The family's switches, as plain attributes the forward reads.
         self.moe_top_k = features.moe_top_k
         self.moe_renormalize = features.moe_renormalize
@@ -335,6 +346,12 @@ class DecoderLayer(nn.Module):
         """
         self._native_ops = use_native
         dtype = self.compute_dtype
+        self._shifted_norms = {}
+        if self.norm_offset and dtype == torch.float32:
+            for name in _NORM_PARAMS:
+                weight = getattr(self, name, None)
+                if weight is not None:
+                    self._shifted_norms[name] = shifted_norm_weight(weight, self.norm_offset)
         pieces = pieces or {}
         previous = self._packed or {}
         self._packed = {
@@ -371,19 +388,27 @@ class DecoderLayer(nn.Module):
             self.lora[name].add_delta(y, x, lora)
         return y
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """The norm ``name`` (a parameter of this layer) over rows ``x`` [T, features]."""
+        weight = getattr(self, name)
         if self.norm_offset:
+            shifted = self._shifted_norms.get(name) if self._native_ops else None
+            if shifted is not None and x.dtype == torch.float32:
+                return torch.ops.kvmesh.rms_norm(x.contiguous(), shifted, self.eps)
             return offset_rms_norm(x, weight, self.eps, self.norm_offset)
         if self._native_ops:
             return torch.ops.kvmesh.rms_norm(x.contiguous(), weight, self.eps)
         return rms_norm(x, weight, self.eps)
 
-    def _qk_norm(
-        self, qk: torch.Tensor, num_heads: int, weight: torch.Tensor, full: int
-    ) -> torch.Tensor:
+    def _qk_norm(self, qk: torch.Tensor, num_heads: int, name: str, full: int) -> torch.Tensor:
         """q or k [T, heads * D] normalized per head or over all heads (under TP:
         the mean of squares over every rank's heads, one small all-reduce)."""
+        weight = getattr(self, name)
         if self.qk_norm == "head":
+            if self.norm_offset and self._native_ops and name in self._shifted_norms:
+                # Every head a row of the fused norm.
+                rows = qk.reshape(-1, self.head_dim)
+                return self._norm(rows, name).reshape(qk.shape)
             heads = qk.reshape(qk.shape[0], num_heads, self.head_dim)
             if self.norm_offset:
                 heads = offset_rms_norm(heads, weight, self.eps, self.norm_offset)
@@ -414,15 +439,15 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         residual = hidden
         if self.input_norm is not None:
-            hidden = self._norm(hidden, self.input_norm)
+            hidden = self._norm(hidden, "input_norm")
         qkv = self._linear("qkv", self.qkv_proj, hidden, lora, self.qkv_bias)
         if self.qk_norm:
             q_end, k_end = self.q_size, self.q_size + self.kv_size
             query_key = torch.cat(
                 (
-                    self._qk_norm(qkv[:, :q_end], self.num_heads, self.q_norm, self.full_q_size),
+                    self._qk_norm(qkv[:, :q_end], self.num_heads, "q_norm", self.full_q_size),
                     self._qk_norm(
-                        qkv[:, q_end:k_end], self.num_kv_heads, self.k_norm, self.full_kv_size
+                        qkv[:, q_end:k_end], self.num_kv_heads, "k_norm", self.full_kv_size
                     ),
                 ),
                 dim=-1,
@@ -470,13 +495,13 @@ class DecoderLayer(nn.Module):
                 self._linear("down", self.down_proj, torch.ops.kvmesh.silu_and_mul(gate_up), lora)
             )
         if self.post_attn_norm is not None:
-            attn_out = self._norm(attn_out, self.post_attn_norm)
+            attn_out = self._norm(attn_out, "post_attn_norm")
         if self.residual_multiplier != 1.0:
             attn_out = attn_out * self.residual_multiplier
         hidden = residual + attn_out
         residual = hidden
         if self.pre_mlp_norm is not None:
-            hidden = self._norm(hidden, self.pre_mlp_norm)
+            hidden = self._norm(hidden, "pre_mlp_norm")
         if self.router is not None:
             out = self.all_reduce(
                 grouped_experts(
@@ -494,7 +519,7 @@ class DecoderLayer(nn.Module):
             activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
             out = self.all_reduce(self._linear("down", self.down_proj, activated * up, lora))
         if self.post_mlp_norm is not None:
-            out = self._norm(out, self.post_mlp_norm)
+            out = self._norm(out, "post_mlp_norm")
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return residual + out
@@ -568,6 +593,8 @@ class DecoderForCausalLM(nn.Module):
         # A GGUF file's tensors for placeholder parameters, by parameter name and first row.
         self._pieces: dict[str, dict[int, WeightPiece]] = {}
         self._native_ops = False
+        # Gemma's final norm's (offset + w) in float32 (pack_weights).
+        self._shifted_final_norm: torch.Tensor | None = None
         # One table per rotary variant (Gemma 3: global and local bases).
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(config.head_dim, config.max_model_len, r.theta, r.scaling, dtype)
@@ -690,6 +717,11 @@ class DecoderForCausalLM(nn.Module):
         """The model's last norm over the given rows: transformers' last_hidden_state
         (what a pooling runner pools) and the LM head's input."""
         if self.features.norm_offset:
+            shifted = self._shifted_final_norm if self._native_ops else None
+            if shifted is not None and hidden.dtype == torch.float32:
+                return torch.ops.kvmesh.rms_norm(
+                    hidden.contiguous(), shifted, self.config.rms_norm_eps
+                )
             return offset_rms_norm(
                 hidden, self.norm, self.config.rms_norm_eps, self.features.norm_offset
             )
@@ -735,6 +767,14 @@ class DecoderForCausalLM(nn.Module):
             and native.unavailable_reason() is None
         )
         self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
+        offset = self.features.norm_offset
+        self._shifted_final_norm = (
+            shifted_norm_weight(self.norm, offset)
+            if offset
+            and self.config.dtype == torch.float32
+            and getattr(self, "norm", None) is not None
+            else None
+        )
         params = dict(self.named_parameters())
         pieces = {
             name: assemble(rows, params[name].shape[0]) for name, rows in self._pieces.items()
