@@ -102,6 +102,53 @@ def test_bf16_nan_and_inf_stay_nan_and_inf() -> None:
     assert total.isinf().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_gelu_tanh_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    """Gemma's GeGLU as g * sigmoid(2 u): torch's 0.5 g (1 + tanh(u)) evaluated in
+    float64 to a few ulps, including gates near 0 (where a 1 - 2 / (exp + 1) tanh
+    would cancel) and the row's last I % 16 outputs (the portable loop). (Against
+    torch in the dtype itself, bfloat16 differs by thousands of ulps at gates below
+    about -3, where torch's own 1 + tanh(u) cancels and the kernel does not.)"""
+    g = torch.Generator().manual_seed(rows)
+    inter = 1536 + 7
+    gate_up = _randn(rows, 2 * inter, generator=g, dtype=torch.float32).mul(4)
+    gate_up[:, :40] *= 1e-4
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    actual = torch.ops.kvmesh.gelu_tanh_and_mul(gate_up)
+    # Torch's own form, in the dtype: equal up to its cancellation (absolute error).
+    torch.testing.assert_close(
+        actual.float(), (F.gelu(gate, approximate="tanh") * up).float(), atol=0.05, rtol=2**-7
+    )
+    # The same function in float64 without the cancellation (0.5 (1 + tanh u) is
+    # sigmoid(2 u) exactly), the activation rounded to the dtype, then the product
+    # rounded: what the op stores, to a few ulps everywhere.
+    g64 = gate.double()
+    u = 0.7978845608028654 * (g64 + 0.044715 * g64**3)
+    activated = (g64 * torch.sigmoid(2 * u)).to(dtype)
+    expected = (activated.double() * up.double()).to(dtype)
+    # Past gate ~ -10 the true product is below 1e-37, where exp saturates and
+    # the kernel returns 0: counted as absolute, not in (subnormal) ulps.
+    normal = expected.float().abs() > 1e-30
+    assert bool((actual[~normal].float().abs() < 1e-30).all())
+    actual, expected = actual[normal], expected[normal]
+    if dtype == torch.bfloat16:
+        assert_bf16_close(actual, expected, max_ulps=2)
+    else:
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            actual, (F.gelu(gate, approximate="tanh") * up)[normal], atol=1e-5, rtol=1e-5
+        )
+
+
+def test_gelu_tanh_and_mul_saturates_without_nan() -> None:
+    gate_up = torch.tensor([[-200.0, 200.0, 0.0, 1.0, 1.0, 1.0]])
+    out = torch.ops.kvmesh.gelu_tanh_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.tensor([[0.0, 200.0, 0.0]]))
+
+
 def test_silu_and_mul_saturates_without_nan() -> None:
     gate_up = torch.tensor([[-200.0, 200.0, 0.0, 1.0, 1.0, 1.0]])
     out = torch.ops.kvmesh.silu_and_mul(gate_up)

@@ -515,9 +515,18 @@ class DecoderLayer(nn.Module):
                 )
             )
         else:
-            gate, up = self._linear("gate_up", self.gate_up_proj, hidden, lora).chunk(2, dim=-1)
-            activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            out = self.all_reduce(self._linear("down", self.down_proj, activated * up, lora))
+            gate_up = self._linear("gate_up", self.gate_up_proj, hidden, lora)
+            if self._native_ops:
+                fused = (
+                    torch.ops.kvmesh.gelu_tanh_and_mul
+                    if self.gelu
+                    else torch.ops.kvmesh.silu_and_mul
+                )
+                activated = fused(gate_up.contiguous())
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                activated = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+            out = self.all_reduce(self._linear("down", self.down_proj, activated, lora))
         if self.post_mlp_norm is not None:
             out = self._norm(out, "post_mlp_norm")
         if self.residual_multiplier != 1.0:
