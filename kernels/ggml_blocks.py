@@ -37,6 +37,12 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q5_K: (256, 176),
     Q.Q6_K: (256, 210),
 }
+# From this many rows of x, ``linear_int8`` runs ggml_q8_panel.cpp (codes
+# unpacked once per call into an L1 panel, 4 x 2 register tiles); below it,
+# ggml_q8_linear.cpp (codes unpacked in registers per row of x: batch 1's
+# kernel). Measured by benchmarks/ggml_q8_bench.py (docs/performance.md,
+# "Decode batches on GGUF blocks").
+PANEL_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,11 @@ class GGMLRows:
 
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products
-        (kernels/csrc/ggml_q8_linear.cpp; its reference: kernels/ggml_q8_reference.py)."""
-        return torch.ops.kvmesh.ggml_linear_q8(
-            x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
+        (kernels/csrc/ggml_q8_linear.cpp, or ggml_q8_panel.cpp from ``PANEL_MIN_ROWS``
+        rows; their reference: kernels/ggml_q8_reference.py)."""
+        op = (
+            torch.ops.kvmesh.ggml_linear_q8_panel
+            if x.shape[0] >= PANEL_MIN_ROWS
+            else torch.ops.kvmesh.ggml_linear_q8
         )
+        return op(x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments])

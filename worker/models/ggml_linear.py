@@ -11,10 +11,12 @@ tile: the same float32 weights, a GEMM's speed, and memory that does not grow
 with the projection (the 49k-row LM head included).
 
 With ``--quantization w8a8`` the kernel rows take activations quantized to
-int8 per 32 features and integer dot products (kernels/csrc/ggml_q8_linear.cpp,
-llama.cpp's own arithmetic for its CPU decode): the blocks are read once
-and unpacked in registers, no float rebuild, 2.5-3.4x faster per batch-1
-pass (docs/performance.md); prefill tiles stay float32.
+int8 per 32 features and integer dot products (llama.cpp's own arithmetic for
+its CPU decode): at batch 1 kernels/csrc/ggml_q8_linear.cpp (the blocks read
+once and unpacked in registers, no float rebuild, 2.5-3.4x faster per pass),
+from ``PANEL_MIN_ROWS`` rows ggml_q8_panel.cpp (a tile of rows unpacked once
+per call into an L1 panel that every row of x reads; docs/performance.md);
+prefill tiles stay float32.
 
 The computation is float32 whatever the model's dtype: bfloat16 rows are
 widened on the way in and the output rounded once, as the block-code kernel
@@ -119,10 +121,10 @@ class GGMLLinear(PackedLinear):
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
         else:
-            y = self._tiled(x)
+            y = self.linear_by_tiles(x)
         return y if self._bias is None else y.add_(self._bias)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def linear_by_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill: rebuild a tile of output rows at a time, GEMM each tile."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
