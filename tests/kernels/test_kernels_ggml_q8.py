@@ -15,9 +15,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvmesh.kernels import native
-from kvmesh.kernels.ggml_blocks import BLOCK_FORMATS, PANEL_MIN_ROWS, GGMLRows, Segment
+from kvmesh.kernels.ggml_blocks import (
+    BLOCK_FORMATS,
+    PANEL_MIN_ROWS,
+    ROW_KERNEL_ONLY,
+    GGMLRows,
+    Segment,
+)
 from kvmesh.kernels.ggml_q8_reference import ggml_q8_reference, quantize_runs
-from kvmesh.worker.models.ggml_linear import GGMLLinear
+from kvmesh.worker.models.ggml_linear import MAX_GGML_Q8_KERNEL_ROWS, GGMLLinear
 
 from .test_kernels_ggml_blocks import _random_blocks
 
@@ -123,14 +129,23 @@ def test_panel_kernel_takes_mixed_segments() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("batch", sorted({1, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 40}))
-def test_int8_rows_dispatch_by_batch(batch: int) -> None:
-    rows = _rows(Q.Q4_K, 16, 256, seed=5)
+@pytest.mark.parametrize(
+    ("kind", "batch"),
+    [(Q.Q4_K, b) for b in sorted({1, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 40})] + [(Q.Q8_0, 16)],
+)
+def test_int8_rows_dispatch_by_batch_and_type(kind, batch: int) -> None:
+    rows = _rows(kind, 16, 256, seed=5)
     x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch))
-    blocks, kinds = [rows.segments[0].blocks], [int(Q.Q4_K)]
-    op = (
-        torch.ops.kvmesh.ggml_linear_q8_panel
-        if batch >= PANEL_MIN_ROWS
-        else torch.ops.kvmesh.ggml_linear_q8
-    )
+    blocks, kinds = [rows.segments[0].blocks], [int(kind)]
+    panel = batch >= PANEL_MIN_ROWS and kind not in ROW_KERNEL_ONLY
+    op = torch.ops.kvmesh.ggml_linear_q8_panel if panel else torch.ops.kvmesh.ggml_linear_q8
     assert torch.equal(rows.linear_int8(x), op(x, blocks, kinds))
+
+
+@needs_kernels
+def test_w8a8_projection_takes_float_tiles_past_its_kernel_bound() -> None:
+    rows = _rows(Q.Q4_K, 16, 256, seed=6)
+    w8a8 = GGMLLinear(rows, None, torch.float32, int8_activations=True)
+    x = torch.randn(MAX_GGML_Q8_KERNEL_ROWS + 1, 256, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(w8a8(x), w8a8.linear_by_tiles(x))
+    assert torch.equal(w8a8(x[:-1]), rows.linear_int8(x[:-1]))

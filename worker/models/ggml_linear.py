@@ -42,6 +42,12 @@ from kvmesh.worker.models.linear import PackedLinear, onednn_available
 # ahead at every size measured; larger batches unmeasured). The same bound as
 # MAX_CODES_ONLY_KERNEL_ROWS for the panel codes.
 MAX_GGML_KERNEL_ROWS = 128
+# The same bound with --quantization w8a8 (int8 activations): past it the float
+# tiles above. benchmarks/ggml_q8_bench.py on the same Zen 2 (1 thread, one
+# Q4_K_M layer, ms of CPU time int8 panel / tiles): 32 rows 5.575 / 6.128,
+# 40: 6.751 / 7.049, 48: 8.063 / 7.965, 64: 10.706 / 10.062 (Q8_0 rows: tiles
+# ahead from 48 too; docs/performance.md, "Decode batches on GGUF blocks").
+MAX_GGML_Q8_KERNEL_ROWS = 40
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
@@ -115,7 +121,8 @@ class GGMLLinear(PackedLinear):
         return self._rows.dequantize().to(self._dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel and x.dim() == 2 and x.shape[0] <= MAX_GGML_KERNEL_ROWS:
+        limit = MAX_GGML_Q8_KERNEL_ROWS if self._int8_activations else MAX_GGML_KERNEL_ROWS
+        if self._kernel and x.dim() == 2 and x.shape[0] <= limit:
             x32 = x.float().contiguous()
             y = self._rows.linear_int8(x32) if self._int8_activations else self._rows.linear(x32)
             if y.dtype != x.dtype:
