@@ -158,26 +158,36 @@ void unpack_row(const uint8_t* row, int64_t K, Panel& p, int64_t t) {
       d[b] = db;
       offset[2 * b] = offset[2 * b + 1] = off;
     } else {
+      // The super-block's factors first: the stores below may alias blk for
+      // all the compiler knows, so nothing is read from it twice.
+      const float dq = half_at(blk + (kind == kQ6_K ? 208 : 0));
+      float sub_offset[16];
+      int16_t sub_scale[16];
+      if constexpr (kind == kQ6_K) {
+        const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int i = 0; i < 16; ++i) {
+          sub_scale[i] = sc[i];
+          // w = (d sc) (c - 32): the -32 as an offset, rounded as the reference's d * sc.
+          sub_offset[i] = -32.0f * (dq * static_cast<float>(sc[i]));
+        }
+      } else {
+        const float dmin = half_at(blk + 2);
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, m;
+          scale_min_k4(j, blk + 4, sc, m);
+          sub_scale[2 * j] = sub_scale[2 * j + 1] = sc;
+          sub_offset[2 * j] = sub_offset[2 * j + 1] = -(dmin * static_cast<float>(m));
+        }
+      }
       for (int j = 0; j < 8; ++j) {
         const int64_t r = 8 * b + j;
         put_codes<kind>(blk, j, codes + r * kRun, signs + r * kRun);
         int16_t* s = scales + r * 16;
-        if constexpr (kind == kQ6_K) {
-          const float dq = half_at(blk + 208);
-          const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
-          for (int l = 0; l < 8; ++l) s[l] = sc[2 * j];
-          for (int l = 8; l < 16; ++l) s[l] = sc[2 * j + 1];
-          d[r] = dq;
-          // w = (d sc) (c - 32): the -32 as an offset, rounded as the reference's d * sc.
-          offset[2 * r] = -32.0f * (dq * static_cast<float>(sc[2 * j]));
-          offset[2 * r + 1] = -32.0f * (dq * static_cast<float>(sc[2 * j + 1]));
-        } else {
-          uint8_t sc, m;
-          scale_min_k4(j, blk + 4, sc, m);
-          for (int l = 0; l < 16; ++l) s[l] = sc;
-          d[r] = half_at(blk);
-          offset[2 * r] = offset[2 * r + 1] = -(half_at(blk + 2) * static_cast<float>(m));
-        }
+        for (int l = 0; l < 8; ++l) s[l] = sub_scale[2 * j];
+        for (int l = 8; l < 16; ++l) s[l] = sub_scale[2 * j + 1];
+        d[r] = dq;
+        offset[2 * r] = sub_offset[2 * j];
+        offset[2 * r + 1] = sub_offset[2 * j + 1];
       }
     }
   }
