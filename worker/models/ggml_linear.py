@@ -44,10 +44,11 @@ from kvmesh.worker.models.linear import PackedLinear, onednn_available
 MAX_GGML_KERNEL_ROWS = 128
 # The same bound with --quantization w8a8 (int8 activations): past it the float
 # tiles above. benchmarks/ggml_q8_bench.py on the same Zen 2 (1 thread, one
-# Q4_K_M layer, ms of CPU time int8 panel / tiles): 32 rows 5.575 / 6.128,
-# 40: 6.751 / 7.049, 48: 8.063 / 7.965, 64: 10.706 / 10.062 (Q8_0 rows: tiles
-# ahead from 48 too; docs/performance.md, "Decode batches on GGUF blocks").
-MAX_GGML_Q8_KERNEL_ROWS = 40
+# Q4_K_M layer, ms of CPU time int8 panel / tiles, two runs): 40 rows 6.751 /
+# 7.049 and 6.759 / 7.745; 48: 8.063 / 7.965 and 8.043 / 8.948; 56: 9.485 /
+# 9.119; 64: 10.706 / 10.062 and 10.502 / 10.315 (docs/performance.md,
+# "Decode batches on GGUF blocks").
+MAX_GGML_Q8_KERNEL_ROWS = 48
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
