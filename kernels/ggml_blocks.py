@@ -47,7 +47,8 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
 # "Decode batches on GGUF blocks").
 PANEL_MIN_ROWS = 5
 # Q8_0 codes are plain bytes that the row kernel reads as they are: the panel,
-# which copies them (and their signs), was 0.83-1.06x the row kernel at 4-64 rows.
+# which copies them (and their signs), ran at 0.59-1.05x the row kernel's speed
+# at 1-64 rows of x (the same benchmark, Q8_0 layer).
 ROW_KERNEL_ONLY = frozenset({Q.Q8_0})
 
 
