@@ -1,28 +1,45 @@
-"""GGUF blocks at decode batch sizes: float activations vs int8 ones, kernel alone.
+"""GGUF blocks at decode batch sizes: every way kvmesh multiplies them, kernel alone.
 
 One SmolLM2-135M layer's projections in llama.cpp's own type choice for each
 mix (576-wide rows: Q4_K_M's Q5_0, Q8_0's Q8_0; ffn_down's 1,536-wide rows:
-Q6_K / Q8_0), random blocks, through ``ggml_linear`` (each row rebuilt to
-float32, float dot products) and ``ggml_linear_q8`` (activations quantized to
-int8 per 32 features, integer dot products): best-of-``--rounds`` ms per
-layer pass and the weight GB/s that makes, per batch size. One layer (2.6-3.8
-MB) stays in the last-level cache between rounds: this measures the kernels'
-arithmetic, not memory; benchmarks/decode_bandwidth.py measures whole steps.
+Q6_K / Q8_0), random blocks, per batch size, through:
 
-    python -m benchmarks.ggml_q8_bench [--threads 1] [--rounds 60]
+- ``float``: ``ggml_linear`` (each row rebuilt to float32, float dot products);
+- ``int8 rows``: ``ggml_linear_q8`` (activations quantized to int8 per 32
+  features, codes unpacked in registers per 4 rows of x);
+- ``int8 panel``: ``ggml_linear_q8_panel`` (the same arithmetic, codes unpacked
+  once per call into an L1 panel that every row of x reads);
+- ``tiles``: a tile of rows rebuilt to float32 and oneDNN's GEMM
+  (``GGMLLinear.linear_by_tiles``, the prefill path);
+- ``dispatch``: ``GGMLLinear`` with ``--quantization w8a8``, which picks one
+  of the above by batch size (kernels/ggml_blocks.py, worker/models/ggml_linear.py).
+
+Times are the process's CPU time (all threads together: on a shared box the
+CPU clock does not count the time other processes hold the cores; with 2
+threads it also counts their spin-waits) with the wall time beside it, the
+median over ``--rounds`` rounds that run every way once each in turn, so a
+change of load hits them all alike. One layer (2.6-3.8 MB) stays in the
+last-level cache between rounds: this measures the kernels' arithmetic, not
+memory; benchmarks/decode_bandwidth.py measures whole steps.
+
+    python -m benchmarks.ggml_q8_bench [--threads 1] [--rounds 30] [--batches 1 2 4 8 16 32 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvmesh.kernels import native
+from kvmesh.kernels.ggml_blocks import GGMLRows, Segment
 from kvmesh.services.runtime.cpu_features import CpuFeatures
+from kvmesh.worker.models.ggml_linear import GGMLLinear
 from tests.kernels.test_kernels_ggml_blocks import _random_blocks
 
 Q = GGMLQuantizationType
@@ -32,23 +49,56 @@ LAYERS = {
     "Q4_K_M": ((Q.Q5_0, 2 * HIDDEN + 2 * KV + 2 * INTERMEDIATE, HIDDEN), (Q.Q6_K, HIDDEN, 1536)),
     "Q8_0": ((Q.Q8_0, 2 * HIDDEN + 2 * KV + 2 * INTERMEDIATE, HIDDEN), (Q.Q8_0, HIDDEN, 1536)),
 }
+Way = Callable[[torch.Tensor], torch.Tensor]
 
 
-def best_seconds(op, x: torch.Tensor, blocks: torch.Tensor, kind: int, rounds: int) -> float:
-    op(x, [blocks], [kind])
-    best = float("inf")
+def ways(rows: GGMLRows) -> dict[str, Way]:
+    blocks, kinds = [s.blocks for s in rows.segments], [int(s.kind) for s in rows.segments]
+    dispatch = GGMLLinear(rows, None, torch.float32, int8_activations=True)
+    return {
+        "float": lambda x: torch.ops.kvmesh.ggml_linear(x, blocks, kinds),
+        "int8 rows": lambda x: torch.ops.kvmesh.ggml_linear_q8(x, blocks, kinds),
+        "int8 panel": lambda x: torch.ops.kvmesh.ggml_linear_q8_panel(x, blocks, kinds),
+        "tiles": dispatch.linear_by_tiles,
+        "dispatch": dispatch,
+    }
+
+
+def seconds(way: Way, x: torch.Tensor, calls: int) -> tuple[float, float]:
+    """CPU seconds and wall seconds per call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        way(x)
+    return (time.process_time() - cpu) / calls, (time.perf_counter() - wall) / calls
+
+
+def measure(
+    layer: list[tuple[dict[str, Way], int]], batch: int, rounds: int
+) -> dict[str, tuple[float, float]]:
+    """Median (CPU, wall) seconds per layer pass of each way, rounds alternating between ways."""
+    xs = [torch.randn(batch, width) for _, width in layer]
+    names = list(layer[0][0])
+    calls = max(1, 16 // batch)  # a few ms per sample at small batches
+    for (by_name, _), x in zip(layer, xs, strict=True):
+        for way in by_name.values():
+            way(x)  # warm-up: thread-local buffers, oneDNN's primitive cache
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
-        start = time.perf_counter()
-        op(x, [blocks], [kind])
-        best = min(best, time.perf_counter() - start)
-    return best
+        for name in names:
+            parts = [
+                seconds(by_name[name], x, calls) for (by_name, _), x in zip(layer, xs, strict=True)
+            ]
+            cpu[name].append(sum(c for c, _ in parts))
+            wall[name].append(sum(w for _, w in parts))
+    return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     args = parser.parse_args(argv)
     if (reason := native.unavailable_reason()) is not None:
         raise SystemExit(f"the C++ kernels are needed: {reason}")
@@ -56,28 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     cpu = CpuFeatures.detect()
     print(
         f"CPU: {cpu.model_name} ({cpu.isa_summary()}), {args.threads} threads, "
-        f"load average {os.getloadavg()[0]:.2f}"
+        f"load average {os.getloadavg()[0]:.2f}; ms of process CPU time per layer pass"
     )
-    ops = {"float": torch.ops.kvmesh.ggml_linear, "int8": torch.ops.kvmesh.ggml_linear_q8}
     for mix, parts in LAYERS.items():
-        pieces = [(torch.from_numpy(_random_blocks(k, n, w, 0)), int(k), w) for k, n, w in parts]
-        nbytes = sum(blocks.numel() for blocks, _, _ in pieces)
+        layer = []
+        for kind, n, width in parts:
+            blocks = torch.from_numpy(_random_blocks(kind, n, width, 0))
+            layer.append((ways(GGMLRows((Segment(kind, blocks),), width)), width))
         for batch in args.batches:
-            seconds = {}
-            for name, op in ops.items():
-                seconds[name] = sum(
-                    best_seconds(op, torch.randn(batch, width), blocks, kind, args.rounds)
-                    for blocks, kind, width in pieces
-                )
+            result = measure(layer, batch, args.rounds)
+            ms = {name: cpu * 1e3 for name, (cpu, _) in result.items()}
+            best = min((n for n in ms if n != "dispatch"), key=ms.__getitem__)
             print(
-                f"{mix} batch {batch:3d}: {nbytes / 1e6:.2f} MB per layer; "
+                f"{mix} batch {batch:3d}: "
                 + "; ".join(
-                    f"{name} {s * 1e3:.3f} ms ({nbytes / s / 1e9:.1f} GB/s)"
-                    for name, s in seconds.items()
+                    f"{name} {cpu * 1e3:.3f} ({wall * 1e3:.3f} wall)"
+                    for name, (cpu, wall) in result.items()
                 )
-                + f"; int8 {seconds['float'] / seconds['int8']:.2f}x",
+                + f"; fastest {best}; panel vs rows {ms['int8 rows'] / ms['int8 panel']:.2f}x",
                 flush=True,
             )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -37,6 +37,19 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q5_K: (256, 176),
     Q.Q6_K: (256, 210),
 }
+# From this many rows of x, ``linear_int8`` runs ggml_q8_panel.cpp (codes
+# unpacked once per call into an L1 panel, 4 x 2 register tiles); below it,
+# ggml_q8_linear.cpp (codes unpacked in registers, once per 4 rows of x, which
+# up to 4 rows is once per call as well). benchmarks/ggml_q8_bench.py on the
+# 2-core Zen 2 EPYC (AVX2), one Q4_K_M layer of the default model, 1 thread,
+# ms of CPU time rows / panel: 4 rows 0.990 / 1.046, 5: 1.341 / 1.234,
+# 8: 1.851 / 1.648, 16: 3.735 / 2.949, 32: 7.420 / 5.575 (docs/performance.md,
+# "Decode batches on GGUF blocks").
+PANEL_MIN_ROWS = 5
+# Q8_0 codes are plain bytes that the row kernel reads as they are: the panel,
+# which copies them (and their signs), ran at 0.59-1.05x the row kernel's speed
+# at 1-64 rows of x (the same benchmark, Q8_0 layer).
+ROW_KERNEL_ONLY = frozenset({Q.Q8_0})
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,8 @@ class GGMLRows:
 
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products
-        (kernels/csrc/ggml_q8_linear.cpp; its reference: kernels/ggml_q8_reference.py)."""
-        return torch.ops.kvmesh.ggml_linear_q8(
-            x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
-        )
+        (kernels/csrc/ggml_q8_linear.cpp, or ggml_q8_panel.cpp from ``PANEL_MIN_ROWS``
+        rows; their reference: kernels/ggml_q8_reference.py)."""
+        panel = x.shape[0] >= PANEL_MIN_ROWS and not ROW_KERNEL_ONLY.issuperset(self.kinds)
+        op = torch.ops.kvmesh.ggml_linear_q8_panel if panel else torch.ops.kvmesh.ggml_linear_q8
+        return op(x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments])

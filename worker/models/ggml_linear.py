@@ -11,10 +11,12 @@ tile: the same float32 weights, a GEMM's speed, and memory that does not grow
 with the projection (the 49k-row LM head included).
 
 With ``--quantization w8a8`` the kernel rows take activations quantized to
-int8 per 32 features and integer dot products (kernels/csrc/ggml_q8_linear.cpp,
-llama.cpp's own arithmetic for its CPU decode): the blocks are read once
-and unpacked in registers, no float rebuild, 2.5-3.4x faster per batch-1
-pass (docs/performance.md); prefill tiles stay float32.
+int8 per 32 features and integer dot products (llama.cpp's own arithmetic for
+its CPU decode): at batch 1 kernels/csrc/ggml_q8_linear.cpp (the blocks read
+once and unpacked in registers, no float rebuild, 2.5-3.4x faster per pass),
+from ``PANEL_MIN_ROWS`` rows ggml_q8_panel.cpp (a tile of rows unpacked once
+per call into an L1 panel that every row of x reads; docs/performance.md);
+prefill tiles stay float32.
 
 The computation is float32 whatever the model's dtype: bfloat16 rows are
 widened on the way in and the output rounded once, as the block-code kernel
@@ -40,6 +42,13 @@ from kvmesh.worker.models.linear import PackedLinear, onednn_available
 # ahead at every size measured; larger batches unmeasured). The same bound as
 # MAX_CODES_ONLY_KERNEL_ROWS for the panel codes.
 MAX_GGML_KERNEL_ROWS = 128
+# The same bound with --quantization w8a8 (int8 activations): past it the float
+# tiles above. benchmarks/ggml_q8_bench.py on the same Zen 2 (1 thread, one
+# Q4_K_M layer, ms of CPU time int8 panel / tiles, two runs): 40 rows 6.751 /
+# 7.049 and 6.759 / 7.745; 48: 8.063 / 7.965 and 8.043 / 8.948; 56: 9.485 /
+# 9.119; 64: 10.706 / 10.062 and 10.502 / 10.315 (docs/performance.md,
+# "Decode batches on GGUF blocks").
+MAX_GGML_Q8_KERNEL_ROWS = 48
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
@@ -113,16 +122,17 @@ class GGMLLinear(PackedLinear):
         return self._rows.dequantize().to(self._dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel and x.dim() == 2 and x.shape[0] <= MAX_GGML_KERNEL_ROWS:
+        limit = MAX_GGML_Q8_KERNEL_ROWS if self._int8_activations else MAX_GGML_KERNEL_ROWS
+        if self._kernel and x.dim() == 2 and x.shape[0] <= limit:
             x32 = x.float().contiguous()
             y = self._rows.linear_int8(x32) if self._int8_activations else self._rows.linear(x32)
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
         else:
-            y = self._tiled(x)
+            y = self.linear_by_tiles(x)
         return y if self._bias is None else y.add_(self._bias)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def linear_by_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill: rebuild a tile of output rows at a time, GEMM each tile."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
