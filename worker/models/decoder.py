@@ -405,8 +405,9 @@ class DecoderLayer(nn.Module):
         the mean of squares over every rank's heads, one small all-reduce)."""
         weight = getattr(self, name)
         if self.qk_norm == "head":
-            if self.norm_offset and self._native_ops and name in self._shifted_norms:
-                # Every head a row of the fused norm.
+            fused = name in self._shifted_norms if self.norm_offset else True
+            if self._native_ops and fused:
+                # Every head a row of the fused norm (Qwen3, Gemma 3).
                 rows = qk.reshape(-1, self.head_dim)
                 return self._norm(rows, name).reshape(qk.shape)
             heads = qk.reshape(qk.shape[0], num_heads, self.head_dim)
