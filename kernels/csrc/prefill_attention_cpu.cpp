@@ -365,13 +365,15 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct AmxProducts {
   using Word = uint16_t;
+  static constexpr int64_t kWidthKeys = kKeyBlock;  // whole 64-key blocks of tiles
   template <typename Rows>
   static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
                    int64_t context_len, int64_t key0, int64_t head_dim) {
     pack_block_bf16(kt, v, rows, first_key, context_len, key0, head_dim);
   }
 
-  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim,
+                     int64_t /*tiles: always the block's 4*/) {
     const int64_t dim_chunks = head_dim / kDimChunk;
     zero_accumulators();
     kvmesh::compiler_barrier();
@@ -427,6 +429,7 @@ using Bf16Products = AmxProducts;
 // accumulators per pass, 16 of the 32 registers.
 struct VectorProducts {
   using Word = uint16_t;
+  static constexpr int64_t kWidthKeys = kKeyBlock;  // P V takes whole 32-key pairs blocks
   template <typename Rows>
   static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
                    int64_t context_len, int64_t key0, int64_t head_dim) {
@@ -444,7 +447,8 @@ struct VectorProducts {
     return (__m512bh)_mm512_loadu_si512(tile_row);  // std::vector: 16-byte aligned
   }
 
-  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim,
+                     int64_t /*tiles: always the block's 4*/) {
     constexpr int64_t kTiles = kKeyBlock / kKeyTile;
     const int64_t dim_chunks = head_dim / kDimChunk;
     for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
@@ -518,6 +522,11 @@ using Bf16Products = VectorProducts;
 // values, a group of rows x kTiles vectors of accumulators per pass.
 struct Float32Products {
   using Word = float;
+  // A step's last Q K^T pass stops at the 16-key tile holding the last key
+  // (not the 64-key block): the causal diagonal's masked keys cost a quarter
+  // of what they did. The skipped keys' p would be exact zeros, whose P V
+  // terms add nothing: the same sums in the same order, bit-identical output.
+  static constexpr int64_t kWidthKeys = kKeyTile;
   template <typename Rows>
   static void pack(float* kt, float* v, const Rows& rows, int64_t first_key, int64_t context_len,
                    int64_t key0, int64_t head_dim) {
@@ -531,26 +540,31 @@ struct Float32Products {
     for (int64_t r0 = 0; r0 < kTileRows; r0 += 4) f.template operator()<4>(r0);
   }
 #else
-  // One Vec16 (two ymm) per row: 6 + 6 + 4 rows, so 12 of the 16 ymm
+  // One Vec16 (two ymm) per row: 6 + 5 + 5 rows, so 12 or 10 of the 16 ymm
   // registers accumulate (4 rows held 8: barely the FMAs in flight that two
-  // pipes of 4-cycle latency want, and 3 loads per 2 FMAs). A 1,024-token
-  // chunk (9 heads, head_dim 64), built at the avx2 level on the 2-core Zen 4
-  // EPYC, builds alternating: one thread 78 vs 75 GFLOP/s (medians of 8
-  // runs), two threads 8.6 vs 9.4 ms per call (medians of 9 and 6; a noisy
-  // host). The same FMAs in the same order per output: bit-identical results.
+  // pipes of 4-cycle latency want, and 3 loads per 2 FMAs; 6 + 6 + 4 left the
+  // last group at 8, which Zen 2's two pipes of 5-cycle latency cannot keep
+  // busy). A 1,024-token chunk (9 heads, head_dim 64), built at the avx2
+  // level on the 2-core Zen 4 EPYC, builds alternating: one thread 78 vs 75
+  // GFLOP/s (medians of 8 runs), two threads 8.6 vs 9.4 ms per call (medians
+  // of 9 and 6; a noisy host). The same FMAs in the same order per output:
+  // bit-identical results.
   static constexpr int64_t kTiles = 1;
   template <class F>
   static void for_row_groups(const F& f) {
     f.template operator()<6>(0);
-    f.template operator()<6>(6);
-    f.template operator()<4>(12);
+    f.template operator()<5>(6);
+    f.template operator()<5>(11);
   }
 #endif
   static_assert(kTileRows == 16, "the row groups cover 16 rows");
 
-  static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim) {
+  // `tiles` (1..4) of the block's 16-key tiles; kTiles divides 4, and a
+  // group's tiles past `tiles` are computed anyway (the AVX-512 group of 4).
+  static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim,
+                     int64_t tiles) {
     for_row_groups([&]<int64_t kRows>(int64_t r0) {
-      for (int64_t t0 = 0; t0 < kKeyBlock / kKeyTile; t0 += kTiles) {
+      for (int64_t t0 = 0; t0 < tiles; t0 += kTiles) {
         Vec16 acc[kRows][kTiles];
         for (auto& row : acc) {
           for (auto& a : row) a = Vec16::zero();
@@ -648,11 +662,12 @@ void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride,
   const float step_scale = softcap > 0.f ? 1.f : scale;
 
   for (int64_t key0 = first_key / kKeyBlock * kKeyBlock; key0 <= last_key; key0 += kStepKeys) {
-    // Q K^T passes of 64 keys, none wholly past the last key.
-    const int64_t width =
-        std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
+    // Q K^T passes of 64 keys, the last cut to Products::kWidthKeys past the last key.
+    constexpr int64_t kQuantum = Products::kWidthKeys;
+    const int64_t width = std::min(kStepKeys, (last_key - key0) / kQuantum * kQuantum + kQuantum);
     for (int64_t k = 0; k < width; k += kKeyBlock) {
-      Products::scores(s + k, q_tile, kv.kt + (key0 - key_base + k) * head_dim, head_dim);
+      const int64_t tiles = std::min(kKeyBlock, width - k) / kKeyTile;
+      Products::scores(s + k, q_tile, kv.kt + (key0 - key_base + k) * head_dim, head_dim, tiles);
     }
     if (softcap > 0.f) {
       const Vec16 scale_v = Vec16::splat(scale);
