@@ -33,12 +33,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# The repository root first, so that a checkout's own packages (and its C++
+# kernels) win over an editable install's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvmesh.services.contracts.math_utils import cdiv
