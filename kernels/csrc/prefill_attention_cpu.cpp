@@ -543,14 +543,14 @@ struct Float32Products {
   }
 #else
   // One Vec16 (two ymm) per row: 6 + 5 + 5 rows, so 12 or 10 of the 16 ymm
-  // registers accumulate (4 rows held 8: barely the FMAs in flight that two
-  // pipes of 4-cycle latency want, and 3 loads per 2 FMAs; 6 + 6 + 4 left the
-  // last group at 8, which Zen 2's two pipes of 5-cycle latency cannot keep
-  // busy). A 1,024-token chunk (9 heads, head_dim 64), built at the avx2
-  // level on the 2-core Zen 4 EPYC, builds alternating: one thread 78 vs 75
-  // GFLOP/s (medians of 8 runs), two threads 8.6 vs 9.4 ms per call (medians
-  // of 9 and 6; a noisy host). The same FMAs in the same order per output:
-  // bit-identical results.
+  // registers accumulate, beside the K^T (or V) vector and the broadcast.
+  // Fewer starve the FMA pipes: two pipes of 5-cycle latency (Zen 2) want
+  // 10 FMAs in flight, and 4 rows hold 8: the earlier 6 + 6 + 4 split's last
+  // group could not keep them busy. (6 + 6 + 4 itself, on the 2-core
+  // Zen 4 EPYC at the avx2 level, builds alternating: one thread 78 vs 75
+  // GFLOP/s, medians of 8 runs; two threads 8.6 vs 9.4 ms per 1,024-token
+  // chunk, 9 heads of 64, medians of 9 and 6 on a noisy host.) The same FMAs
+  // in the same order per output whatever the split: bit-identical results.
   static constexpr int64_t kTiles = 1;
   template <class F>
   static void for_row_groups(const F& f) {
