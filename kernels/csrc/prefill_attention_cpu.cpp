@@ -23,9 +23,11 @@
 //     one dim; V as its rows.
 //     Keys past the context are zeros (finite, so masked 0 x V stays 0).
 //  2. Attend, flash-attention style: each (chunk, KV head, 16 query rows)
-//     runs the GQA group's query heads one after the other over the same
-//     packed K/V (hot in L1/L2), key blocks of 64 up to the causal limit
-//     (blocks past it skipped, only blocks crossing it masked):
+//     runs the GQA group's query heads over the same packed K/V, the heads
+//     one after the other within each step of keys (so a step's K/V is hot
+//     in L1/L2 for all of them), key blocks of 64 up to the causal limit
+//     (blocks past it skipped, only blocks crossing it masked; float32 stops
+//     at the 16-key tile of the last key):
 //       S = Q K^T (AMX: Q rows are A tiles as they are, 32 dims each;
 //           vdpbf16ps: each query row's dim pair broadcast against a K^T tile
 //           row; float32: each query value against a 16-key vector),
@@ -365,13 +367,15 @@ void softmax_step(const float* s, Word* p, int64_t width, float* row_max, float*
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct AmxProducts {
   using Word = uint16_t;
+  static constexpr int64_t kWidthKeys = kKeyBlock;  // whole 64-key blocks of tiles
   template <typename Rows>
   static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
                    int64_t context_len, int64_t key0, int64_t head_dim) {
     pack_block_bf16(kt, v, rows, first_key, context_len, key0, head_dim);
   }
 
-  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim,
+                     int64_t /*tiles: always the block's 4*/) {
     const int64_t dim_chunks = head_dim / kDimChunk;
     zero_accumulators();
     kvmesh::compiler_barrier();
@@ -427,6 +431,7 @@ using Bf16Products = AmxProducts;
 // accumulators per pass, 16 of the 32 registers.
 struct VectorProducts {
   using Word = uint16_t;
+  static constexpr int64_t kWidthKeys = kKeyBlock;  // P V takes whole 32-key pairs blocks
   template <typename Rows>
   static void pack(uint16_t* kt, uint16_t* v, const Rows& rows, int64_t first_key,
                    int64_t context_len, int64_t key0, int64_t head_dim) {
@@ -444,7 +449,8 @@ struct VectorProducts {
     return (__m512bh)_mm512_loadu_si512(tile_row);  // std::vector: 16-byte aligned
   }
 
-  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim) {
+  static void scores(float* s, const uint16_t* q_tile, const uint16_t* kt, int64_t head_dim,
+                     int64_t /*tiles: always the block's 4*/) {
     constexpr int64_t kTiles = kKeyBlock / kKeyTile;
     const int64_t dim_chunks = head_dim / kDimChunk;
     for (int64_t r0 = 0; r0 < kTileRows; r0 += kRows) {
@@ -518,6 +524,11 @@ using Bf16Products = VectorProducts;
 // values, a group of rows x kTiles vectors of accumulators per pass.
 struct Float32Products {
   using Word = float;
+  // A step's last Q K^T pass stops at the 16-key tile holding the last key
+  // (not the 64-key block): the causal diagonal's masked keys cost a quarter
+  // of what they did. The skipped keys' p would be exact zeros, whose P V
+  // terms add nothing: the same sums in the same order, bit-identical output.
+  static constexpr int64_t kWidthKeys = kKeyTile;
   template <typename Rows>
   static void pack(float* kt, float* v, const Rows& rows, int64_t first_key, int64_t context_len,
                    int64_t key0, int64_t head_dim) {
@@ -531,26 +542,31 @@ struct Float32Products {
     for (int64_t r0 = 0; r0 < kTileRows; r0 += 4) f.template operator()<4>(r0);
   }
 #else
-  // One Vec16 (two ymm) per row: 6 + 6 + 4 rows, so 12 of the 16 ymm
-  // registers accumulate (4 rows held 8: barely the FMAs in flight that two
-  // pipes of 4-cycle latency want, and 3 loads per 2 FMAs). A 1,024-token
-  // chunk (9 heads, head_dim 64), built at the avx2 level on the 2-core Zen 4
-  // EPYC, builds alternating: one thread 78 vs 75 GFLOP/s (medians of 8
-  // runs), two threads 8.6 vs 9.4 ms per call (medians of 9 and 6; a noisy
-  // host). The same FMAs in the same order per output: bit-identical results.
+  // One Vec16 (two ymm) per row: 6 + 5 + 5 rows, so 12 or 10 of the 16 ymm
+  // registers accumulate, beside the K^T (or V) vector and the broadcast.
+  // Fewer starve the FMA pipes: two pipes of 5-cycle latency (Zen 2) want
+  // 10 FMAs in flight, and 4 rows hold 8: the earlier 6 + 6 + 4 split's last
+  // group could not keep them busy. (6 + 6 + 4 itself, on the 2-core
+  // Zen 4 EPYC at the avx2 level, builds alternating: one thread 78 vs 75
+  // GFLOP/s, medians of 8 runs; two threads 8.6 vs 9.4 ms per 1,024-token
+  // chunk, 9 heads of 64, medians of 9 and 6 on a noisy host.) The same FMAs
+  // in the same order per output whatever the split: bit-identical results.
   static constexpr int64_t kTiles = 1;
   template <class F>
   static void for_row_groups(const F& f) {
     f.template operator()<6>(0);
-    f.template operator()<6>(6);
-    f.template operator()<4>(12);
+    f.template operator()<5>(6);
+    f.template operator()<5>(11);
   }
 #endif
   static_assert(kTileRows == 16, "the row groups cover 16 rows");
 
-  static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim) {
+  // `tiles` (1..4) of the block's 16-key tiles; kTiles divides 4, and a
+  // group's tiles past `tiles` are computed anyway (the AVX-512 group of 4).
+  static void scores(float* s, const float* q_tile, const float* kt, int64_t head_dim,
+                     int64_t tiles) {
     for_row_groups([&]<int64_t kRows>(int64_t r0) {
-      for (int64_t t0 = 0; t0 < kKeyBlock / kKeyTile; t0 += kTiles) {
+      for (int64_t t0 = 0; t0 < tiles; t0 += kTiles) {
         Vec16 acc[kRows][kTiles];
         for (auto& row : acc) {
           for (auto& a : row) a = Vec16::zero();
@@ -613,34 +629,55 @@ struct Float32Products {
   struct Scope {};
 };
 
-// Pass 2 for one query head and up to 16 query rows of one chunk.
-//   q: the rows' query vectors, `q_stride` words apart
+// One query head's rows of a pass-2 item: its query tile and what the
+// online softmax carries from step to step.
+template <typename Word>
+struct HeadRows {
+  alignas(64) Word q_tile[kTileRows * kMaxHeadDim];
+  alignas(64) float o[kTileRows * kMaxHeadDim];
+  float row_max[kTileRows], row_sum[kTileRows];
+};
+
+// Pass 2 for the `heads` query heads of one KV head (its GQA group) and up
+// to 16 query rows of one chunk. The key steps are the outer loop and the
+// heads the inner one, so each step's packed K/V (256 keys: 128 KB at
+// head_dim 64 in float32) is read from L3 once for the group and then from
+// L2 by the other heads, instead of a whole context's K/V per head (a
+// 1,024-key context is 512 KB, Zen 2's whole L2). Each head's operations and
+// their order are what they were one head at a time: bit-identical output.
+//   out, q: head 0's first row; rows `*_stride`, heads `*_head_stride` words apart
 //   first_limit: the last key query row 0 may see (prefix + its chunk index)
 //   kv: packed from key `key_base` on (a multiple of kKeyBlock)
 //   window, softcap: the layer's (0: none)
 template <class Products, typename Word = typename Products::Word>
-void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride, int64_t rows,
+void attend_rows(Word* out, int64_t out_stride, int64_t out_head_stride, const Word* q,
+                 int64_t q_stride, int64_t q_head_stride, int64_t heads, int64_t rows,
                  const PackedKv<Word>& kv, int64_t key_base, int64_t head_dim,
                  int64_t first_limit, int64_t context_len, int64_t window, float softcap,
                  float scale) {
-  alignas(64) Word q_tile[kTileRows * kMaxHeadDim];
+  // This thread's per-head state, kept across items and calls (as `packed` is).
+  thread_local std::vector<HeadRows<Word>> states;
+  if (static_cast<int64_t>(states.size()) < heads) states.resize(static_cast<size_t>(heads));
   alignas(64) float s[kTileRows * kStepKeys];
   alignas(64) Word p[kTileRows * kStepKeys];
   alignas(64) float pv[kTileRows * kMaxHeadDim];
-  alignas(64) float o[kTileRows * kMaxHeadDim];
-  float row_max[kTileRows], row_sum[kTileRows], alpha[kTileRows];
+  float alpha[kTileRows];
 
-  // Padding rows are zeros: their scores are 0, their outputs discarded.
-  for (int64_t r = 0; r < kTileRows; ++r) {
-    if (r < rows) {
-      std::memcpy(q_tile + r * head_dim, q + r * q_stride, head_dim * sizeof(Word));
-    } else {
-      std::memset(q_tile + r * head_dim, 0, head_dim * sizeof(Word));
+  for (int64_t h = 0; h < heads; ++h) {
+    HeadRows<Word>& head = states[h];
+    // Padding rows are zeros: their scores are 0, their outputs discarded.
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      if (r < rows) {
+        std::memcpy(head.q_tile + r * head_dim, q + h * q_head_stride + r * q_stride,
+                    head_dim * sizeof(Word));
+      } else {
+        std::memset(head.q_tile + r * head_dim, 0, head_dim * sizeof(Word));
+      }
+      head.row_max[r] = kNoScore;
+      head.row_sum[r] = 0.f;
     }
-    row_max[r] = kNoScore;
-    row_sum[r] = 0.f;
+    std::fill(head.o, head.o + kTileRows * head_dim, 0.f);
   }
-  std::fill(o, o + kTileRows * head_dim, 0.f);
   const int64_t last_key = std::min(first_limit + rows - 1, context_len - 1);
   // Row 0's window start, in whole 64-key blocks (earlier keys are no row's).
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_limit - window + 1) : 0;
@@ -648,44 +685,53 @@ void attend_rows(Word* out, int64_t out_stride, const Word* q, int64_t q_stride,
   const float step_scale = softcap > 0.f ? 1.f : scale;
 
   for (int64_t key0 = first_key / kKeyBlock * kKeyBlock; key0 <= last_key; key0 += kStepKeys) {
-    // Q K^T passes of 64 keys, none wholly past the last key.
-    const int64_t width =
-        std::min(kStepKeys, (last_key - key0) / kKeyBlock * kKeyBlock + kKeyBlock);
-    for (int64_t k = 0; k < width; k += kKeyBlock) {
-      Products::scores(s + k, q_tile, kv.kt + (key0 - key_base + k) * head_dim, head_dim);
-    }
-    if (softcap > 0.f) {
-      const Vec16 scale_v = Vec16::splat(scale);
-      for (int64_t r = 0; r < kTileRows; ++r) {
-        for (int64_t k = 0; k < width; k += kKeyTile) {
-          float* x = s + r * kStepKeys + k;
-          kvmesh::softcap16(Vec16::load(x) * scale_v, softcap).store(x);
-        }
-      }
-    }
+    // Q K^T passes of 64 keys, the last cut to Products::kWidthKeys past the last key.
+    constexpr int64_t kQuantum = Products::kWidthKeys;
+    const int64_t width = std::min(kStepKeys, (last_key - key0) / kQuantum * kQuantum + kQuantum);
     // No key past any row's causal limit, none before any row's window start.
     const bool whole = key0 + width - 1 <= first_limit &&
                        (window == 0 || key0 >= first_limit + kTileRows - window);
-    if (whole) {
-      softmax_step<true>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
-                         window, step_scale);
-    } else {
-      softmax_step<false>(s, p, width, row_max, row_sum, alpha, key0, first_limit, context_len,
-                          window, step_scale);
-    }
-    Products::values(pv, p, kv.v + (key0 - key_base) * head_dim, width, head_dim);
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      const Vec16 a = Vec16::splat(alpha[r]);
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        float* od = o + r * head_dim + d;
-        Vec16::fma(Vec16::load(od), a, Vec16::load(pv + r * head_dim + d)).store(od);
+    for (int64_t h = 0; h < heads; ++h) {
+      HeadRows<Word>& head = states[h];
+      for (int64_t k = 0; k < width; k += kKeyBlock) {
+        const int64_t tiles = std::min(kKeyBlock, width - k) / kKeyTile;
+        Products::scores(s + k, head.q_tile, kv.kt + (key0 - key_base + k) * head_dim, head_dim,
+                         tiles);
+      }
+      if (softcap > 0.f) {
+        const Vec16 scale_v = Vec16::splat(scale);
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          for (int64_t k = 0; k < width; k += kKeyTile) {
+            float* x = s + r * kStepKeys + k;
+            kvmesh::softcap16(Vec16::load(x) * scale_v, softcap).store(x);
+          }
+        }
+      }
+      if (whole) {
+        softmax_step<true>(s, p, width, head.row_max, head.row_sum, alpha, key0, first_limit,
+                           context_len, window, step_scale);
+      } else {
+        softmax_step<false>(s, p, width, head.row_max, head.row_sum, alpha, key0, first_limit,
+                            context_len, window, step_scale);
+      }
+      Products::values(pv, p, kv.v + (key0 - key_base) * head_dim, width, head_dim);
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const Vec16 a = Vec16::splat(alpha[r]);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+          float* od = head.o + r * head_dim + d;
+          Vec16::fma(Vec16::load(od), a, Vec16::load(pv + r * head_dim + d)).store(od);
+        }
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const Vec16 inv = Vec16::splat(1.f / row_sum[r]);
-    for (int64_t d = 0; d < head_dim; d += 16) {
-      store_output(out + r * out_stride + d, Vec16::load(o + r * head_dim + d) * inv);
+  for (int64_t h = 0; h < heads; ++h) {
+    const HeadRows<Word>& head = states[h];
+    for (int64_t r = 0; r < rows; ++r) {
+      const Vec16 inv = Vec16::splat(1.f / head.row_sum[r]);
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        store_output(out + h * out_head_stride + r * out_stride + d,
+                     Vec16::load(head.o + r * head_dim + d) * inv);
+      }
     }
   }
 }
@@ -770,14 +816,12 @@ void attend_chunks(const ChunkPlan& plan, at::Tensor& out, const at::Tensor& que
     const PackedKv<Word> kv{kt, v};
     const typename Products::Scope scope;
     const int64_t prefix = contexts[c] - lens[c];
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t head = h * group + g;
-      const int64_t q_row = (starts[c] + row0) * query.stride(0) + head * query.stride(1);
-      attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head * out.stride(1),
-                            out.stride(0), q_base + q_row, query.stride(0), rows, kv,
-                            packed_from(first_keys[c]), head_dim, prefix + row0, contexts[c],
-                            window, softcap, scale);
-    }
+    const int64_t head0 = h * group;  // the GQA group's first query head
+    const int64_t q_row = (starts[c] + row0) * query.stride(0) + head0 * query.stride(1);
+    attend_rows<Products>(out_base + (starts[c] + row0) * out.stride(0) + head0 * out.stride(1),
+                          out.stride(0), out.stride(1), q_base + q_row, query.stride(0),
+                          query.stride(1), group, rows, kv, packed_from(first_keys[c]), head_dim,
+                          prefix + row0, contexts[c], window, softcap, scale);
   });
 }
 

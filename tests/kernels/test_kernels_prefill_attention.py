@@ -304,3 +304,40 @@ def test_bad_inputs_raise_clear_errors(change: dict[str, torch.Tensor], message:
     args = {**_prefill_args(), **change}
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvmesh.paged_prefill_attention(*args.values(), 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_a_rows_output_does_not_depend_on_the_rows_after_it(
+    prefix: int, dtype: torch.dtype
+) -> None:
+    """Bit for bit: the first rows of a chunk cut short come out as they do in
+    the whole chunk, though the kernel stops each row tile's last Q K^T pass at
+    a different key (the float32 path at the 16-key tile of the tile's last
+    row, not its 64-key block): the keys past a row's limit add exact zeros."""
+    whole = 200
+    batch = make_paged_batch(
+        [(prefix, whole)], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype
+    )
+    backend = NativeCpuAttentionBackend()
+    k_cache, v_cache = batch.fresh_caches()
+    backend.write_kv_cache(batch.key, batch.value, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(rows: int) -> torch.Tensor:
+        out = torch.empty_like(batch.query[:rows])
+        torch.ops.kvmesh.paged_prefill_attention(
+            out,
+            batch.query[:rows],
+            k_cache,
+            v_cache,
+            batch.block_tables.long(),
+            torch.tensor([0]),
+            torch.tensor([rows]),
+            torch.tensor([prefix + rows]),
+            batch.scale,
+        )
+        return out
+
+    full = attend(whole)
+    for rows in (1, 15, 17, 50, 77, 130):
+        assert torch.equal(attend(rows), full[:rows]), f"cut at {rows} rows"
