@@ -28,8 +28,9 @@
 //
 // In bfloat16 (x) every intermediate is rounded where the grouped path's
 // bfloat16 tensors store it (the projections, silu, the product, the scaled
-// down rows and each addition), so the two agree to the order of the float32
-// sums inside the dot products.
+// down rows; torch's bfloat16 index_add_ sums a token's rows in float32 and
+// rounds once, as here), so the two agree to the order of the float32 sums
+// inside the dot products.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -63,6 +64,10 @@ using kvmesh::to_float;
 constexpr int kRowBlock = 3;
 // Output columns per work item (both passes).
 constexpr int64_t kColTile = 16;
+// An expert's rows handled together by one item (a prefill chunk's expert
+// may have hundreds): each block of weight rows is read from memory once per
+// this many rows, which with their results stay in L2.
+constexpr int64_t kRowChunk = 48;
 
 // One SIMD register of float32 lanes and what the dot products need of it.
 #if defined(__AVX512F__)
@@ -127,11 +132,21 @@ struct Lanes {
 };
 #endif
 
-// Weight rows per register tile for R activation rows: as many accumulators
-// as the registers hold (one row alone needs more independent sums to hide
-// the fused multiply-add's latency).
-template <int R>
-constexpr int kWeightRows = R == 1 ? 8 : 4;
+// One cache line ahead into L1 (a hint: no fault past the end of memory).
+template <typename W>
+inline void prefetch(const W* p) {
+#if defined(__SSE4_1__)
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// Weight rows per register tile: kRowBlock rows x kWeightRows (12
+// accumulators), or one row alone x kWeightRowsAlone (more independent sums
+// to hide the fused multiply-add's latency).
+constexpr int kWeightRows = 4;
+constexpr int kWeightRowsAlone = 8;
 
 // out[m * ldo + n] = dot(rows[m], w[n * ldw ...]) over K, for R rows and N
 // weight rows: each weight vector is loaded once and used for all R rows.
@@ -139,6 +154,8 @@ template <int R, int N, typename W>
 inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t K, float* out,
                      int64_t ldo) {
   using V = typename Lanes::V;
+  // k steps per 64-byte line of W, at least one vector.
+  constexpr int64_t kLineFloats = std::max<int64_t>(64 / sizeof(W), Lanes::kWidth);
   V acc[R][N];
 #pragma GCC unroll 8
   for (int m = 0; m < R; ++m) {
@@ -152,6 +169,10 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
     for (int m = 0; m < R; ++m) x[m] = Lanes::load(rows[m] + k);
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
+      // The rows N further on (the next tile's, contiguous with these) are
+      // fetched a whole tile ahead: each row is only a few KB, too short for
+      // the hardware prefetcher to reach full speed on its own.
+      if (k % kLineFloats == 0) prefetch(w + (n + N) * ldw + k);
       const V wv = Lanes::load(w + n * ldw + k);
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) acc[m][n] = Lanes::fma(x[m], wv, acc[m][n]);
@@ -168,29 +189,36 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
   }
 }
 
-// R rows times `cols` consecutive weight rows: out[m * ldo + n], n < cols.
-template <int R, typename W>
-inline void dot_rows(const float* const* rows, const W* w, int64_t ldw, int64_t K, int64_t cols,
-                     float* out, int64_t ldo) {
-  constexpr int N = kWeightRows<R>;
-  int64_t n = 0;
-  for (; n + N <= cols; n += N) dot_tile<R, N>(rows, w + n * ldw, ldw, K, out + n, ldo);
-  for (; n < cols; ++n) dot_tile<R, 1>(rows, w + n * ldw, ldw, K, out + n, ldo);
+// Every one of `count` rows times N consecutive weight rows, kRowBlock rows
+// at a time: the N rows' weights stay in L1 from the first row block on.
+template <int N, typename W>
+inline void rows_times(const float* const* rows, int64_t count, const W* w, int64_t ldw,
+                       int64_t K, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= count; m += kRowBlock) {
+    dot_tile<kRowBlock, N>(rows + m, w, ldw, K, out + m * ldo, ldo);
+  }
+  switch (count - m) {
+    case 2: dot_tile<2, N>(rows + m, w, ldw, K, out + m * ldo, ldo); break;
+    case 1: dot_tile<1, N>(rows + m, w, ldw, K, out + m * ldo, ldo); break;
+    default: break;
+  }
 }
 
-// Any count of rows, kRowBlock at a time; out is [rows, ldo].
+// `count` rows times `cols` consecutive weight rows: out[m * ldo + n].
 template <typename W>
 void dot_block(const float* const* rows, int64_t count, const W* w, int64_t ldw, int64_t K,
                int64_t cols, float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + kRowBlock <= count; m += kRowBlock) {
-    dot_rows<kRowBlock>(rows + m, w, ldw, K, cols, out + m * ldo, ldo);
+  int64_t n = 0;
+  if (count == 1) {
+    for (; n + kWeightRowsAlone <= cols; n += kWeightRowsAlone) {
+      dot_tile<1, kWeightRowsAlone>(rows, w + n * ldw, ldw, K, out + n, ldo);
+    }
   }
-  switch (count - m) {
-    case 2: dot_rows<2>(rows + m, w, ldw, K, cols, out + m * ldo, ldo); break;
-    case 1: dot_rows<1>(rows + m, w, ldw, K, cols, out + m * ldo, ldo); break;
-    default: break;
+  for (; n + kWeightRows <= cols; n += kWeightRows) {
+    rows_times<kWeightRows>(rows, count, w + n * ldw, ldw, K, out + n, ldo);
   }
+  for (; n < cols; ++n) rows_times<1>(rows, count, w + n * ldw, ldw, K, out + n, ldo);
 }
 
 // transformers' activations, in float32 (T rounds their results as torch's
@@ -269,9 +297,9 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
     const int64_t first = r.starts[e], count = r.starts[e + 1] - first;
     const W* gate_w = gate_up + (e * 2 * inter + c0) * hidden;
     const W* up_w = gate_w + inter * hidden;
-    float gate[kRowBlock * kColTile], up[kRowBlock * kColTile];
-    for (int64_t m0 = 0; m0 < count; m0 += kRowBlock) {
-      const int64_t rows = std::min<int64_t>(kRowBlock, count - m0);
+    float gate[kRowChunk * kColTile], up[kRowChunk * kColTile];
+    for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
+      const int64_t rows = std::min<int64_t>(kRowChunk, count - m0);
       const float* const* xr = x_rows.data() + first + m0;
       dot_block(xr, rows, gate_w, hidden, hidden, cols, gate, kColTile);
       dot_block(xr, rows, up_w, hidden, hidden, cols, up, kColTile);
@@ -286,7 +314,7 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
   });
 
   // Pass 2: down, scaled and summed per token in expert order, into float32
-  // sums (out itself for float32) rounded to T after each addition.
+  // sums (out itself for float32) rounded to T once at the end.
   float* sums;
   std::unique_ptr<float[]> sum_buffer;
   if constexpr (std::is_same_v<T, float>) {
@@ -301,17 +329,17 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
   const int64_t out_tiles = (hidden + kColTile - 1) / kColTile;
   kvmesh::parallel_items(out_tiles, [&](int64_t tile, bool) {
     const int64_t n0 = tile * kColTile, cols = std::min(kColTile, hidden - n0);
-    float d[kRowBlock * kColTile];
+    float d[kRowChunk * kColTile];
     for (const int64_t e : r.active) {
       const W* down_w = down + (e * hidden + n0) * inter;
-      for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowBlock) {
-        const int64_t rows = std::min<int64_t>(kRowBlock, r.starts[e + 1] - p0);
+      for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowChunk) {
+        const int64_t rows = std::min<int64_t>(kRowChunk, r.starts[e + 1] - p0);
         dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols, d, kColTile);
         for (int64_t m = 0; m < rows; ++m) {
           const float w = r.weight[p0 + m];
           float* s = sums + r.token[p0 + m] * hidden + n0;
           for (int64_t c = 0; c < cols; ++c) {
-            s[c] = round_as<T>(s[c] + round_as<T>(w * round_as<T>(d[m * kColTile + c])));
+            s[c] += round_as<T>(w * round_as<T>(d[m * kColTile + c]));
           }
         }
       }
