@@ -57,12 +57,15 @@ def test_prefill_chunks_and_decode_steps_call_the_fused_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_family_checkpoint(tmp_path, ARCHITECTURE)
-    layers = ModelConfig.from_pretrained(tmp_path).num_layers
     rows = _count_fused_calls(monkeypatch)
-    _greedy(tmp_path)
+    runner, _ = _greedy(tmp_path)
+    layers = sum(layer.router is not None for layer in runner.model.layers)
     # Two prefill chunks (16 + 4 tokens), then one row per decode step, in
-    # every layer.
-    assert rows == [16] * layers + [4] * layers + [1] * (NEW_TOKENS - 1) * layers
+    # every layer; the last layer's MLP runs only the rows that sample (none
+    # in the first chunk, one in the second).
+    first_chunk = [16] * (layers - 1)
+    second_chunk = [4] * (layers - 1) + [1]
+    assert rows == first_chunk + second_chunk + [1] * (NEW_TOKENS - 1) * layers
     # Batch-invariant mode keeps its fixed-tile path.
     rows.clear()
     with batch_invariant.forced(True):
