@@ -90,7 +90,7 @@ def main() -> None:
     for name, steps in times.items():
         print(f"{name:8s} median {statistics.median(steps):7.1f} ms  best {min(steps):7.1f} ms")
     ratio = statistics.median(times["grouped"]) / statistics.median(times["fused"])
-    print(f"grouped / fused (medians): {ratio:.2f}x  (CPU ms per step, both threads)")
+    print(f"grouped / fused (medians): {ratio:.2f}x  (CPU ms per step, all threads)")
 
 
 if __name__ == "__main__":
