@@ -114,3 +114,8 @@ def test_bad_routing_is_refused() -> None:
         torch.ops.kvmesh.fused_moe(
             x, torch.tensor([[0, 1], [1, 2]]), weights, gate_up, down.bfloat16(), False
         )
+
+
+def test_a_step_without_tokens_gives_no_rows() -> None:
+    x, router, gate_up, down = _layer(0, 4, 32, 16, torch.float32, 6)
+    assert moe.fused_experts(x, router, gate_up, down, 2, True).shape == (0, 32)
