@@ -95,6 +95,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Torch's float operations, one by one: no contraction into fused multiply-adds.
     "penalties_cpu.cpp": ("-ffp-contract=off",),
     "kv_cache_write_cpu.cpp": (),
+    # Its dot products are intrinsics; exp and tanh must stay libm's (no -ffast-math).
+    "fused_moe_cpu.cpp": (),
 }
 # Sources whose every line is under an AMX (AVX2, AVX512-BF16) guard, empty at other
 # levels: those levels skip them instead of spending seconds per file

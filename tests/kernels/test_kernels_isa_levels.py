@@ -36,6 +36,7 @@ KERNEL_TESTS = (
     "tests/kernels/test_kernels_cpu_native.py",
     "tests/kernels/test_kernels_prefill_attention.py",
     "tests/kernels/test_kernels_kv_quant.py",
+    "tests/kernels/test_kernels_fused_moe.py",
 )
 VECTOR_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 

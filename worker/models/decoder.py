@@ -37,7 +37,7 @@ from kvmesh.worker.models.declaration import LayerKVSpec, ModelDeclaration, spli
 from kvmesh.worker.models.features import Features, RopeSpec
 from kvmesh.worker.models.ggml_linear import GGMLLinear
 from kvmesh.worker.models.linear import PackedLinear
-from kvmesh.worker.models.moe import grouped_experts
+from kvmesh.worker.models.moe import moe_experts
 from kvmesh.worker.models.quantized import (
     CODE_PIECES,
     WeightPiece,
@@ -368,6 +368,21 @@ class DecoderLayer(nn.Module):
             for param in self.projection_names
         }
 
+    def narrow_experts(self) -> None:
+        """Float32 experts whose every weight is a bfloat16 value (a bfloat16
+        checkpoint served in float32) are kept in bfloat16: the fused MoE kernel
+        widens them in registers, exactly, from half the bytes a step reads.
+        Only with the C++ ops (moe_experts' other paths widen them per call)."""
+        if self.router is None or not self._native_ops:
+            return
+        for name in ("experts_gate_up", "experts_down"):
+            param = getattr(self, name)
+            if param.dtype != torch.float32:
+                continue
+            narrow = param.data.to(torch.bfloat16)
+            if torch.equal(narrow.to(torch.float32), param.data):
+                param.data = narrow
+
     def share_plain_weights(self) -> None:
         """Each projection parameter becomes its packed projection's plain
         weight where there is one, else is released (``share_plain_weight``)."""
@@ -505,7 +520,7 @@ class DecoderLayer(nn.Module):
             hidden = self._norm(hidden, "pre_mlp_norm")
         if self.router is not None:
             out = self.all_reduce(
-                grouped_experts(
+                moe_experts(
                     hidden,
                     self.router,
                     self.experts_gate_up,
@@ -513,6 +528,7 @@ class DecoderLayer(nn.Module):
                     self.moe_top_k,
                     self.moe_renormalize,
                     self.gelu,
+                    self._native_ops,
                 )
             )
         else:
@@ -816,6 +832,8 @@ class DecoderForCausalLM(nn.Module):
                     param.data = placeholder(*param.shape, self.config.dtype).data
                 else:
                     param.data = param.data.to(self.config.dtype)
+        for layer in self.layers:
+            layer.narrow_experts()
 
     def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
         """The embedding table and LM head: a GGUF file's codes stay codes (the

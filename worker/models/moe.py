@@ -15,6 +15,14 @@ that length, so a token's output would depend on which other tokens share its
 step. There the router and every expert's run go through fixed
 ``ROW_TILE``-row tiles instead (one call per tile, one shape per call), at
 the price of a Python loop over the active experts.
+
+On CPU with kvmesh's C++ ops loaded, steps of up to ``MAX_FUSED_TOKENS``
+tokens (decode and small prefill chunks) run ``fused_experts`` instead: the
+router as here, then one op (kernels/csrc/fused_moe_cpu.cpp) that sorts the
+pairs, runs each active expert over its rows with its weights read once, and
+sums each token's experts in the same expert order. Its expert weights may be
+bfloat16 under float32 activations (widened in registers): exact where the
+checkpoint is bfloat16, half the bytes a step reads.
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import batch_invariant
+
+# Up to this many tokens a CPU step's experts run fused_experts, above it the
+# grouped path (_grouped_mm). Measured by benchmarks/moe_layer_bench.py on the
+# 2-core Zen 2 (docs/performance.md, "fused MoE").
+MAX_FUSED_TOKENS = 4096
 
 
 def route(
@@ -41,6 +54,53 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(hidden.dtype), experts
+
+
+def moe_experts(
+    hidden: torch.Tensor,  # [T, H]
+    router: torch.Tensor,  # [E, H]
+    gate_up: torch.Tensor,  # [E, 2 * I, H]
+    down: torch.Tensor,  # [E, H, I]
+    top_k: int,
+    renormalize: bool,
+    gelu: bool,
+    native_ops: bool,
+) -> torch.Tensor:
+    """The MoE MLP's output [T, H] by the path that fits: fused_experts where the
+    C++ ops are loaded (``native_ops``), the step is on CPU, small enough and
+    not batch-invariant; grouped_experts otherwise (with the weights in the
+    activations' dtype: a float32 model may keep bfloat16 experts for the
+    fused path)."""
+    if (
+        native_ops
+        and hidden.device.type == "cpu"
+        and hidden.shape[0] <= MAX_FUSED_TOKENS
+        and not batch_invariant.enabled()
+    ):
+        return fused_experts(hidden, router, gate_up, down, top_k, renormalize, gelu)
+    dtype = hidden.dtype
+    return grouped_experts(
+        hidden, router, gate_up.to(dtype), down.to(dtype), top_k, renormalize, gelu
+    )
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    gelu: bool = False,
+) -> torch.Tensor:
+    """grouped_experts' output by the C++ kernel (CPU, its ops loaded): the same
+    routing, then every active expert's MLP over its rows in one op."""
+    weights, experts = route(hidden, router, top_k, renormalize)
+    # The routing weights as grouped_experts multiplies by them (rounded to
+    # the hidden dtype), handed over in float32.
+    return torch.ops.kvmesh.fused_moe(
+        hidden.contiguous(), experts, weights.float(), gate_up, down, gelu
+    )
 
 
 def grouped_experts(
