@@ -151,6 +151,9 @@ class GGMLRows:
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products
         (kernels/csrc/ggml_q8_linear.cpp; its reference: kernels/ggml_q8_reference.py)."""
-        return torch.ops.kvmesh.ggml_linear_q8(
-            x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
-        )
+        blocks, kinds = [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
+        if x.shape[0] == 1:
+            # A batch-1 decode step: the loops written for one row of x
+            # (kernels/csrc/ggml_q8_row.cpp), the same arithmetic.
+            return torch.ops.kvmesh.ggml_linear_q8_row(x, blocks, kinds)
+        return torch.ops.kvmesh.ggml_linear_q8(x, blocks, kinds)

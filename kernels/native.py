@@ -72,6 +72,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "ggml_block_linear.cpp": ("-ffp-contract=off",),
     # The same blocks times int8 activations (--quantization w8a8): integer sums.
     "ggml_q8_linear.cpp": (),
+    # ... and its loops for one row of x (a batch-1 decode step).
+    "ggml_q8_row.cpp": (),
     "int8_linear.cpp": (),
     # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_cpu.cpp": (),
