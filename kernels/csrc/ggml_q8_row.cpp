@@ -20,6 +20,9 @@
 // too; only the order of float32 roundings differs.
 //
 // Threads split the output rows (kvmesh::parallel_items).
+//
+// Also here: ggml_llama_layer_row, a whole Llama decoder layer for one token
+// on such blocks, its ops called from C++ (see its comment).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
