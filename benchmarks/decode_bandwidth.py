@@ -14,12 +14,18 @@ memory bandwidth / weight bytes. This prints, in one run:
   the rest of the step: attention, norms, sampling and the step's Python;
 * with ``--quantization w8a8``, each model a second time on int8
   activations (a GGUF file's blocks: kernels/csrc/ggml_q8_linear.cpp);
+* with ``--layers-ab``, the decode step with each layer in one C++ call
+  (``DecoderLayer.forward_row``: GGUF blocks on int8 activations, batch 1)
+  against the same layers' Python forward, in alternating rounds (best of
+  each); ``--cpu-clock`` times on the process CPU clock instead of the wall
+  (a loaded box; with one thread, a step's CPU time is its work);
 * with ``--crossover``, the kernel over the blocks vs tile rebuild + GEMM per
   row count for every projection of the first model (the choice of
   ``MAX_GGML_KERNEL_ROWS``).
 
     python -m benchmarks.decode_bandwidth [--model FOLDER ...] [--mix Q4_K_M ...]
         [--threads 2] [--tokens 64] [--crossover] [--quantization w8a8]
+        [--layers-ab] [--cpu-clock]
 """
 
 from __future__ import annotations
@@ -66,25 +72,50 @@ def _runner(folder: Path, threads: int, quantization: str | None = None) -> Mode
     )
 
 
+# The clock of the step timings: the wall, or (--cpu-clock) the process's CPU time.
+_clock = time.perf_counter
+PROMPT = [(17 * i) % 1000 + 10 for i in range(16)]
+
+
 def _generate(runner: ModelRunner, prompt: list[int], tokens: int) -> float:
     driver = LocalDriver(runner)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     driver.add_request("bench", prompt, params, tokens)
-    start = time.perf_counter()
+    start = _clock()
     driver.run()
-    return time.perf_counter() - start
+    return _clock() - start
+
+
+def _one_round(runner: ModelRunner, tokens: int) -> float:
+    prefill = _generate(runner, PROMPT, 1)
+    return (_generate(runner, PROMPT, tokens + 1) - prefill) / tokens
 
 
 def decode_step_seconds(runner: ModelRunner, tokens: int, rounds: int = 3) -> float:
     """Mean seconds of one batch-1 decode step (best of ``rounds``), prefill excluded."""
-    prompt = [(17 * i) % 1000 + 10 for i in range(16)]
-    _generate(runner, prompt, 4)  # warm up
-    best = float("inf")
-    for _ in range(rounds):
-        prefill = _generate(runner, prompt, 1)
-        total = _generate(runner, prompt, tokens + 1)
-        best = min(best, (total - prefill) / tokens)
-    return best
+    _generate(runner, PROMPT, 4)  # warm up
+    return min(_one_round(runner, tokens) for _ in range(rounds))
+
+
+def layers_ab(runner: ModelRunner, tokens: int, rounds: int = 4) -> tuple[float, float] | None:
+    """(fused, Python) mean decode step seconds, best of ``rounds`` alternating
+    rounds each; None when no layer of the model runs fused."""
+    layers = list(runner.model.layers)
+    fused = [layer.row_args for layer in layers]
+    if all(args is None for args in fused):
+        return None
+    best = {"fused": float("inf"), "python": float("inf")}
+    try:
+        for index in range(rounds):
+            order = ("fused", "python") if index % 2 == 0 else ("python", "fused")
+            for name in order:
+                for layer, args in zip(layers, fused, strict=True):
+                    layer.row_args = args if name == "fused" else None
+                best[name] = min(best[name], _one_round(runner, tokens))
+    finally:
+        for layer, args in zip(layers, fused, strict=True):
+            layer.row_args = args
+    return best["fused"], best["python"]
 
 
 def projection_seconds(runner: ModelRunner, rounds: int = 5) -> float:
@@ -96,10 +127,10 @@ def projection_seconds(runner: ModelRunner, rounds: int = 5) -> float:
     best = float("inf")
     with torch.inference_mode():
         for _ in range(rounds):
-            start = time.perf_counter()
+            start = _clock()
             for p, x in zip(projections, inputs, strict=True):
                 p(x)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, _clock() - start)
     return best
 
 
@@ -142,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     # "w8a8": a GGUF file's blocks on int8 activations (kernels/csrc/ggml_q8_linear.cpp);
     # given, each model runs both ways.
     parser.add_argument("--quantization", choices=["w8a8"], default=None)
+    parser.add_argument("--layers-ab", action="store_true")
+    parser.add_argument("--cpu-clock", action="store_true")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = time.process_time if args.cpu_clock else time.perf_counter
     torch.set_num_threads(args.threads)
     models = [*args.model, *(write_mix(default_model_path(), m).folder for m in args.mix)]
     models = models or [default_model_path()]
@@ -172,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{(step - kernels) * 1e3:.2f} ms",
                 flush=True,
             )
+            ab = layers_ab(runner, args.tokens) if args.layers_ab else None
+            if ab is not None:
+                fused, python = ab
+                print(
+                    f"  layers in one C++ call each {fused * 1e3:.2f} ms, their Python forward "
+                    f"{python * 1e3:.2f} ms ({python / fused:.2f}x; alternating rounds)",
+                    flush=True,
+                )
             if args.crossover and index == 0 and quantization is None:
                 crossover(runner, [1, 4, 8, 16, 24, 32, 64, 128])
     return 0

@@ -108,6 +108,40 @@ class NativeCpuAttentionBackend(CpuAttentionBackend):
             query, k_cache, v_cache, plan, scale, LayerOptions(sliding_window, softcap or None)
         )
 
+    def one_decode_row_tables(
+        self,
+        metadata: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(block tables, context lengths, query rows): paged_decode_attention's
+        tables when the step is one decode token that ``forward`` and
+        ``write_kv_cache`` would hand to their C++ ops as they are (dense
+        ``dtype`` caches, the kernels' own plan), for a layer that makes those
+        calls itself (kvmesh::ggml_llama_layer_row); None otherwise."""
+        plan = metadata.plan
+        slots = metadata.slot_mapping
+        fits = (
+            not batch_invariant.enabled()
+            and isinstance(plan, CpuAttentionPlan)
+            and plan.num_tokens == 1
+            and plan.num_decodes == 1
+            and not plan.prefills
+            and dtype in native.NATIVE_DTYPES
+            and k_cache.dtype == v_cache.dtype == dtype
+            and k_cache.is_cpu
+            and k_cache.dim() == 4
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and slots.dtype == torch.int64
+            and slots.is_contiguous()
+        )
+        if not fits:
+            return None
+        assert isinstance(plan, CpuAttentionPlan)
+        return plan.decode_block_tables, plan.decode_context_lens, plan.decode_rows
+
     def write_kv_cache(
         self,
         key: torch.Tensor,

@@ -16,6 +16,7 @@ The rebuilt float32 values are those of the ``gguf`` package's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,16 +156,25 @@ class GGMLRows:
         """The float32 weights (mixing with a dense part of a fused weight, tests)."""
         return self.dequantize_rows(0, self.shape[0])
 
+    @functools.cached_property
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The kernels' block tensors and ggml type numbers, listed once: a
+        decode step calls a kernel per projection, ~120 times."""
+        return [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, in_features] float32 @ Wᵀ`` on the C++ kernel over the blocks."""
-        return torch.ops.kvmesh.ggml_linear(
-            x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments]
-        )
+        return torch.ops.kvmesh.ggml_linear(x, *self.kernel_args)
 
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products
-        (kernels/csrc/ggml_q8_linear.cpp, or ggml_q8_panel.cpp from ``PANEL_MIN_ROWS``
-        rows; their reference: kernels/ggml_q8_reference.py)."""
+        (kernels/csrc/ggml_q8_linear.cpp; ggml_q8_row.cpp for one row, ggml_q8_panel.cpp
+        from ``PANEL_MIN_ROWS`` rows; their reference: kernels/ggml_q8_reference.py)."""
+        blocks, kinds = self.kernel_args
+        if x.shape[0] == 1:
+            # A batch-1 decode step: the loops written for one row of x
+            # (kernels/csrc/ggml_q8_row.cpp), the same arithmetic.
+            return torch.ops.kvmesh.ggml_linear_q8_row(x, blocks, kinds)
         panel = x.shape[0] >= PANEL_MIN_ROWS and not ROW_KERNEL_ONLY.issuperset(self.kinds)
         op = torch.ops.kvmesh.ggml_linear_q8_panel if panel else torch.ops.kvmesh.ggml_linear_q8
-        return op(x, [s.blocks for s in self.segments], [int(s.kind) for s in self.segments])
+        return op(x, blocks, kinds)

@@ -74,6 +74,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "ggml_q8_linear.cpp": (),
     # ... and for decode batches of 2 rows and more: codes unpacked once per call.
     "ggml_q8_panel.cpp": (),
+    # ... and its loops for one row of x (a batch-1 decode step).
+    "ggml_q8_row.cpp": (),
     "int8_linear.cpp": (),
     # Its exp is written out in intrinsics: no -ffast-math needed.
     "prefill_attention_cpu.cpp": (),

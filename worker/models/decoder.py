@@ -306,6 +306,9 @@ class DecoderLayer(nn.Module):
         self.tp_size = plan.tp_size
         # Adapter slots of this layer's projections (worker/lora), when LoRA is on.
         self.lora: dict[str, ProjectionSlots] | None = None
+        # What forward_row passes to its one C++ call, once packing found this
+        # layer fit for it (``_pack_row_args``); None: forward only.
+        self.row_args: tuple[object, ...] | None = None
 
     def lora_shapes(self, plan: ShardPlan, hidden_size: int) -> dict[str, ProjectionShape]:
         """Each projection's input width and the PEFT modules its output rows hold."""
@@ -367,6 +370,63 @@ class DecoderLayer(nn.Module):
             )
             for param in self.projection_names
         }
+        self.row_args = self._pack_row_args()
+
+    def _pack_row_args(self) -> tuple[object, ...] | None:
+        """The norms and the projections' blocks for ``forward_row`` when this
+        layer is the plain Llama layer it computes (native ops, float32, every
+        projection GGUF blocks on int8 activations without a bias, one
+        process), else None."""
+        packed = self._packed or {}
+        plain = (
+            self._native_ops
+            and self.llama_mlp
+            and self.compute_dtype == torch.float32
+            and self.input_norm is not None
+            and self.rotate
+            and not self.qk_norm
+            and not self.norm_offset
+            and self.residual_multiplier == 1.0
+            and self.tp_size == 1
+            and set(packed) == {"qkv", "o", "gate_up", "down"}
+        )
+        if not plain or not all(
+            isinstance(p, GGMLLinear) and p.takes_int8_rows for p in packed.values()
+        ):
+            return None
+        blocks = [
+            arg for name in ("qkv", "o", "gate_up", "down") for arg in packed[name].rows.kernel_args
+        ]
+        return (self.input_norm, self.pre_mlp_norm, self.eps, *blocks)
+
+    def forward_row(
+        self,
+        hidden: torch.Tensor,
+        rotary_tables: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``forward`` of one token (no adapters) in one C++ call,
+        kvmesh::ggml_llama_layer_row (kernels/csrc/ggml_q8_row.cpp): the same
+        ops on the same tensors, without ~15 calls from Python per layer.
+        ``attention``: the step's paged_decode_attention tables
+        (``NativeCpuAttentionBackend.one_decode_row_tables``)."""
+        assert self.row_args is not None
+        return torch.ops.kvmesh.ggml_llama_layer_row(
+            hidden,
+            *self.row_args,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            *rotary_tables,
+            *kv_cache,
+            slot_mapping,
+            *attention,
+            self.scale,
+            self.sliding_window or 0,
+            self.attn_softcap or 0.0,
+        )
 
     def narrow_experts(self) -> None:
         """Float32 experts whose every weight is a bfloat16 value (a bfloat16
@@ -695,7 +755,22 @@ class DecoderForCausalLM(nn.Module):
         # One metadata for every layer, or (several KV-cache groups) one per
         # layer: its group's block tables and slots.
         per_layer = None if isinstance(metadata, AttentionMetadata) else metadata
+        row_attention = self._row_attention(hidden, metadata, backend, kv_caches)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if (
+                row_attention is not None
+                and layer.row_args is not None
+                and (lora is None or layer.lora is None)
+                and (output_rows is None or index != last)
+            ):
+                hidden = layer.forward_row(
+                    hidden,
+                    tables[layer.rope_index],
+                    kv_cache,
+                    metadata.slot_mapping,  # type: ignore[union-attr]
+                    row_attention,
+                )
+                continue
             hidden = layer(
                 hidden,
                 rotaries[layer.rope_index],
@@ -707,6 +782,20 @@ class DecoderForCausalLM(nn.Module):
                 output_rows if index == last else None,
             )
         return hidden
+
+    @staticmethod
+    def _row_attention(
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata | Sequence[AttentionMetadata],
+        backend: AttentionBackend,
+        kv_caches: list[KVCache],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The attention tables of a step that is one decode token the layers may
+        run in one C++ call each (``DecoderLayer.forward_row``), else None."""
+        if hidden.shape[0] != 1 or not isinstance(metadata, AttentionMetadata) or not kv_caches:
+            return None
+        tables = getattr(backend, "one_decode_row_tables", None)
+        return None if tables is None else tables(metadata, *kv_caches[0], hidden.dtype)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self._embed_codes is None:

@@ -111,6 +111,12 @@ class GGMLLinear(PackedLinear):
         return self._kernel
 
     @property
+    def takes_int8_rows(self) -> bool:
+        """A decode row is ``rows.linear_int8`` of it and nothing more (int8
+        activations, no bias): what a fused C++ layer may call in its place."""
+        return self._int8_activations and self._bias is None
+
+    @property
     def codes_only(self) -> bool:
         return True
 
