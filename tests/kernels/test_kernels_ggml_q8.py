@@ -139,6 +139,8 @@ def test_int8_rows_dispatch_by_batch_and_type(kind, batch: int) -> None:
     blocks, kinds = [rows.segments[0].blocks], [int(kind)]
     panel = batch >= PANEL_MIN_ROWS and kind not in ROW_KERNEL_ONLY
     op = torch.ops.kvmesh.ggml_linear_q8_panel if panel else torch.ops.kvmesh.ggml_linear_q8
+    if batch == 1:
+        op = torch.ops.kvmesh.ggml_linear_q8_row  # one row: its own loops (ggml_q8_row.cpp)
     assert torch.equal(rows.linear_int8(x), op(x, blocks, kinds))
 
 
