@@ -480,8 +480,12 @@ class PackedLinear:
         )
         if x.dtype != torch.float32:
             weight = weight.to(x.dtype)
+        return self._rebuilt_linear(x, weight)
+
+    def _rebuilt_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x times a weight rebuilt for this call (codes or bfloat16 words): oneDNN
+        on the plain dense weight (it reorders inside the call), else F.linear."""
         if self._onednn and onednn_available(weight) and x.dim() == 2:
-            # A plain dense weight: oneDNN reorders it inside the call.
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), weight, self._bias, "none", [], ""
             )
@@ -500,12 +504,7 @@ class PackedLinear:
             weight = _dequantize(codes)
             if self._dtype != torch.float32:
                 weight = weight.to(self._dtype)
-            if self._onednn and onednn_available(weight) and x.dim() == 2:
-                # A plain dense weight: oneDNN reorders it inside the call.
-                return torch.ops.mkldnn._linear_pointwise(
-                    x.contiguous(), weight, self._bias, "none", [], ""
-                )
-            return F.linear(x, weight, self._bias)
+            return self._rebuilt_linear(x, weight)
         if self._amx_plain and x.dim() == 2:
             if x.shape[0] <= MAX_AMX_LINEAR_ROWS:
                 return torch.ops.kvmesh.amx_linear(x.contiguous(), self.weight, self._bias)
