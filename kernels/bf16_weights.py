@@ -19,7 +19,7 @@ LANES = 16
 def exactly_bfloat16(weight: torch.Tensor) -> bool:
     """Whether every value of float32 ``weight`` is a bfloat16 value (the low 16
     bits of each word are zero), so that its bfloat16 words lose nothing."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() == 0:
+    if weight.dtype != torch.float32 or weight.numel() == 0:
         return False
     low_bits = weight.contiguous().view(torch.int32) & 0xFFFF
     return not bool(low_bits.any())
@@ -28,8 +28,8 @@ def exactly_bfloat16(weight: torch.Tensor) -> bool:
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """float32 [out_features, in_features] (exactly bfloat16) -> bfloat16
     [panels, in_features, 16]."""
-    if not exactly_bfloat16(weight):
-        raise ValueError("pack_panels: the weight is not exactly bfloat16")
+    if weight.dim() != 2 or not exactly_bfloat16(weight):
+        raise ValueError("pack_panels: the weight is not an exactly bfloat16 matrix")
     out_features, in_features = weight.shape
     panels = cdiv(out_features, LANES)
     padded = torch.zeros(panels * LANES, in_features, dtype=torch.bfloat16)

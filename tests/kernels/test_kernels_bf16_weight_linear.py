@@ -32,7 +32,7 @@ def test_exactly_bfloat16_reads_the_low_bits() -> None:
     nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
     assert not exactly_bfloat16(nudged)
     assert not exactly_bfloat16(weight.bfloat16())  # only float32 weights qualify
-    with pytest.raises(ValueError, match="not exactly bfloat16"):
+    with pytest.raises(ValueError, match="not an exactly bfloat16 matrix"):
         pack_panels(nudged)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvmesh.kernels import native
 from kvmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from kvmesh.kernels.bf16_weights import exactly_bfloat16
 from kvmesh.kernels.block_codes import RowCodes, quantize_int8
 from kvmesh.kernels.ggml_blocks import GGMLRows
 from kvmesh.worker.config import ModelConfig
@@ -58,7 +59,7 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 # Full-vocab logits from this rank's vocab shard.
 GatherVocab = Callable[[torch.Tensor, int], torch.Tensor]
 # Parameters a family may leave out of its declaration (the forward skips them).
-# A layer's norms (Gemma's get their (offset + w) computed once: shifted_norm_weight).
+# A layer's norms (each with its fused-kernel weight: fused_norm_weight).
 _NORM_PARAMS = ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 _OPTIONAL_PARAMS = (
     "input_norm",
@@ -213,10 +214,21 @@ def offset_rms_norm(
     return (x32 * (offset + weight.float())).to(x.dtype)
 
 
-def shifted_norm_weight(weight: torch.Tensor, offset: float) -> torch.Tensor:
-    """Gemma's (offset + w) in float32, once at load: in float32 the fused
-    ``kvmesh::rms_norm`` (weight * (x * inv)) with it computes ``offset_rms_norm``'s
-    very products, so a Gemma layer's six norms stop costing six torch ops each."""
+def fused_norm_weight(
+    weight: torch.Tensor | None, offset: float, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The weight ``kvmesh::rms_norm`` (weight * (x * inv)) multiplies by to compute
+    this norm, or None where it cannot: the weight itself (``rms_norm``), or
+    Gemma's (offset + w) computed once in float32, with which the kernel computes
+    ``offset_rms_norm``'s very products (a Gemma layer's six norms then stop
+    costing six torch ops each). In bfloat16 Gemma rounds after the offset
+    product, not before it as the kernel does: None."""
+    if weight is None:
+        return None
+    if not offset:
+        return weight
+    if dtype != torch.float32:
+        return None
     return (offset + weight.detach().float()).contiguous()
 
 
@@ -279,8 +291,8 @@ class DecoderLayer(nn.Module):
         self.quantization = config.quantization
         self._packed: dict[str, PackedLinear] | None = None
         self._native_ops = False
-        # Gemma's norms' (offset + w) in float32, by parameter name (pack_weights).
-        self._shifted_norms: dict[str, torch.Tensor] = {}
+        # Each norm's weight for the fused kernel, by parameter name (pack_weights).
+        self._fused_norms: dict[str, torch.Tensor] = {}
         # The family's switches, as plain attributes the forward reads.
         self.moe_top_k = features.moe_top_k
         self.moe_renormalize = features.moe_renormalize
@@ -349,12 +361,11 @@ class DecoderLayer(nn.Module):
         """
         self._native_ops = use_native
         dtype = self.compute_dtype
-        self._shifted_norms = {}
-        if self.norm_offset and dtype == torch.float32:
-            for name in _NORM_PARAMS:
-                weight = getattr(self, name, None)
-                if weight is not None:
-                    self._shifted_norms[name] = shifted_norm_weight(weight, self.norm_offset)
+        fused_norms = {
+            name: fused_norm_weight(getattr(self, name, None), self.norm_offset, dtype)
+            for name in _NORM_PARAMS
+        }
+        self._fused_norms = {name: w for name, w in fused_norms.items() if w is not None}
         pieces = pieces or {}
         previous = self._packed or {}
         self._packed = {
@@ -437,11 +448,8 @@ class DecoderLayer(nn.Module):
             return
         for name in ("experts_gate_up", "experts_down"):
             param = getattr(self, name)
-            if param.dtype != torch.float32:
-                continue
-            narrow = param.data.to(torch.bfloat16)
-            if torch.equal(narrow.to(torch.float32), param.data):
-                param.data = narrow
+            if exactly_bfloat16(param.data):
+                param.data = param.data.to(torch.bfloat16)  # exact: no value changes
 
     def share_plain_weights(self) -> None:
         """Each projection parameter becomes its packed projection's plain
@@ -465,14 +473,12 @@ class DecoderLayer(nn.Module):
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """The norm ``name`` (a parameter of this layer) over rows ``x`` [T, features]."""
+        fused = self._fused_norms.get(name) if self._native_ops else None
+        if fused is not None:
+            return torch.ops.kvmesh.rms_norm(x.contiguous(), fused, self.eps)
         weight = getattr(self, name)
         if self.norm_offset:
-            shifted = self._shifted_norms.get(name) if self._native_ops else None
-            if shifted is not None and x.dtype == torch.float32:
-                return torch.ops.kvmesh.rms_norm(x.contiguous(), shifted, self.eps)
             return offset_rms_norm(x, weight, self.eps, self.norm_offset)
-        if self._native_ops:
-            return torch.ops.kvmesh.rms_norm(x.contiguous(), weight, self.eps)
         return rms_norm(x, weight, self.eps)
 
     def _qk_norm(self, qk: torch.Tensor, num_heads: int, name: str, full: int) -> torch.Tensor:
@@ -480,8 +486,7 @@ class DecoderLayer(nn.Module):
         the mean of squares over every rank's heads, one small all-reduce)."""
         weight = getattr(self, name)
         if self.qk_norm == "head":
-            fused = name in self._shifted_norms if self.norm_offset else True
-            if self._native_ops and fused:
+            if self._native_ops and name in self._fused_norms:
                 # Every head a row of the fused norm (Qwen3, Gemma 3).
                 rows = qk.reshape(-1, self.head_dim)
                 return self._norm(rows, name).reshape(qk.shape)
@@ -679,8 +684,8 @@ class DecoderForCausalLM(nn.Module):
         # A GGUF file's tensors for placeholder parameters, by parameter name and first row.
         self._pieces: dict[str, dict[int, WeightPiece]] = {}
         self._native_ops = False
-        # Gemma's final norm's (offset + w) in float32 (pack_weights).
-        self._shifted_final_norm: torch.Tensor | None = None
+        # The final norm's weight for the fused kernel (pack_weights; fused_norm_weight).
+        self._fused_final_norm: torch.Tensor | None = None
         # One table per rotary variant (Gemma 3: global and local bases).
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(config.head_dim, config.max_model_len, r.theta, r.scaling, dtype)
@@ -831,18 +836,12 @@ class DecoderForCausalLM(nn.Module):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's last norm over the given rows: transformers' last_hidden_state
         (what a pooling runner pools) and the LM head's input."""
+        fused = self._fused_final_norm if self._native_ops else None
+        if fused is not None:
+            return torch.ops.kvmesh.rms_norm(hidden.contiguous(), fused, self.config.rms_norm_eps)
         if self.features.norm_offset:
-            shifted = self._shifted_final_norm if self._native_ops else None
-            if shifted is not None and hidden.dtype == torch.float32:
-                return torch.ops.kvmesh.rms_norm(
-                    hidden.contiguous(), shifted, self.config.rms_norm_eps
-                )
             return offset_rms_norm(
                 hidden, self.norm, self.config.rms_norm_eps, self.features.norm_offset
-            )
-        if self._native_ops:
-            return torch.ops.kvmesh.rms_norm(
-                hidden.contiguous(), self.norm, self.config.rms_norm_eps
             )
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
@@ -882,13 +881,8 @@ class DecoderForCausalLM(nn.Module):
             and native.unavailable_reason() is None
         )
         self._native_ops = use_codes and self.config.dtype in native.NATIVE_DTYPES
-        offset = self.features.norm_offset
-        self._shifted_final_norm = (
-            shifted_norm_weight(self.norm, offset)
-            if offset
-            and self.config.dtype == torch.float32
-            and getattr(self, "norm", None) is not None
-            else None
+        self._fused_final_norm = fused_norm_weight(
+            getattr(self, "norm", None), self.features.norm_offset, self.config.dtype
         )
         params = dict(self.named_parameters())
         pieces = {

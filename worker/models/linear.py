@@ -295,6 +295,7 @@ class PackedLinear:
             self._kernel
             and self._codes is None
             and dtype == torch.float32
+            and weight.dim() == 2
             and exactly_bfloat16(weight)
         ):
             self._bf16_panels = pack_panels(weight)
