@@ -293,6 +293,14 @@ def prefill_attention_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32})
 
 
+def bf16_weight_gemm_loaded() -> bool:
+    """Whether ``bf16_weight_linear`` runs prefill-sized batches as its
+    cache-blocked GEMM (built at the avx2 level only: kernels/csrc/
+    bf16_weight_linear.cpp), which beats widening the weight for oneDNN there."""
+    level = loaded_level()
+    return level is not None and level.name == "avx2"
+
+
 def amx_tiles_loaded() -> bool:
     """Whether the loaded ops' level has the AMX-tile paths (the block-code
     linear's bfloat16 rows and paged_prefill_attention on tiles, amx_linear)."""

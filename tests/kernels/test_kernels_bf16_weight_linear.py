@@ -91,6 +91,32 @@ def test_a_row_does_not_depend_on_the_others() -> None:
         assert torch.equal(alone[0], together[m])
 
 
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [
+        (32, 64, 16),  # the smallest batch on the blocked GEMM (AVX2 level)
+        (101, 1100, 70),  # k slices of 512 and a short one; row blocks of 48; a ragged panel
+        (257, 576, 600),  # chunks of panels over both threads
+    ],
+)
+def test_large_batches_equal_each_row_alone(rows: int, in_features: int, out_features: int) -> None:
+    """Prefill-sized batches (the blocked GEMM where it is built) keep each row's
+    sum the chain of the one-row path, bias last: bitwise equal to the row alone."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = _bf16_valued(out_features, in_features, rows + 1)
+    bias = torch.randn(out_features, generator=g)
+    panels = pack_panels(weight)
+    together = torch.ops.kvmesh.bf16_weight_linear(x, panels, bias, out_features)
+    for m in (0, 1, rows // 2, rows - 1):
+        alone = torch.ops.kvmesh.bf16_weight_linear(x[m : m + 1], panels, bias, out_features)
+        assert torch.equal(alone[0], together[m]), m
+    expected = x.double() @ weight.double().T + bias.double()
+    scale = x.double().abs() @ weight.double().abs().T + 1.0
+    assert ((together.double() - expected).abs() / scale).max().item() < 1e-6
+
+
 def test_packed_linear_keeps_only_the_words_and_matches_f_linear(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -115,8 +141,10 @@ def test_packed_linear_keeps_only_the_words_and_matches_f_linear(
     for rows in (1, 16, MAX_BF16_WEIGHT_KERNEL_ROWS, MAX_BF16_WEIGHT_KERNEL_ROWS + 1):
         x = torch.randn(rows, 256, generator=g)
         torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    # Decode-sized batches on the kernel; the larger ones widen the words for oneDNN.
-    assert calls == [1, 16, MAX_BF16_WEIGHT_KERNEL_ROWS]
+    # Decode-sized batches on the kernel; the larger ones on its blocked GEMM
+    # where it is built, else the words widened for oneDNN.
+    largest = [MAX_BF16_WEIGHT_KERNEL_ROWS + 1] if native.bf16_weight_gemm_loaded() else []
+    assert calls == [1, 16, MAX_BF16_WEIGHT_KERNEL_ROWS, *largest]
 
 
 def test_float32_weights_that_are_not_bfloat16_stay_dense() -> None:
