@@ -479,9 +479,9 @@ class PackedLinear:
         scratch buffer and oneDNN above."""
         panels = self._bf16_panels
         assert panels is not None
-        if x.dim() == 2 and x.dtype == torch.float32:
-            if x.shape[0] <= MAX_BF16_WEIGHT_KERNEL_ROWS or native.bf16_weight_gemm_loaded():
-                return self._bf16_kernel(x.contiguous())
+        on_kernel = x.shape[0] <= MAX_BF16_WEIGHT_KERNEL_ROWS or native.bf16_weight_gemm_loaded()
+        if x.dim() == 2 and x.dtype == torch.float32 and on_kernel:
+            return self._bf16_kernel(x.contiguous())
         weight = unpack_panels(
             panels, self.out_features, _scratch_floats(self.out_features * self.in_features)
         )
