@@ -57,7 +57,7 @@ class PoolingRunner:
     """Runs an encoder checkpoint folder, or a decoder converted to pooling
     (``decoder``: its ModelConfig, which carries its dtype and quantization;
     worker/decoder_pooling.py), over packed steps. ``quantization``: an
-    encoder's projections as int8 codes (BertEncoder.quantize)."""
+    encoder's projections as int8 codes (BertEncoder.pack)."""
 
     def __init__(
         self,
@@ -83,8 +83,7 @@ class PoolingRunner:
             self.encoder = BertEncoder(self.config)
             self.encoder.load_weights(iterate_weights(self.folder, torch.float32))
             self.encoder.to(dtype).eval()
-            if quantization:
-                self.encoder.quantize(quantization)
+            self.encoder.pack(quantization)
             architecture, num_layers = self.config.architecture, self.config.num_layers
             hidden_size, limit = self.config.hidden_size, self.config.max_input_tokens
             self.vocab_size = self.config.vocab_size

@@ -54,6 +54,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -73,28 +74,37 @@ constexpr int64_t kMaxRows = 6;  // 2 accumulators per row in 16 ymm registers
 // once per step; the next panel is laid out right after this one.
 constexpr int64_t kPrefetchAhead = 64;
 
-inline void prefetch_words(const uint16_t* panel, int64_t k, int64_t K) {
+// One 64-byte line per 64 / (16 * sizeof(Word)) features: every feature of
+// float32 panels, every second one of bfloat16 words.
+template <class Word>
+inline void prefetch_words(const Word* panel, int64_t k) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  // One 64-byte line per two features; past this panel's end is the next one's
-  // start (or past the tensor for the last panel: prefetches never fault).
-  if ((k & 1) == 0) {
+  // Past this panel's end is the next one's start (or past the tensor for the
+  // last panel: prefetches never fault).
+  constexpr int64_t kEvery = 64 / (kLanes * static_cast<int64_t>(sizeof(Word)));
+  if (k % kEvery == 0) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchAhead) * kLanes),
                  _MM_HINT_T0);
   }
 #endif
-  (void)K;
 }
 
 #if defined(__AVX512F__)
-template <int ROWS>
-void panel_tile(const float* x, int64_t ldx, int64_t K, const uint16_t* panel, float* y,
+// The 16 weights of a feature as float32 (bfloat16 words widened: exact).
+inline __m512 load_lanes(const uint16_t* p) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+
+template <class Word, int ROWS>
+void panel_tile(const float* x, int64_t ldx, int64_t K, const Word* panel, float* y,
                 int64_t ldy, int64_t valid_lanes) {
   __m512 acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_words(panel, k, K);
-    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kLanes));
-    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+    prefetch_words(panel, k);
+    const __m512 w = load_lanes(panel + k * kLanes);
     for (int m = 0; m < ROWS; ++m) {
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[m]);
     }
@@ -103,18 +113,28 @@ void panel_tile(const float* x, int64_t ldx, int64_t K, const uint16_t* panel, f
   for (int m = 0; m < ROWS; ++m) _mm512_mask_storeu_ps(y + m * ldy, mask, acc[m]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <int ROWS>
-void panel_tile(const float* x, int64_t ldx, int64_t K, const uint16_t* panel, float* y,
+// The 16 weights of a feature as two halves of float32 (words widened: exact).
+inline void load_lanes(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(words)), 16));
+  hi = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(words, 1)), 16));
+}
+inline void load_lanes(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+template <class Word, int ROWS>
+void panel_tile(const float* x, int64_t ldx, int64_t K, const Word* panel, float* y,
                 int64_t ldy, int64_t valid_lanes) {
   __m256 acc_lo[ROWS], acc_hi[ROWS];
   for (int m = 0; m < ROWS; ++m) acc_lo[m] = acc_hi[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_words(panel, k, K);
-    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kLanes));
-    const __m256 w_lo = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(words)), 16));
-    const __m256 w_hi = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(words, 1)), 16));
+    prefetch_words(panel, k);
+    __m256 w_lo, w_hi;
+    load_lanes(panel + k * kLanes, w_lo, w_hi);
     for (int m = 0; m < ROWS; ++m) {
       const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
       acc_lo[m] = _mm256_fmadd_ps(xv, w_lo, acc_lo[m]);
@@ -136,8 +156,10 @@ inline float widen(uint16_t word) {
   return value;
 }
 
-template <int ROWS>
-void panel_tile(const float* x, int64_t ldx, int64_t K, const uint16_t* panel, float* y,
+inline float widen(float value) { return value; }
+
+template <class Word, int ROWS>
+void panel_tile(const float* x, int64_t ldx, int64_t K, const Word* panel, float* y,
                 int64_t ldy, int64_t valid_lanes) {
   float acc[ROWS][kLanes] = {};
   float w[kLanes];
@@ -155,14 +177,15 @@ void panel_tile(const float* x, int64_t ldx, int64_t K, const uint16_t* panel, f
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const uint16_t*, float*, int64_t,
-                        int64_t);
+template <class Word>
+using TileFn = void (*)(const float*, int64_t, int64_t, const Word*, float*, int64_t, int64_t);
 
-template <int... R>
+template <class Word, int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&panel_tile<R + 1>...};
+  return std::array<TileFn<Word>, sizeof...(R)>{&panel_tile<Word, R + 1>...};
 }
-constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxRows>{});
+template <class Word>
+constexpr auto kTiles = make_tiles<Word>(std::make_integer_sequence<int, kMaxRows>{});
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define KVMESH_BF16_BLOCKED_GEMM 1
@@ -214,8 +237,8 @@ void gemm_tile(int64_t kc, const float* __restrict strip, const float* __restric
   }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w_lo = _mm256_load_ps(widened + k * kLanes);
-    const __m256 w_hi = _mm256_load_ps(widened + k * kLanes + 8);
+    const __m256 w_lo = _mm256_loadu_ps(widened + k * kLanes);
+    const __m256 w_hi = _mm256_loadu_ps(widened + k * kLanes + 8);
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xv = _mm256_broadcast_ss(strip + k * kMr + r);
@@ -267,23 +290,33 @@ void copy_strips(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0
 }
 
 // y[:, panels first .. first + count) for all M rows; y has ldy columns.
-void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* panels,
+// float32 panels are used in place (a k slice of a panel is kc x 16 floats in
+// a row); bfloat16 words are widened a k slice at a time.
+template <class Word>
+void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, const Word* panels,
                 int64_t first, int64_t count, float* y, int64_t ldy, int64_t out_features,
                 BlockedScratch& scratch) {
-  float* widened = aligned_floats(scratch.widened, kMaxChunkPanels * kKc * kLanes);
+  constexpr bool kWiden = std::is_same_v<Word, uint16_t>;
+  float* widened = kWiden ? aligned_floats(scratch.widened, kMaxChunkPanels * kKc * kLanes)
+                          : nullptr;
   float* strips = aligned_floats(scratch.strips, kMc * kKc);
   alignas(32) float edge[kMr * kLanes];  // a ragged last panel's tile
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t kc = std::min(kKc, K - k0);
     const bool resume = k0 > 0;
-    widen_slice(panels, K, first, count, k0, kc, widened);
+    if constexpr (kWiden) widen_slice(panels, K, first, count, k0, kc, widened);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);
       copy_strips(x, ldx, m0, mc, k0, kc, strips);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t n0 = (first + j) * kLanes;
         const int64_t valid = std::min(kLanes, out_features - n0);
-        const float* w = widened + j * kc * kLanes;
+        const float* w;
+        if constexpr (kWiden) {
+          w = widened + j * kc * kLanes;
+        } else {
+          w = panels + ((first + j) * K + k0) * kLanes;
+        }
         for (int64_t s = 0; s < mc; s += kMr) {
           const int64_t rows = std::min(kMr, mc - s);
           float* out = y + (m0 + s) * ldy + n0;
@@ -304,7 +337,8 @@ void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_
   }
 }
 
-void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* panels,
+template <class Word>
+void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Word* panels,
                   int64_t num_panels, float* y, int64_t out_features) {
   // At least two work items per thread (a box shared with other processes
   // steals from the slow one), at most kMaxChunkPanels panels each.
@@ -321,29 +355,31 @@ void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint1
 }
 #endif
 
-at::Tensor bf16_weight_linear(const at::Tensor& x, const at::Tensor& panels,
-                              const std::optional<at::Tensor>& bias, int64_t out_features) {
+template <class Word>
+at::Tensor panel_linear(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& bias, int64_t out_features) {
+  constexpr auto kPanelType = std::is_same_v<Word, float> ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
-              "bf16_weight_linear: CPU tensors only");
+              op, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "bf16_weight_linear: x must be float32 [M, K] with unit feature stride");
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+              op, ": x must be float32 [M, K] with unit feature stride");
+  TORCH_CHECK(panels.scalar_type() == kPanelType && panels.is_contiguous() &&
                   panels.dim() == 3 && panels.size(2) == kLanes,
-              "bf16_weight_linear: panels must be contiguous bfloat16 [panels, K, 16]");
+              op, ": panels must be contiguous ", c10::toString(kPanelType), " [panels, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K, "bf16_weight_linear: x has ", K, " features, panels ",
+  TORCH_CHECK(panels.size(1) == K, op, ": x has ", K, " features, panels ",
               panels.size(1));
   TORCH_CHECK(out_features > (num_panels - 1) * kLanes && out_features <= num_panels * kLanes,
-              "bf16_weight_linear: out_features ", out_features, " does not match ", num_panels,
+              op, ": out_features ", out_features, " does not match ", num_panels,
               " panels");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                     bias->numel() == out_features,
-                "bf16_weight_linear: bias must be contiguous float32 [out_features]");
+                op, ": bias must be contiguous float32 [out_features]");
   }
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
-  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const auto* wp = reinterpret_cast<const Word*>(panels.data_ptr());
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   float* yp = y.data_ptr<float>();
@@ -365,11 +401,11 @@ at::Tensor bf16_weight_linear(const at::Tensor& x, const at::Tensor& panels,
   kvmesh::parallel_items(num_panels, [&](int64_t p, bool /*forward*/) {
     const int64_t n0 = p * kLanes;
     const int64_t valid = std::min(kLanes, out_features - n0);
-    const uint16_t* panel = wp + p * K * kLanes;
+    const Word* panel = wp + p * K * kLanes;
     // Row tiles after the first find the panel in L1/L2 (K x 32 bytes).
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, M - m0);
-      kTiles[rows - 1](xp + m0 * ldx, ldx, K, panel, yp + m0 * out_features + n0, out_features,
+      kTiles<Word>[rows - 1](xp + m0 * ldx, ldx, K, panel, yp + m0 * out_features + n0, out_features,
                        valid);
     }
     if (bp != nullptr) {
@@ -381,10 +417,24 @@ at::Tensor bf16_weight_linear(const at::Tensor& x, const at::Tensor& panels,
   return y;
 }
 
+at::Tensor bf16_weight_linear(const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t out_features) {
+  return panel_linear<uint16_t>("bf16_weight_linear", x, panels, bias, out_features);
+}
+
+at::Tensor float_panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t out_features) {
+  return panel_linear<float>("float_panel_linear", x, panels, bias, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("bf16_weight_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("float_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("bf16_weight_linear", &bf16_weight_linear); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("bf16_weight_linear", &bf16_weight_linear);
+  m.impl("float_panel_linear", &float_panel_linear);
+}

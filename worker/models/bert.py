@@ -224,19 +224,29 @@ class BertEncoder(nn.Module):
             x = layer(x, cu_seqlens)
         return x
 
-    def quantize(self, quantization: str) -> None:
-        """``--quantization`` for the encoder's layers: each layer's four
-        projections become packed int8 codes (per 32 input features, GGUF Q8_0's
-        layout; "w8a8" also quantizes activations), as the decoders' projections
-        (worker/models/decoder.py); embeddings, norms and the head stay float.
-        Call after the weights are loaded and the model is in its dtype."""
-        from kvmesh.worker.models.decoder import quantize_projection  # torch kernels, on demand
+    def pack(self, quantization: str = "") -> None:
+        """Each layer's four projections in the decoders' inference layouts
+        (worker/models/linear.py's PackedLinear: float32 panels on the blocked
+        GEMM where the kernels have it, else oneDNN's packed copy; a packed
+        sequence runs them on hundreds to thousands of rows, where nn.Linear's
+        torch.mm was the slowest: 1.28x behind the panels on the 2-core Zen 2).
+        ``--quantization`` makes them int8 codes instead (per 32 input features,
+        GGUF Q8_0's layout; "w8a8" also quantizes activations). Embeddings, norms
+        and the head stay as they are. Call after the weights are loaded and the
+        model is in its dtype."""
+        # torch kernels, on demand
+        from kvmesh.worker.models.decoder import quantize_projection
+        from kvmesh.worker.models.linear import PackedLinear
 
         dtype = self.word_embeddings.weight.dtype
         for layer in self.layers:
             for name in ("qkv", "attn_out", "up", "down"):
                 linear = getattr(layer, name)
-                packed = quantize_projection(linear.weight, linear.bias, dtype, quantization)
+                weight, bias = linear.weight.detach(), linear.bias.detach()
+                if quantization:
+                    packed = quantize_projection(weight, bias, dtype, quantization)
+                else:
+                    packed = PackedLinear(weight, bias)
                 delattr(layer, name)  # a child module: replaced by the packed callable
                 setattr(layer, name, packed)
 
