@@ -137,12 +137,14 @@ def test_float32_logits_differ_without_the_mode(
     float32_runner: ModelRunner, target_prompt: list[int]
 ) -> None:
     """The comparison can fail: today's paths change a row's sums with the
-    chunking (block-code kernel vs oneDNN, decode vs prefill attention)."""
+    chunking (decode vs prefill attention; block-code kernel vs oneDNN where
+    float32 weights are not kept as panels: the panels and the codes sum each
+    row's chain in order, so on the avx2 level projections no longer differ)."""
     workload = Workload(target_prompt, NEW_TOKENS, GREEDY)
     with batch_invariant.forced(False):
         reference = _alone(float32_runner, workload)
         for scenario in (
-            Scenario("chunked by 16", chunk_size=16),
+            Scenario("chunked by 1", chunk_size=1),
             Scenario("recompute", preempt_after=2),
         ):
             compared, differ, _ = differences(

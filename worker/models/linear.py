@@ -10,6 +10,12 @@ float32 accuracy (relative error vs float64 ~7e-7, F.linear ~4e-7). The default
 path re-packs every weight on every call. Elsewhere (CUDA, other dtypes, a torch
 without these ops) it is plain ``F.linear``.
 
+Where the C++ kernels carry a cache-blocked float32 GEMM (the avx2 level:
+kernels/csrc/bf16_weight_linear.cpp, 6 x 16 register tiles over k slices kept
+in L2, ~82-86% of the FMA peak against oneDNN's ~68% on the 2-core Zen 2), a
+float32 weight is kept as float32 panels instead of oneDNN's copy (the same
+bytes) and every batch runs there: ``float_panels_win`` has the figures.
+
 Small batches (decode steps) of a weight that is exactly a set of 8-bit block
 codes (a checkpoint converted from GGUF Q4_1/Q8_0, such as the default model;
 kernels/block_codes.py proves it bit for bit at load) run the C++ kernel over
@@ -238,6 +244,20 @@ def _dequantize(codes: BlockCodes) -> torch.Tensor:
     blocks.mul_(codes.scales.permute(0, 2, 1).unsqueeze(-1))
     blocks.add_(codes.offsets.permute(0, 2, 1).unsqueeze(-1))
     return weight.view(panels * LANES, in_features)[: codes.out_features]
+
+
+def _dequantize_panels(codes: BlockCodes) -> torch.Tensor:
+    """The float32 weight of ``codes`` as ``float_panel_linear``'s panels
+    ``[panels, in_features, 16]`` (the codes' own layout), rebuilt in the
+    thread's scratch buffer with ``_dequantize``'s arithmetic: the same values."""
+    panels, in_features, lanes = codes.codes.shape
+    size = panels * in_features * lanes
+    weight = _scratch_floats(size)[:size].view(panels, in_features, lanes)
+    weight.copy_(codes.codes)
+    blocks = weight.view(panels, in_features // BLOCK, BLOCK, lanes)
+    blocks.mul_(codes.scales.unsqueeze(2))
+    blocks.add_(codes.offsets.unsqueeze(2))
+    return weight
 
 
 def amx_linear_takes(weight: torch.Tensor) -> bool:
@@ -559,6 +579,11 @@ class PackedLinear:
         codes = self._codes
         if self._packed is None and self.weight is None:
             assert codes is not None
+            if x.dtype == torch.float32 and x.dim() == 2 and native.bf16_weight_gemm_loaded():
+                # The codes' own layout is the panels': rebuilt in place, no transpose.
+                return torch.ops.kvmesh.float_panel_linear(
+                    x.contiguous(), _dequantize_panels(codes), self._bias, self.out_features
+                )
             weight = _dequantize(codes)
             if self._dtype != torch.float32:
                 weight = weight.to(self._dtype)
