@@ -181,9 +181,12 @@ class EncoderLayer(nn.Module):
         qkv = self.qkv(x).view(num_tokens, 3, self.num_heads, self.head_dim)
         attn = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=x.dtype)
         # Block-diagonal, bidirectional: each sequence attends to itself only.
+        # With a batch dimension (4-D), torch's CPU SDPA takes its flash kernel;
+        # 3-D inputs fell to the math path (softmax, masks and bmm op by op):
+        # 9.0 vs 5.1 ms for one 300-token sequence, one thread, Zen 2.
         for start, end in pairwise(cu_seqlens):
-            q, k, v = qkv[start:end].permute(1, 2, 0, 3)  # 3 x [heads, len, head_dim]
-            attn[start:end] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
+            q, k, v = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1)  # 3 x [1, heads, len, dim]
+            attn[start:end] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
         x = self.attn_norm(x + self.attn_out(attn.view(num_tokens, hidden)))
         return self.out_norm(x + self.down(self.act(self.up(x))))
 
