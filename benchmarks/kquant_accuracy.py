@@ -11,6 +11,10 @@ For the float32 checkpoint and each GGUF file of tests/worker/kquant_files.py
 * file size and resident weight bytes (the worker's report).
 
     python -m benchmarks.kquant_accuracy [--mix Q4_K_M ...]
+
+Its perplexity scores every position of the whole text in one context; against
+llama.cpp's own ``llama-perplexity`` (which scores each chunk's second half),
+benchmarks/llamacpp_perplexity.py scores the same positions on both sides.
 """
 
 from __future__ import annotations

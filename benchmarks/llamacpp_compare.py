@@ -182,10 +182,11 @@ def build_llama_server(jobs: int = os.cpu_count() or 1) -> Path:
 def llamacpp_gguf(checkpoint: Path, mix: str) -> tuple[Path, Path]:
     """``checkpoint`` in ``mix`` made by llama.cpp's own tools, and a kvmesh folder for it.
 
-    ``convert_hf_to_gguf.py`` (from the built tree) writes float16, ``llama-quantize``
-    the mix, as a llama.cpp user would make the file: llama.cpp's metadata
-    and tokenizer, its own type per tensor (the fallbacks for rows of 576
-    weights, no multiple of 256, included). Cached next to the build.
+    ``convert_hf_to_gguf.py`` (from the built tree) writes float16 (``mix`` "F16":
+    that file), ``llama-quantize`` the mix, as a llama.cpp user would make the
+    file: llama.cpp's metadata and tokenizer, its own type per tensor (the
+    fallbacks for rows of 576 weights, no multiple of 256, included). Cached
+    next to the build.
     """
     root = cache_dir() / "gguf"
     root.mkdir(parents=True, exist_ok=True)
@@ -206,23 +207,24 @@ def llamacpp_gguf(checkpoint: Path, mix: str) -> tuple[Path, Path]:
                 check=True,
             )
             partial.rename(f16)
-        build = cache_dir() / "build"
-        quantize = build / "bin" / "llama-quantize"
-        if not quantize.is_file():
+        if gguf != f16:  # a mix of llama-quantize's (F16 is the converted file itself)
+            build = cache_dir() / "build"
+            quantize = build / "bin" / "llama-quantize"
+            if not quantize.is_file():
+                subprocess.run(
+                    [
+                        *("cmake", "--build", str(build), "--target", "llama-quantize"),
+                        *("-j", str(os.cpu_count() or 1)),
+                    ],
+                    check=True,
+                )
+            partial = gguf.with_suffix(".part")
             subprocess.run(
-                [
-                    *("cmake", "--build", str(build), "--target", "llama-quantize"),
-                    *("-j", str(os.cpu_count() or 1)),
-                ],
+                [str(quantize), str(f16), str(partial), mix, str(os.cpu_count() or 1)],
                 check=True,
+                stdout=subprocess.DEVNULL,
             )
-        partial = gguf.with_suffix(".part")
-        subprocess.run(
-            [str(quantize), str(f16), str(partial), mix, str(os.cpu_count() or 1)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        partial.rename(gguf)
+            partial.rename(gguf)
     folder.mkdir(exist_ok=True)
     for name in CHECKPOINT_FILES:
         if (checkpoint / name).is_file():

@@ -209,12 +209,13 @@ void dot_row(const uint8_t* row, const QuantizedX& qx, int64_t m0, int64_t K, fl
 #endif
 }
 
-// Rows [r0, r1) of one segment of type `kind`, every row of x.
+// Rows [r0, r1) of one segment of type `kind` ([rows, row_bytes] blocks), every row of x.
 template <int64_t kind>
-void dot_rows(const uint8_t* base, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedX& qx,
-              int64_t M, int64_t K, float* y, int64_t ldy) {
+void dot_rows(const uint8_t* base, int64_t row_bytes, int64_t rows, int64_t r0, int64_t r1,
+              const QuantizedX& qx, int64_t M, int64_t K, float* y, int64_t ldy) {
   constexpr int kMaxBatch = 4;  // rows of x per pass over a weight row
   for (int64_t r = r0; r < r1; ++r) {
+    prefetch_row_ahead(base, row_bytes, r, rows);
     const uint8_t* row = base + r * row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxBatch) {
       float* out = y + m0 * ldy + r;
@@ -254,16 +255,17 @@ at::Tensor ggml_linear_q8(const at::Tensor& x, at::TensorList blocks, at::IntArr
     const int64_t r0 = item.row0, r1 = item.row0 + item.rows;
     const int64_t row_bytes = K / f.weights * f.bytes;
     const uint8_t* base = blocks[s].data_ptr<uint8_t>();
+    const int64_t rows = blocks[s].size(0);
     float* out = yp + items.first_row(s);
     switch (kinds[s]) {
-      case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ5_0: dot_rows<kQ5_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ5_1: dot_rows<kQ5_1>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ8_0: dot_rows<kQ8_0>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ4_K: dot_rows<kQ4_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ5_K: dot_rows<kQ5_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
-      case kQ6_K: dot_rows<kQ6_K>(base, row_bytes, r0, r1, qx, M, K, out, N); break;
+      case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ5_0: dot_rows<kQ5_0>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ5_1: dot_rows<kQ5_1>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ8_0: dot_rows<kQ8_0>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ4_K: dot_rows<kQ4_K>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ5_K: dot_rows<kQ5_K>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
+      case kQ6_K: dot_rows<kQ6_K>(base, row_bytes, rows, r0, r1, qx, M, K, out, N); break;
       default: TORCH_CHECK(false, "ggml_linear_q8: unsupported ggml type ", kinds[s]);
     }
   });

@@ -42,6 +42,7 @@
 #define KVMESH_ROW_AVX2 1
 #endif
 #include "ggml_blocks.h"
+#include "ggml_codes_avx2.h"
 #include "work_stealing.h"
 
 namespace {
@@ -64,19 +65,6 @@ struct RowX {
   std::vector<int32_t> offset16;
 };
 
-#if KVMESH_ROW_AVX2
-inline float hsum(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-inline float hmax(__m256 v) {
-  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-}
-#endif
 
 void quantize_row(const float* x, int64_t K, RowX& q) {
   const int64_t runs = K / kRun;
@@ -138,72 +126,60 @@ void quantize_row(const float* x, int64_t K, RowX& q) {
 }
 
 #if KVMESH_ROW_AVX2
-// 16 bytes of nibbles as 32 codes: the low nibbles, then the high ones
-// (a legacy block's weights 0-15, then 16-31).
-inline __m256i nibbles32(const uint8_t* qs) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
-                          _mm256_set1_epi8(0x0F));
-}
-
-// 0x10 in byte l where bit l of the 32 bits at p is set (a Q5_0/Q5_1 block's
-// fifth bits; llama.cpp's bytes_from_bits_32).
-inline __m256i fifth_bits(const uint8_t* p) {
-  uint32_t qh;
-  std::memcpy(&qh, p, sizeof(qh));
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(qh)),
-      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
-                         0x0303030303030303));
-  // Every bit but bit l % 8 of byte l set: all ones exactly where bit l is.
-  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-// Eight int32 lane sums of c[l] * q[l] (c unsigned bytes, q int8 codes of x).
-inline __m256i dot_lanes(__m256i c, const int8_t* q) {
-  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
-}
-
 // Lane r of v in every lane.
 inline __m256 lane(__m256 v, int r) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(r)); }
 
 // Legacy blocks (32 weights, one float16 d; Q4_1/Q5_1 a float16 m too).
+// One block's integer lane sums of c q, with Q4_0's / Q5_0's offset taken
+// off in integers (w = d (c - 8) / d (c - 16)).
+template <int64_t kind>
+inline __m256i legacy_sums(const uint8_t* blk, const RowX& x, int64_t b) {
+  constexpr LegacyLayout at = legacy_layout(kind);
+  const int8_t* q = x.codes.data() + b * kRun;
+  if constexpr (kind == kQ8_0) {
+    return dot_lanes_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), q);
+  } else {
+    __m256i c = nibbles32(blk + at.qs);
+    if constexpr (at.five) c = _mm256_or_si256(c, fifth_bits32(blk + at.qh));
+    const __m256i sums = dot_lanes(c, q);
+    if constexpr (kind == kQ4_0 || kind == kQ5_0) {
+      const int32_t* off = (kind == kQ4_0 ? x.offset8 : x.offset16).data() + 8 * b;
+      return _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off)));
+    }
+    return sums;
+  }
+}
+
+// Two blocks per iteration into two named accumulators: an array indexed by
+// the block's parity was kept on the stack by the compiler, so every block's
+// fused multiply-add waited on a store and a reload of the previous one
+// (~7 cycles a block, the loop's bound; 1.15x faster on Q5_0 rows here).
 template <int64_t kind>
 float dot_legacy(const uint8_t* row, const RowX& x, int64_t K) {
   constexpr Format f = block_format(kind);
-  constexpr LegacyLayout at = legacy_layout(kind);
   const int64_t blocks = K / f.weights;
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  float bias[2] = {0.0f, 0.0f};
-  for (int64_t b = 0; b < blocks; ++b) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float bias0 = 0.0f, bias1 = 0.0f;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
     const uint8_t* blk = row + b * f.bytes;
-    const int8_t* q = x.codes.data() + b * kRun;
-    __m256i sums;
-    if constexpr (kind == kQ8_0) {
-      // maddubs takes an unsigned left operand: the int8 weights lend x their sign.
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      const __m256i xq = _mm256_sign_epi8(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), c);
-      sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), xq),
-                               _mm256_set1_epi16(1));
-    } else {
-      __m256i c = nibbles32(blk + at.qs);
-      if constexpr (at.five) c = _mm256_or_si256(c, fifth_bits(blk + at.qh));
-      sums = dot_lanes(c, q);
-      // Q4_0 / Q5_0: w = d (c - 8) / d (c - 16), the offset taken off in integers.
-      if constexpr (kind == kQ4_0 || kind == kQ5_0) {
-        const int32_t* off = (kind == kQ4_0 ? x.offset8 : x.offset16).data() + 8 * b;
-        sums = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off)));
-      }
+    const __m256i s0 = legacy_sums<kind>(blk, x, b);
+    const __m256i s1 = legacy_sums<kind>(blk + f.bytes, x, b + 1);
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk) * x.dx[b]), _mm256_cvtepi32_ps(s0), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk + f.bytes) * x.dx[b + 1]),
+                           _mm256_cvtepi32_ps(s1), acc1);
+    if constexpr (kind == kQ4_1 || kind == kQ5_1) {
+      bias0 += half_at(blk + 2) * x.dxs32[b];
+      bias1 += half_at(blk + f.bytes + 2) * x.dxs32[b + 1];
     }
-    const float d = half_at(blk);
-    acc[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.dx[b]), _mm256_cvtepi32_ps(sums), acc[b & 1]);
-    if constexpr (kind == kQ4_1 || kind == kQ5_1) bias[b & 1] += half_at(blk + 2) * x.dxs32[b];
   }
-  return hsum(_mm256_add_ps(acc[0], acc[1])) + (bias[0] + bias[1]);
+  if (b < blocks) {
+    const uint8_t* blk = row + b * f.bytes;
+    const __m256i s0 = legacy_sums<kind>(blk, x, b);
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_at(blk) * x.dx[b]), _mm256_cvtepi32_ps(s0), acc0);
+    if constexpr (kind == kQ4_1 || kind == kQ5_1) bias0 += half_at(blk + 2) * x.dxs32[b];
+  }
+  return hsum(_mm256_add_ps(acc0, acc1)) + (bias0 + bias1);
 }
 
 // Q4_K / Q5_K: 256 weights, 8 runs of 32 with 6-bit scale sc and minimum m:
@@ -369,11 +345,14 @@ float dot_row(const uint8_t* row, const RowX& x, int64_t K) {
 
 constexpr int64_t kRowsPerItem = 16;  // output rows per work item
 
-// Rows [r0, r1) of one segment of type `kind`.
+// Rows [r0, r1) of one segment of type `kind` ([rows, row_bytes] blocks).
 template <int64_t kind>
-void dot_rows(const uint8_t* base, int64_t row_bytes, int64_t r0, int64_t r1, const RowX& qx,
-              int64_t K, float* out) {
-  for (int64_t r = r0; r < r1; ++r) out[r] = dot_row<kind>(base + r * row_bytes, qx, K);
+void dot_rows(const uint8_t* base, int64_t row_bytes, int64_t rows, int64_t r0, int64_t r1,
+              const RowX& qx, int64_t K, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch_row_ahead(base, row_bytes, r, rows);
+    out[r] = dot_row<kind>(base + r * row_bytes, qx, K);
+  }
 }
 
 at::Tensor ggml_linear_q8_row(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
@@ -398,17 +377,18 @@ at::Tensor ggml_linear_q8_row(const at::Tensor& x, at::TensorList blocks, at::In
     const Format f = block_format(kinds[s]);
     const int64_t row_bytes = K / f.weights * f.bytes;
     const uint8_t* base = blocks[s].data_ptr<uint8_t>();
+    const int64_t rows = blocks[s].size(0);
     float* out = yp + items.first_row(s);
     const int64_t r0 = item.row0, r1 = item.row0 + item.rows;
     switch (kinds[s]) {
-      case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ5_0: dot_rows<kQ5_0>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ5_1: dot_rows<kQ5_1>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ8_0: dot_rows<kQ8_0>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ4_K: dot_rows<kQ4_K>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ5_K: dot_rows<kQ5_K>(base, row_bytes, r0, r1, qx, K, out); break;
-      case kQ6_K: dot_rows<kQ6_K>(base, row_bytes, r0, r1, qx, K, out); break;
+      case kQ4_0: dot_rows<kQ4_0>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ4_1: dot_rows<kQ4_1>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ5_0: dot_rows<kQ5_0>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ5_1: dot_rows<kQ5_1>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ8_0: dot_rows<kQ8_0>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ4_K: dot_rows<kQ4_K>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ5_K: dot_rows<kQ5_K>(base, row_bytes, rows, r0, r1, qx, K, out); break;
+      case kQ6_K: dot_rows<kQ6_K>(base, row_bytes, rows, r0, r1, qx, K, out); break;
       default: break;  // check_segment refused every other type before the threads ran
     }
   });

@@ -87,3 +87,19 @@ def test_one_row_takes_the_row_loops() -> None:
     assert torch.equal(rows.linear_int8(x), _row_op(x, rows))
     with pytest.raises(RuntimeError, match=r"\[1, K\]"):
         _row_op(torch.cat([x, x]), rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "kind", [k for k in BLOCK_FORMATS if BLOCK_FORMATS[k][0] == 32], ids=lambda k: k.name
+)
+def test_one_block_rows_and_rows_past_the_prefetch_distance(kind) -> None:
+    # One block per row: only the loops' odd-block tail runs. 400 rows of
+    # 18-34 bytes: the kernel asks for rows ~4 KiB ahead of the one it dots,
+    # so both rows with such a row and the last rows (without one) are dotted.
+    rows = _rows(kind, 400, 32, seed=int(kind))
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
+    got = _row_op(x, rows)
+    assert _relative_error(got, x, rows) < KERNEL_TOLERANCE
+    # Each row's sum is its own: the last rows alone give the same bits.
+    assert torch.equal(got[0, 390:], _row_op(x, rows[390:])[0])
