@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import batch_invariant, native
-from kvmesh.kernels.bf16_weights import exactly_bfloat16, pack_panels, unpack_panels
+from kvmesh.kernels.bf16_weights import (
+    exactly_bfloat16,
+    pack_float_panels,
+    pack_panels,
+    unpack_panels,
+)
 from kvmesh.worker.models import linear as linear_module
 from kvmesh.worker.models.linear import MAX_BF16_WEIGHT_KERNEL_ROWS, PackedLinear
 
@@ -163,3 +168,28 @@ def test_batch_invariant_mode_runs_every_batch_on_the_kernel() -> None:
         together = packed(x)
         alone = packed(x[5:6])
     assert torch.equal(alone[0], together[5])
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"), [(1, 64, 16), (7, 96, 40), (77, 600, 33)]
+)
+def test_float_panels_match_float64_and_each_row_alone(
+    rows: int, in_features: int, out_features: int
+) -> None:
+    """float_panel_linear: any float32 weight in the same panels, the same per-row chains."""
+    _kernels_or_skip()
+    g = torch.Generator().manual_seed(rows + 100)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    panels = pack_float_panels(weight)
+    assert panels.dtype == torch.float32 and torch.equal(
+        unpack_panels(panels, out_features), weight
+    )
+    y = torch.ops.kvmesh.float_panel_linear(x, panels, bias, out_features)
+    expected = x.double() @ weight.double().T + bias.double()
+    scale = x.double().abs() @ weight.double().abs().T + 1.0
+    assert ((y.double() - expected).abs() / scale).max().item() < 1e-6
+    for m in (0, rows - 1):
+        alone = torch.ops.kvmesh.float_panel_linear(x[m : m + 1], panels, bias, out_features)
+        assert torch.equal(alone[0], y[m])
