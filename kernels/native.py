@@ -293,10 +293,10 @@ def prefill_attention_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32})
 
 
-def bf16_weight_gemm_loaded() -> bool:
-    """Whether ``bf16_weight_linear`` runs prefill-sized batches as its
-    cache-blocked GEMM (built at the avx2 level only: kernels/csrc/
-    bf16_weight_linear.cpp), which beats widening the weight for oneDNN there."""
+def blocked_gemm_loaded() -> bool:
+    """Whether ``bf16_weight_linear`` and ``float_panel_linear`` run batches of 32
+    rows and more as their cache-blocked GEMM (built at the avx2 level only:
+    kernels/csrc/bf16_weight_linear.cpp), which beats oneDNN there."""
     level = loaded_level()
     return level is not None and level.name == "avx2"
 

@@ -126,7 +126,7 @@ def test_without_the_mode_small_and_large_batches_take_different_kernels() -> No
     x = torch.randn(100, 1536)
     with batch_invariant.forced(False):
         same = torch.equal(linear(x)[:3], linear(x[:3]))
-    assert same == native.bf16_weight_gemm_loaded()
+    assert same == native.blocked_gemm_loaded()
 
 
 def test_tiled_rows_pads_the_last_tile_and_keeps_every_row() -> None:

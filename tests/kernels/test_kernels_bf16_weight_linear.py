@@ -148,7 +148,7 @@ def test_packed_linear_keeps_only_the_words_and_matches_f_linear(
         torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     # Decode-sized batches on the kernel; the larger ones on its blocked GEMM
     # where it is built, else the words widened for oneDNN.
-    largest = [MAX_BF16_WEIGHT_KERNEL_ROWS + 1] if native.bf16_weight_gemm_loaded() else []
+    largest = [MAX_BF16_WEIGHT_KERNEL_ROWS + 1] if native.blocked_gemm_loaded() else []
     assert calls == [1, 16, MAX_BF16_WEIGHT_KERNEL_ROWS, *largest]
 
 

@@ -171,7 +171,7 @@ MAX_PAIR_ROWS = 96
 # 217.2 / 432.0, 128: 466 / 423 / 652, 256: 874 / 820 / 1,092, 512: 1,745 /
 # 1,694 / 1,964, 2,048: 6,908 / 7,777 / 7,040 (widening costs ~2% there).
 # Where the kernel has its cache-blocked GEMM for large batches (the avx2
-# level: ``native.bf16_weight_gemm_loaded``) it takes every batch: the same
+# level: ``native.blocked_gemm_loaded``) it takes every batch: the same
 # Zen 2, 2 threads, a Qwen3 layer's three projection shapes at 1,024 rows
 # ~165 GFLOP/s against ~145 for oneDNN on its own prepacked float32 copy.
 MAX_BF16_WEIGHT_KERNEL_ROWS = 512
@@ -189,7 +189,7 @@ def float_panels_win(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
-        and native.bf16_weight_gemm_loaded()
+        and native.blocked_gemm_loaded()
     )
 
 
@@ -537,7 +537,7 @@ class PackedLinear:
         scratch buffer and oneDNN above."""
         panels = self._bf16_panels
         assert panels is not None
-        on_kernel = x.shape[0] <= MAX_BF16_WEIGHT_KERNEL_ROWS or native.bf16_weight_gemm_loaded()
+        on_kernel = x.shape[0] <= MAX_BF16_WEIGHT_KERNEL_ROWS or native.blocked_gemm_loaded()
         if x.dim() == 2 and x.dtype == torch.float32 and on_kernel:
             return self._bf16_kernel(x.contiguous())
         weight = unpack_panels(
@@ -579,7 +579,7 @@ class PackedLinear:
         codes = self._codes
         if self._packed is None and self.weight is None:
             assert codes is not None
-            if x.dtype == torch.float32 and x.dim() == 2 and native.bf16_weight_gemm_loaded():
+            if x.dtype == torch.float32 and x.dim() == 2 and native.blocked_gemm_loaded():
                 # The codes' own layout is the panels': rebuilt in place, no transpose.
                 return torch.ops.kvmesh.float_panel_linear(
                     x.contiguous(), _dequantize_panels(codes), self._bias, self.out_features
