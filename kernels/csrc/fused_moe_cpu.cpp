@@ -23,12 +23,23 @@
 //   1. items = (active expert, kColTile intermediate columns): that expert's
 //      gate and up rows for those columns, times its rows -> the activated
 //      [rows, kColTile] block of a float32 scratch [pairs, I].
-//   2. items = kColTile output columns: for every active expert in order, its
-//      down rows for those columns times its activated rows, scaled by each
-//      pair's routing weight and added into the token's output. The items
-//      own disjoint columns, so no two threads write one element, and each
+//   2. decode-sized steps (up to kExpertMajorPairs pairs): items = (active
+//      expert, kDownTile output columns) like pass 1, each one contiguous
+//      run of that expert's down rows times its activated rows, into a
+//      [pairs, H] scratch; then each pair's row, scaled by its routing
+//      weight, is added into its token's output in the sorted order.
+//      Larger steps: items = kColTile output columns, for every active expert
+//      in order its down rows for those columns times its activated rows,
+//      scaled and added at once (no [pairs, H] scratch). Either way each
 //      token's experts are summed in expert order, as the grouped path sums
-//      them: a token's output does not depend on which thread ran what.
+//      them, with the same float operations: a token's output does not
+//      depend on the path or on which thread ran what.
+//
+// Expert-major down items read 16.5 MB of runs of 48 KB instead of 28 runs
+// of 12 KB per item; with each tile prefetching the rows its thread most
+// likely reads next (the next tile's, across gate -> up and expert
+// boundaries too), a 16-token step of the bench checkpoint's layer went
+// 2.87 -> 2.73 ms on two Zen 2 cores (docs/performance.md, "expert-major").
 //
 // In bfloat16 (x) every intermediate is rounded where the grouped path's
 // bfloat16 tensors store it (the projections, silu, the product, the scaled
@@ -72,6 +83,12 @@ constexpr int64_t kColTile = 16;
 // may have hundreds): each block of weight rows is read from memory once per
 // this many rows, which with their results stay in L2.
 constexpr int64_t kRowChunk = 48;
+// Pass 2 runs expert-major up to this many (token, expert) pairs: 1-16
+// tokens x top-4 gained 5%, 64 tokens tied and 128 lost 1% (two Zen 2
+// cores); the scratch is pairs x H floats.
+constexpr int64_t kExpertMajorPairs = 256;
+// Output columns of an expert-major down item (32-128 measured the same).
+constexpr int64_t kDownTile = 64;
 
 // One SIMD register of float32 lanes and what the dot products need of it.
 #if defined(__AVX512F__)
@@ -154,9 +171,10 @@ constexpr int kWeightRowsAlone = 8;
 
 // out[m * ldo + n] = dot(rows[m], w[n * ldw ...]) over K, for R rows and N
 // weight rows: each weight vector is loaded once and used for all R rows.
+// `next`: the N weight rows (same ldw) read after these, prefetched meanwhile.
 template <int R, int N, typename W>
 inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t K, float* out,
-                     int64_t ldo) {
+                     int64_t ldo, const W* next) {
   using V = typename Lanes::V;
   // k steps per 64-byte line of W, at least one vector.
   constexpr int64_t kLineFloats = std::max<int64_t>(64 / sizeof(W), Lanes::kWidth);
@@ -173,10 +191,10 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
     for (int m = 0; m < R; ++m) x[m] = Lanes::load(rows[m] + k);
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
-      // The rows N further on (the next tile's, contiguous with these) are
-      // fetched a whole tile ahead: each row is only a few KB, too short for
-      // the hardware prefetcher to reach full speed on its own.
-      if (k % kLineFloats == 0) prefetch(w + (n + N) * ldw + k);
+      // The next tile's rows are fetched a whole tile ahead: each row is
+      // only a few KB, too short for the hardware prefetcher to reach full
+      // speed on its own.
+      if (k % kLineFloats == 0) prefetch(next + n * ldw + k);
       const V wv = Lanes::load(w + n * ldw + k);
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) acc[m][n] = Lanes::fma(x[m], wv, acc[m][n]);
@@ -197,32 +215,36 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
 // at a time: the N rows' weights stay in L1 from the first row block on.
 template <int N, typename W>
 inline void rows_times(const float* const* rows, int64_t count, const W* w, int64_t ldw,
-                       int64_t K, float* out, int64_t ldo) {
+                       int64_t K, float* out, int64_t ldo, const W* next) {
   int64_t m = 0;
   for (; m + kRowBlock <= count; m += kRowBlock) {
-    dot_tile<kRowBlock, N>(rows + m, w, ldw, K, out + m * ldo, ldo);
+    dot_tile<kRowBlock, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next);
   }
   switch (count - m) {
-    case 2: dot_tile<2, N>(rows + m, w, ldw, K, out + m * ldo, ldo); break;
-    case 1: dot_tile<1, N>(rows + m, w, ldw, K, out + m * ldo, ldo); break;
+    case 2: dot_tile<2, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
+    case 1: dot_tile<1, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
     default: break;
   }
 }
 
 // `count` rows times `cols` consecutive weight rows: out[m * ldo + n].
+// `after`: the weight rows (same ldw) this thread most likely reads next.
 template <typename W>
 void dot_block(const float* const* rows, int64_t count, const W* w, int64_t ldw, int64_t K,
-               int64_t cols, float* out, int64_t ldo) {
+               int64_t cols, float* out, int64_t ldo, const W* after) {
+  const auto next = [&](int64_t n) { return n < cols ? w + n * ldw : after; };
   int64_t n = 0;
   if (count == 1) {
     for (; n + kWeightRowsAlone <= cols; n += kWeightRowsAlone) {
-      dot_tile<1, kWeightRowsAlone>(rows, w + n * ldw, ldw, K, out + n, ldo);
+      dot_tile<1, kWeightRowsAlone>(rows, w + n * ldw, ldw, K, out + n, ldo,
+                                    next(n + kWeightRowsAlone));
     }
   }
   for (; n + kWeightRows <= cols; n += kWeightRows) {
-    rows_times<kWeightRows>(rows, count, w + n * ldw, ldw, K, out + n, ldo);
+    rows_times<kWeightRows>(rows, count, w + n * ldw, ldw, K, out + n, ldo,
+                            next(n + kWeightRows));
   }
-  for (; n < cols; ++n) rows_times<1>(rows, count, w + n * ldw, ldw, K, out + n, ldo);
+  for (; n < cols; ++n) rows_times<1>(rows, count, w + n * ldw, ldw, K, out + n, ldo, next(n + 1));
 }
 
 // transformers' activations, in float32 (T rounds their results as torch's
@@ -301,12 +323,18 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
     const int64_t first = r.starts[e], count = r.starts[e + 1] - first;
     const W* gate_w = gate_up + (e * 2 * inter + c0) * hidden;
     const W* up_w = gate_w + inter * hidden;
+    // What this thread most likely reads after the up rows: the next column
+    // tile's gate rows, or the next active expert's first ones.
+    const size_t slot = static_cast<size_t>(item / col_tiles) + 1;
+    const W* after_up = c0 + cols < inter         ? gate_w + cols * hidden
+                        : slot < r.active.size() ? gate_up + r.active[slot] * 2 * inter * hidden
+                                                 : up_w + cols * hidden;
     float gate[kRowChunk * kColTile], up[kRowChunk * kColTile];
     for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
       const int64_t rows = std::min<int64_t>(kRowChunk, count - m0);
       const float* const* xr = x_rows.data() + first + m0;
-      dot_block(xr, rows, gate_w, hidden, hidden, cols, gate, kColTile);
-      dot_block(xr, rows, up_w, hidden, hidden, cols, up, kColTile);
+      dot_block(xr, rows, gate_w, hidden, hidden, cols, gate, kColTile, up_w);
+      dot_block(xr, rows, up_w, hidden, hidden, cols, up, kColTile, after_up);
       for (int64_t m = 0; m < rows; ++m) {
         float* a = act.get() + (first + m0 + m) * inter + c0;
         for (int64_t c = 0; c < cols; ++c) {
@@ -330,25 +358,57 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
   std::fill(sums, sums + tokens * hidden, 0.f);
   std::vector<const float*> act_rows(pairs);
   for (int64_t p = 0; p < pairs; ++p) act_rows[p] = act.get() + p * inter;
-  const int64_t out_tiles = (hidden + kColTile - 1) / kColTile;
-  kvmesh::parallel_items(out_tiles, [&](int64_t tile, bool) {
-    const int64_t n0 = tile * kColTile, cols = std::min(kColTile, hidden - n0);
-    float d[kRowChunk * kColTile];
-    for (const int64_t e : r.active) {
+  if (pairs <= kExpertMajorPairs) {
+    std::unique_ptr<float[]> down_rows(new float[pairs * hidden]);
+    const int64_t tiles = (hidden + kDownTile - 1) / kDownTile;
+    const int64_t down_items = static_cast<int64_t>(r.active.size()) * tiles;
+    kvmesh::parallel_items(down_items, [&](int64_t item, bool) {
+      const size_t a = static_cast<size_t>(item / tiles);
+      const int64_t e = r.active[a];
+      const int64_t n0 = (item % tiles) * kDownTile, cols = std::min(kDownTile, hidden - n0);
       const W* down_w = down + (e * hidden + n0) * inter;
+      const W* after = n0 + cols < hidden          ? down_w + cols * inter
+                       : a + 1 < r.active.size() ? down + r.active[a + 1] * hidden * inter
+                                                 : down_w + cols * inter;
       for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowChunk) {
         const int64_t rows = std::min<int64_t>(kRowChunk, r.starts[e + 1] - p0);
-        dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols, d, kColTile);
-        for (int64_t m = 0; m < rows; ++m) {
-          const float w = r.weight[p0 + m];
-          float* s = sums + r.token[p0 + m] * hidden + n0;
-          for (int64_t c = 0; c < cols; ++c) {
-            s[c] += round_as<T>(w * round_as<T>(d[m * kColTile + c]));
+        dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols,
+                  down_rows.get() + p0 * hidden + n0, hidden, after);
+      }
+    });
+    // Pairs in sorted order: each token's experts in expert order.
+    for (int64_t p = 0; p < pairs; ++p) {
+      const float w = r.weight[p];
+      const float* d = down_rows.get() + p * hidden;
+      float* s = sums + r.token[p] * hidden;
+      for (int64_t c = 0; c < hidden; ++c) s[c] += round_as<T>(w * round_as<T>(d[c]));
+    }
+  } else {
+    const int64_t out_tiles = (hidden + kColTile - 1) / kColTile;
+    kvmesh::parallel_items(out_tiles, [&](int64_t tile, bool) {
+      const int64_t n0 = tile * kColTile, cols = std::min(kColTile, hidden - n0);
+      float d[kRowChunk * kColTile];
+      const size_t active = r.active.size();
+      for (size_t a = 0; a < active; ++a) {
+        const int64_t e = r.active[a];
+        const W* down_w = down + (e * hidden + n0) * inter;
+        // The next active expert's rows for these columns, or the next tile's first.
+        const W* after = a + 1 < active ? down + (r.active[a + 1] * hidden + n0) * inter
+                                        : down + (r.active[0] * hidden + n0 + cols) * inter;
+        for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowChunk) {
+          const int64_t rows = std::min<int64_t>(kRowChunk, r.starts[e + 1] - p0);
+          dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols, d, kColTile, after);
+          for (int64_t m = 0; m < rows; ++m) {
+            const float w = r.weight[p0 + m];
+            float* s = sums + r.token[p0 + m] * hidden + n0;
+            for (int64_t c = 0; c < cols; ++c) {
+              s[c] += round_as<T>(w * round_as<T>(d[m * kColTile + c]));
+            }
           }
         }
       }
-    }
-  });
+    });
+  }
   if constexpr (!std::is_same_v<T, float>) {
     T* op = out.data_ptr<T>();
     for (int64_t i = 0; i < tokens * hidden; ++i) op[i] = kvmesh::from_float<T>(sums[i]);

@@ -92,14 +92,17 @@ def test_bfloat16_weights_under_float32_activations_are_widened_exactly() -> Non
     torch.testing.assert_close(actual, expected, atol=2e-6, rtol=1e-5)
 
 
-def test_a_tokens_output_does_not_depend_on_its_step() -> None:
+@pytest.mark.parametrize("tokens", [24, 140])
+def test_a_tokens_output_does_not_depend_on_its_step(tokens: int) -> None:
     """Every dot product sums in one order whatever the rows beside it, and each
     token's experts in expert order: a token alone gets its batch's bits
-    (for the same routing: the router's F.linear is another matter)."""
-    x, router, gate_up, down = _layer(24, 8, 96, 48, torch.float32, 4)
+    (for the same routing: the router's F.linear is another matter). 24 tokens
+    x top-2 take the expert-major down pass, 140 (280 pairs) the column-major
+    one; a token alone takes the former."""
+    x, router, gate_up, down = _layer(tokens, 8, 96, 48, torch.float32, 4)
     weights, ids = moe.route(x, router, 2, True)
     batch = torch.ops.kvmesh.fused_moe(x, ids, weights, gate_up, down, False)
-    for token in (0, 11, 23):
+    for token in (0, 11, tokens - 1):
         one = slice(token, token + 1)
         alone = torch.ops.kvmesh.fused_moe(x[one], ids[one], weights[one], gate_up, down, False)
         assert torch.equal(alone[0], batch[token])
