@@ -301,15 +301,6 @@ def blocked_gemm_loaded() -> bool:
     return level is not None and level.name == "avx2"
 
 
-def moe_word_pair_group() -> int:
-    """The word group of ``fused_moe``'s paired bfloat16 experts at the loaded
-    level (kvmesh::fused_moe_word_pairs; worker/models/moe.py's
-    pair_expert_words), 0 where it has none or the ops are not loaded."""
-    if loaded_level() is None:
-        return 0
-    return int(torch.ops.kvmesh.fused_moe_word_pairs())
-
-
 def amx_tiles_loaded() -> bool:
     """Whether the loaded ops' level has the AMX-tile paths (the block-code
     linear's bfloat16 rows and paged_prefill_attention on tiles, amx_linear)."""

@@ -172,7 +172,7 @@ constexpr int kWeightRowsAlone = 8;
 // out[m * ldo + n] = dot(rows[m], w[n * ldw ...]) over K, for R rows and N
 // weight rows: each weight vector is loaded once and used for all R rows.
 // `next`: the N weight rows (same ldw) read after these, prefetched meanwhile.
-template <int R, int N, bool P, typename W>
+template <int R, int N, typename W>
 inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t K, float* out,
                      int64_t ldo, const W* next) {
   using V = typename Lanes::V;
@@ -184,41 +184,8 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) acc[m][n] = Lanes::zero();
   }
-  int64_t k = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (P) {
-    // Paired words (pair_expert_words): 32-bit lane j of each 16-word group
-    // holds k + j in its low half and k + 8 + j in its high half. One 32-byte
-    // load widens to both by a shift and (loaded again, from L1) an and,
-    // where the plain layout takes two zero-extensions and two shifts; each
-    // accumulator still adds k, then k + 8, as the loop below.
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    for (const int64_t pairs = K - K % 16; k < pairs; k += 16) {
-      V x[R];
-#pragma GCC unroll 8
-      for (int m = 0; m < R; ++m) x[m] = _mm256_loadu_ps(rows[m] + k);
-#pragma GCC unroll 8
-      for (int n = 0; n < N; ++n) {
-        if (k % kLineFloats == 0) prefetch(next + n * ldw + k);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + k));
-        const V lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-#pragma GCC unroll 8
-        for (int m = 0; m < R; ++m) acc[m][n] = _mm256_fmadd_ps(x[m], lo, acc[m][n]);
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < R; ++m) x[m] = _mm256_loadu_ps(rows[m] + k + 8);
-#pragma GCC unroll 8
-      for (int n = 0; n < N; ++n) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + k));
-        const V hi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-#pragma GCC unroll 8
-        for (int m = 0; m < R; ++m) acc[m][n] = _mm256_fmadd_ps(x[m], hi, acc[m][n]);
-      }
-    }
-  }
-#endif
   const int64_t whole = K - K % Lanes::kWidth;
-  for (; k < whole; k += Lanes::kWidth) {
+  for (int64_t k = 0; k < whole; k += Lanes::kWidth) {
     V x[R];
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) x[m] = Lanes::load(rows[m] + k);
@@ -246,38 +213,38 @@ inline void dot_tile(const float* const* rows, const W* w, int64_t ldw, int64_t 
 
 // Every one of `count` rows times N consecutive weight rows, kRowBlock rows
 // at a time: the N rows' weights stay in L1 from the first row block on.
-template <int N, bool P, typename W>
+template <int N, typename W>
 inline void rows_times(const float* const* rows, int64_t count, const W* w, int64_t ldw,
                        int64_t K, float* out, int64_t ldo, const W* next) {
   int64_t m = 0;
   for (; m + kRowBlock <= count; m += kRowBlock) {
-    dot_tile<kRowBlock, N, P>(rows + m, w, ldw, K, out + m * ldo, ldo, next);
+    dot_tile<kRowBlock, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next);
   }
   switch (count - m) {
-    case 2: dot_tile<2, N, P>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
-    case 1: dot_tile<1, N, P>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
+    case 2: dot_tile<2, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
+    case 1: dot_tile<1, N>(rows + m, w, ldw, K, out + m * ldo, ldo, next); break;
     default: break;
   }
 }
 
 // `count` rows times `cols` consecutive weight rows: out[m * ldo + n].
 // `after`: the weight rows (same ldw) this thread most likely reads next.
-template <bool P, typename W>
+template <typename W>
 void dot_block(const float* const* rows, int64_t count, const W* w, int64_t ldw, int64_t K,
                int64_t cols, float* out, int64_t ldo, const W* after) {
   const auto next = [&](int64_t n) { return n < cols ? w + n * ldw : after; };
   int64_t n = 0;
   if (count == 1) {
     for (; n + kWeightRowsAlone <= cols; n += kWeightRowsAlone) {
-      dot_tile<1, kWeightRowsAlone, P>(rows, w + n * ldw, ldw, K, out + n, ldo,
+      dot_tile<1, kWeightRowsAlone>(rows, w + n * ldw, ldw, K, out + n, ldo,
                                     next(n + kWeightRowsAlone));
     }
   }
   for (; n + kWeightRows <= cols; n += kWeightRows) {
-    rows_times<kWeightRows, P>(rows, count, w + n * ldw, ldw, K, out + n, ldo,
+    rows_times<kWeightRows>(rows, count, w + n * ldw, ldw, K, out + n, ldo,
                             next(n + kWeightRows));
   }
-  for (; n < cols; ++n) rows_times<1, P>(rows, count, w + n * ldw, ldw, K, out + n, ldo, next(n + 1));
+  for (; n < cols; ++n) rows_times<1>(rows, count, w + n * ldw, ldw, K, out + n, ldo, next(n + 1));
 }
 
 // transformers' activations, in float32 (T rounds their results as torch's
@@ -327,7 +294,7 @@ Routing sort_pairs(const int64_t* ids, const float* weights, int64_t pairs, int6
   return r;
 }
 
-template <typename T, bool P, typename W>
+template <typename T, typename W>
 void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down, int64_t inter,
          bool gelu, at::Tensor& out) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -366,8 +333,8 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
     for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
       const int64_t rows = std::min<int64_t>(kRowChunk, count - m0);
       const float* const* xr = x_rows.data() + first + m0;
-      dot_block<P>(xr, rows, gate_w, hidden, hidden, cols, gate, kColTile, up_w);
-      dot_block<P>(xr, rows, up_w, hidden, hidden, cols, up, kColTile, after_up);
+      dot_block(xr, rows, gate_w, hidden, hidden, cols, gate, kColTile, up_w);
+      dot_block(xr, rows, up_w, hidden, hidden, cols, up, kColTile, after_up);
       for (int64_t m = 0; m < rows; ++m) {
         float* a = act.get() + (first + m0 + m) * inter + c0;
         for (int64_t c = 0; c < cols; ++c) {
@@ -405,7 +372,7 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
                                                  : down_w + cols * inter;
       for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowChunk) {
         const int64_t rows = std::min<int64_t>(kRowChunk, r.starts[e + 1] - p0);
-        dot_block<P>(act_rows.data() + p0, rows, down_w, inter, inter, cols,
+        dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols,
                   down_rows.get() + p0 * hidden + n0, hidden, after);
       }
     });
@@ -430,7 +397,7 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
                                         : down + (r.active[0] * hidden + n0 + cols) * inter;
         for (int64_t p0 = r.starts[e]; p0 < r.starts[e + 1]; p0 += kRowChunk) {
           const int64_t rows = std::min<int64_t>(kRowChunk, r.starts[e + 1] - p0);
-          dot_block<P>(act_rows.data() + p0, rows, down_w, inter, inter, cols, d, kColTile, after);
+          dot_block(act_rows.data() + p0, rows, down_w, inter, inter, cols, d, kColTile, after);
           for (int64_t m = 0; m < rows; ++m) {
             const float w = r.weight[p0 + m];
             float* s = sums + r.token[p0 + m] * hidden + n0;
@@ -448,20 +415,9 @@ void run(const at::Tensor& x, const Routing& r, const W* gate_up, const W* down,
   }
 }
 
-// Paired bfloat16 words (pair_expert_words in worker/models/moe.py): the
-// layout of this level's paired loop, in groups of this many words; 0 where
-// the level has none (AVX-512 keeps its own 16-lane widening).
-#if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr int64_t kWordPairGroup = 16;
-#else
-constexpr int64_t kWordPairGroup = 0;
-#endif
-
-int64_t fused_moe_word_pairs() { return kWordPairGroup; }
-
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_ids,
                      const at::Tensor& topk_weights, const at::Tensor& gate_up,
-                     const at::Tensor& down, bool gelu, bool paired_words) {
+                     const at::Tensor& down, bool gelu) {
   constexpr const char* op = "fused_moe";
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [tokens, hidden]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -480,10 +436,6 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_ids,
               op, ": down must be contiguous [experts, hidden, intermediate]");
   TORCH_CHECK(down.scalar_type() == gate_up.scalar_type(), op, ": down is ", down.scalar_type(),
               " but gate_up is ", gate_up.scalar_type());
-  TORCH_CHECK(!paired_words || (kWordPairGroup > 0 && gate_up.scalar_type() == at::kBFloat16 &&
-                                 hidden % kWordPairGroup == 0 && inter % kWordPairGroup == 0),
-              op, ": paired words need bfloat16 experts whose widths are multiples of ",
-              kWordPairGroup, " on a level that has them (fused_moe_word_pairs)");
   const Routing routing = sort_pairs(topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
                                      topk_ids.numel(), topk_ids.size(1), experts);
   at::Tensor out = at::empty({tokens, hidden}, x.options());
@@ -491,13 +443,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_ids,
     using T = decltype(x_tag);
     kvmesh::dispatch_float_or_bf16(gate_up.scalar_type(), op, [&](auto w_tag) {
       using W = decltype(w_tag);
-      if constexpr (kWordPairGroup > 0 && std::is_same_v<W, c10::BFloat16>) {
-        if (paired_words) {
-          run<T, true, W>(x, routing, gate_up.data_ptr<W>(), down.data_ptr<W>(), inter, gelu, out);
-          return;
-        }
-      }
-      run<T, false, W>(x, routing, gate_up.data_ptr<W>(), down.data_ptr<W>(), inter, gelu, out);
+      run<T, W>(x, routing, gate_up.data_ptr<W>(), down.data_ptr<W>(), inter, gelu, out);
     });
   });
   return out;
@@ -508,8 +454,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_ids,
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def(
       "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, "
-      "bool gelu, bool paired_words=False) -> Tensor");
-  m.def("fused_moe_word_pairs() -> int", &fused_moe_word_pairs);
+      "bool gelu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("fused_moe", &fused_moe); }

@@ -122,35 +122,3 @@ def test_bad_routing_is_refused() -> None:
 def test_a_step_without_tokens_gives_no_rows() -> None:
     x, router, gate_up, down = _layer(0, 4, 32, 16, torch.float32, 6)
     assert moe.fused_experts(x, router, gate_up, down, 2, True).shape == (0, 32)
-
-
-@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (16, 4), (150, 2)])
-def test_paired_words_give_the_plain_layouts_bits(
-    tokens: int, top_k: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bfloat16 experts in paired words (the avx2 level's layout) give the
-    plain layout's bits, on the fused path (both down passes) and on the
-    grouped one (which unpairs them)."""
-    group = native.moe_word_pair_group()
-    if not group:
-        pytest.skip("this level keeps its experts' words plain")
-    x, router, gate_up, down = _layer(tokens, 8, 96, 48, torch.float32, 7)
-    gate_up, down = gate_up.bfloat16(), down.bfloat16()
-    paired = (moe.pair_expert_words(gate_up, group), moe.pair_expert_words(down, group))
-    assert not torch.equal(paired[0], gate_up)  # the words did move
-    assert torch.equal(moe.unpair_expert_words(paired[0], group), gate_up)
-    plain = moe.moe_experts(x, router, gate_up, down, top_k, True, False, True)
-    fused = moe.moe_experts(x, router, *paired, top_k, True, False, True, word_pairs=group)
-    assert torch.equal(fused, plain)
-    monkeypatch.setattr(moe, "MAX_FUSED_TOKENS", 0)
-    grouped = moe.moe_experts(x, router, *paired, top_k, True, False, True, word_pairs=group)
-    expected = moe.grouped_experts(x, router, gate_up.float(), down.float(), top_k, True)
-    assert torch.equal(grouped, expected)
-
-
-def test_paired_words_need_bfloat16_experts() -> None:
-    if not native.moe_word_pair_group():
-        pytest.skip("this level keeps its experts' words plain")
-    x, router, gate_up, down = _layer(2, 4, 32, 16, torch.float32, 8)
-    with pytest.raises(RuntimeError, match="paired words need bfloat16 experts"):
-        moe.fused_experts(x, router, gate_up, down, 2, True, paired_words=True)

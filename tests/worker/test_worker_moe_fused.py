@@ -45,9 +45,9 @@ def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     rows: list[int] = []
     fused = moe.fused_experts
 
-    def counting(hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    def counting(hidden: torch.Tensor, *args: object) -> torch.Tensor:
         rows.append(hidden.shape[0])
-        return fused(hidden, *args, **kwargs)  # type: ignore[arg-type]
+        return fused(hidden, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(moe, "fused_experts", counting)
     return rows
@@ -90,6 +90,3 @@ def test_bfloat16_checkpoint_in_float32_keeps_bfloat16_experts(
     layer = runner.model.layers[0]
     assert runner.model_config.dtype == torch.float32
     assert layer.experts_gate_up.dtype == layer.experts_down.dtype == torch.bfloat16
-    # ... in paired words where the level has them (these widths are multiples of 16).
-    assert layer.experts_gate_up.shape[-1] % 16 == layer.experts_down.shape[-1] % 16 == 0
-    assert layer.expert_word_pairs == native.moe_word_pair_group()

@@ -38,7 +38,7 @@ from kvmesh.worker.models.declaration import LayerKVSpec, ModelDeclaration, spli
 from kvmesh.worker.models.features import Features, RopeSpec
 from kvmesh.worker.models.ggml_linear import GGMLLinear
 from kvmesh.worker.models.linear import PackedLinear
-from kvmesh.worker.models.moe import moe_experts, pair_expert_words
+from kvmesh.worker.models.moe import moe_experts
 from kvmesh.worker.models.quantized import (
     CODE_PIECES,
     WeightPiece,
@@ -296,8 +296,6 @@ class DecoderLayer(nn.Module):
         # The family's switches, as plain attributes the forward reads.
         self.moe_top_k = features.moe_top_k
         self.moe_renormalize = features.moe_renormalize
-        # The word group of the experts' paired bfloat16 layout (narrow_experts); 0: plain.
-        self.expert_word_pairs = 0
         self.llama_mlp = (
             features.llama_mlp
             and self.router is None
@@ -445,20 +443,13 @@ class DecoderLayer(nn.Module):
         """Float32 experts whose every weight is a bfloat16 value (a bfloat16
         checkpoint served in float32) are kept in bfloat16: the fused MoE kernel
         widens them in registers, exactly, from half the bytes a step reads.
-        Only with the C++ ops (moe_experts' other paths widen them per call).
-        Where the level has them, bfloat16 experts are then kept in paired words
-        (moe.pair_expert_words): the same values, widened in fewer instructions."""
+        Only with the C++ ops (moe_experts' other paths widen them per call)."""
         if self.router is None or not self._native_ops:
             return
-        params = [getattr(self, name) for name in ("experts_gate_up", "experts_down")]
-        for param in params:
+        for name in ("experts_gate_up", "experts_down"):
+            param = getattr(self, name)
             if exactly_bfloat16(param.data):
                 param.data = param.data.to(torch.bfloat16)  # exact: no value changes
-        group = native.moe_word_pair_group()
-        if group and all(p.dtype == torch.bfloat16 and p.shape[-1] % group == 0 for p in params):
-            for param in params:
-                param.data = pair_expert_words(param.data, group)
-            self.expert_word_pairs = group
 
     def share_plain_weights(self) -> None:
         """Each projection parameter becomes its packed projection's plain
@@ -603,7 +594,6 @@ class DecoderLayer(nn.Module):
                     self.moe_renormalize,
                     self.gelu,
                     self._native_ops,
-                    self.expert_word_pairs,
                 )
             )
         else:

@@ -22,10 +22,7 @@ router as here, then one op (kernels/csrc/fused_moe_cpu.cpp) that sorts the
 pairs, runs each active expert over its rows with its weights read once, and
 sums each token's experts in the same expert order. Its expert weights may be
 bfloat16 under float32 activations (widened in registers): exact where the
-checkpoint is bfloat16, half the bytes a step reads. On the avx2 level those
-bfloat16 words are kept paired (``pair_expert_words``: the layout the kernel
-widens with one load, a shift and an and per 16 words); the grouped path
-unpairs them per call.
+checkpoint is bfloat16, half the bytes a step reads.
 """
 
 from __future__ import annotations
@@ -41,25 +38,6 @@ from kvmesh.kernels import batch_invariant
 # grouped path (_grouped_mm). Measured by benchmarks/moe_layer_bench.py on the
 # 2-core Zen 2 (docs/performance.md, "fused MoE").
 MAX_FUSED_TOKENS = 4096
-
-
-def pair_expert_words(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """bfloat16 experts [E, rows, K] with each ``group`` words of a row
-    reordered so that 32-bit lane j holds words j and group / 2 + j
-    (kvmesh::fused_moe's paired layout; ``group`` is
-    kvmesh::fused_moe_word_pairs()). The same values, only moved."""
-    if weight.dtype != torch.bfloat16 or weight.shape[-1] % group:
-        raise ValueError(f"pair_expert_words: not bfloat16 rows of a multiple of {group} words")
-    *outer, width = weight.shape
-    halves = weight.reshape(*outer, width // group, 2, group // 2)
-    return halves.transpose(-1, -2).contiguous().reshape(weight.shape)
-
-
-def unpair_expert_words(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """``pair_expert_words``' inverse: the experts in their plain layout."""
-    *outer, width = weight.shape
-    pairs = weight.reshape(*outer, width // group, group // 2, 2)
-    return pairs.transpose(-1, -2).contiguous().reshape(weight.shape)
 
 
 def route(
@@ -87,26 +65,19 @@ def moe_experts(
     renormalize: bool,
     gelu: bool,
     native_ops: bool,
-    word_pairs: int = 0,
 ) -> torch.Tensor:
     """The MoE MLP's output [T, H] by the path that fits: fused_experts where the
     C++ ops are loaded (``native_ops``), the step is on CPU, small enough and
     not batch-invariant; grouped_experts otherwise (with the weights in the
     activations' dtype: a float32 model may keep bfloat16 experts for the
-    fused path). ``word_pairs``: the group of ``pair_expert_words`` the
-    experts are kept in (0: plain)."""
+    fused path)."""
     if (
         native_ops
         and hidden.device.type == "cpu"
         and hidden.shape[0] <= MAX_FUSED_TOKENS
         and not batch_invariant.enabled()
     ):
-        return fused_experts(
-            hidden, router, gate_up, down, top_k, renormalize, gelu, paired_words=word_pairs > 0
-        )
-    if word_pairs:
-        gate_up = unpair_expert_words(gate_up, word_pairs)
-        down = unpair_expert_words(down, word_pairs)
+        return fused_experts(hidden, router, gate_up, down, top_k, renormalize, gelu)
     dtype = hidden.dtype
     return grouped_experts(
         hidden, router, gate_up.to(dtype), down.to(dtype), top_k, renormalize, gelu
@@ -121,16 +92,14 @@ def fused_experts(
     top_k: int,
     renormalize: bool,
     gelu: bool = False,
-    paired_words: bool = False,
 ) -> torch.Tensor:
     """grouped_experts' output by the C++ kernel (CPU, its ops loaded): the same
-    routing, then every active expert's MLP over its rows in one op
-    (``paired_words``: the experts are in ``pair_expert_words``' layout)."""
+    routing, then every active expert's MLP over its rows in one op."""
     weights, experts = route(hidden, router, top_k, renormalize)
     # The routing weights as grouped_experts multiplies by them (rounded to
     # the hidden dtype), handed over in float32.
     return torch.ops.kvmesh.fused_moe(
-        hidden.contiguous(), experts, weights.float(), gate_up, down, gelu, paired_words
+        hidden.contiguous(), experts, weights.float(), gate_up, down, gelu
     )
 
 
