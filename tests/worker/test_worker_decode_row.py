@@ -56,8 +56,8 @@ def _count_fused_calls(monkeypatch) -> list[DecoderLayer]:
 
 
 # Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 blocks; Q6_K: Q6_K and Q8_0 (its 576-wide rows);
-# Q8_0: every projection Q8_0 (such
-# a file reads as blocks only under w8a8; worker/gguf_weights.py).
+# Q8_0: every projection Q8_0 (such a file reads as blocks only under w8a8;
+# worker/gguf_weights.py).
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K", "Q8_0"])
 def test_fused_layers_give_the_python_forwards_bits(
     model_path: Path, monkeypatch, mix: str
