@@ -18,8 +18,17 @@ keeps *every* quantized tensor as the file's own blocks, ``GGMLRows``
 (kernels/ggml_blocks.py), which kernels/csrc/ggml_block_linear.cpp multiplies
 directly: resident weights stay the file's size (a fused q/k/v mixing Q5_0
 and Q8_0 is one weight of two segments; a tied embedding and LM head share
-one copy). A file of Q4_0/Q4_1/Q8_0 only reads as ``RowCodes``, as above,
-for the panel kernels' bfloat16, AMX and W8A8 paths.
+one copy). So does a file whose quantized tensors are all Q8_0 when its
+projections take int8 activations (``int8_activations``: --quantization
+w8a8): there the blocks' own int8 kernels (ggml_q8_row.cpp at batch 1, with
+the whole Llama layer in one C++ call, and ggml_q8_linear/ggml_q8_panel.cpp
+for decode batches) read the file's 34 bytes per 32 weights, where the panel
+codes hold 40 (a float32 scale and offset per block) and run no fused layer.
+llama.cpp's own Q8_0 file of the default model, 1 thread of a Zen 2 (AVX2, no
+VNNI): a batch-1 step 27.1 -> 14.1 ms, every projection once on 4-48 rows
+2.1-2.2x faster, on a 128-token prefill chunk 3.7x (docs/performance.md).
+Any other file of Q4_0/Q4_1/Q8_0 only reads as
+``RowCodes``, as above, for the panel kernels' bfloat16, AMX and W8A8 paths.
 
 F32, F16 and BF16 tensors are dense (read in the load dtype). Any other type
 (IQ-quants, Q2_K, Q3_K, ...) is refused with its name, unless the caller
@@ -93,6 +102,15 @@ def block_codes(data: np.ndarray, kind: GGMLQuantizationType, rows: int, cols: i
     return RowCodes(codes.reshape(rows, cols), scales, offsets)
 
 
+def reads_as_blocks(kinds: list[GGMLQuantizationType], int8_activations: bool) -> bool:
+    """Whether a file of tensors of these types reads as ``GGMLRows`` (every
+    quantized tensor the file's own blocks) rather than ``RowCodes``."""
+    quantized = {kind for kind in kinds if kind not in DENSE_TYPES}
+    if int8_activations and quantized == {_Q8_0}:
+        return True
+    return not quantized <= set(CODE_TYPES)
+
+
 def _unpermute_rows(tensor: GGUFTensor, num_heads: int) -> GGUFTensor:
     """Undo llama.cpp's q/k row permutation (transformers' reverse_permute_weights)."""
     rows = tensor.shape[0]
@@ -115,11 +133,14 @@ def iterate_gguf_weights(
     num_kv_heads: int,
     dense_dtype: torch.dtype = torch.float32,
     allow_dense: bool = False,
+    int8_activations: bool = False,
 ) -> Iterator[tuple[str, GGUFTensor]]:
     """(checkpoint name, dense tensor in ``dense_dtype``, RowCodes or GGMLRows)
     for every weight, named by the family's declaration (``gguf_name``).
     ``allow_dense``: dequantize types without a block kernel (else they are
-    refused with their name: UnsupportedGGUFType)."""
+    refused with their name: UnsupportedGGUFType). ``int8_activations``: the
+    projections will take int8 activations (--quantization w8a8), so a file
+    of Q8_0 blocks stays blocks (see the module docstring)."""
     layout = declaration.gguf
     reader = GGUFReader(str(path))
     architecture = str(reader.fields["general.architecture"].contents())
@@ -129,8 +150,8 @@ def iterate_gguf_weights(
             f"(it reads {layout.architecture if layout else 'no GGUF files'!r})"
         )
     # One representation per file (see the module docstring).
-    as_blocks = any(
-        GGMLQuantizationType(t.tensor_type) not in CODE_TYPES + DENSE_TYPES for t in reader.tensors
+    as_blocks = reads_as_blocks(
+        [GGMLQuantizationType(t.tensor_type) for t in reader.tensors], int8_activations
     )
     for tensor in reader.tensors:
         name = declaration.gguf_name(tensor.name)

@@ -76,6 +76,7 @@ def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]
             model_config.num_kv_heads,
             model_config.load_dtype,
             allow_dense=model_config.dtype_explicit,
+            int8_activations=model_config.quantization == "w8a8",
         )
     return iterate_weights(Path(model_config.path), model_config.load_dtype)
 

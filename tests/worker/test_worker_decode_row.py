@@ -10,12 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.decoder import DecoderLayer
+from kvmesh.worker.models.ggml_linear import GGMLLinear
 from tests.worker.kquant_files import write_mix
 
 pytestmark = pytest.mark.model
@@ -40,12 +42,9 @@ def _generate(runner: ModelRunner) -> tuple[list[int], list[object]]:
     return done.output_token_ids, done.logprobs
 
 
-def test_fused_layers_give_the_python_forwards_bits(model_path: Path, monkeypatch) -> None:
-    folder = write_mix(model_path, "Q4_K_M", with_reference=False).folder
-    runner = _runner(folder, "w8a8")
-    layers = runner.model.layers
-    assert all(layer.row_args is not None for layer in layers)
-    calls = []
+def _count_fused_calls(monkeypatch) -> list[DecoderLayer]:
+    """The layers ``forward_row`` runs, one entry per call, from now on."""
+    calls: list[DecoderLayer] = []
     fused_forward = DecoderLayer.forward_row
 
     def counted(self: DecoderLayer, *args: object) -> object:
@@ -53,6 +52,21 @@ def test_fused_layers_give_the_python_forwards_bits(model_path: Path, monkeypatc
         return fused_forward(self, *args)
 
     monkeypatch.setattr(DecoderLayer, "forward_row", counted)
+    return calls
+
+
+# Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 blocks; Q6_K: Q6_K and Q8_0 (its 576-wide rows);
+# Q8_0: every projection Q8_0 (such a file reads as blocks only under w8a8;
+# worker/gguf_weights.py).
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q6_K", "Q8_0"])
+def test_fused_layers_give_the_python_forwards_bits(
+    model_path: Path, monkeypatch, mix: str
+) -> None:
+    folder = write_mix(model_path, mix, with_reference=False).folder
+    runner = _runner(folder, "w8a8")
+    layers = runner.model.layers
+    assert all(layer.row_args is not None for layer in layers)
+    calls = _count_fused_calls(monkeypatch)
     fused = _generate(runner)
     # Every layer of every decode step (the prompt's step is no single row).
     assert len(calls) == (NEW_TOKENS - 1) * len(layers)
@@ -69,3 +83,23 @@ def test_float_activations_keep_the_python_forward(model_path: Path) -> None:
     folder = write_mix(model_path, "Q4_K_M", with_reference=False).folder
     runner = _runner(folder, None)
     assert all(layer.row_args is None for layer in runner.model.layers)
+
+
+def test_q8_0_file_runs_its_blocks_fused_and_gives_the_oracles_tokens(
+    model_path: Path, monkeypatch
+) -> None:
+    files = write_mix(model_path, "Q8_0")
+    runner = _runner(files.folder, "w8a8")
+    # Every projection, the LM head included, is the file's Q8_0 blocks on
+    # int8 activations, not the panel codes a Q8_0 file reads as otherwise.
+    packed = runner.model._all_packed()
+    assert all(isinstance(p, GGMLLinear) and p.takes_int8_rows for p in packed)
+    assert {kind for p in packed for kind in p.rows.kinds} == {GGMLQuantizationType.Q8_0}
+    calls = _count_fused_calls(monkeypatch)
+    tokens, _ = _generate(runner)
+    assert len(calls) == (NEW_TOKENS - 1) * len(runner.model.layers)
+    # The oracle: a float32 checkpoint of the gguf package's dequantization of
+    # the file's weights, float activations. Q8_0 weights with activations
+    # quantized per 32 features pick the same greedy tokens.
+    assert files.reference is not None
+    assert tokens == _generate(_runner(files.reference, None))[0]

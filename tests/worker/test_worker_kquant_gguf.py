@@ -19,7 +19,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from kvmesh.kernels.ggml_blocks import GGMLRows
-from kvmesh.worker.gguf_weights import UnsupportedGGUFType, iterate_gguf_weights
+from kvmesh.worker.gguf_weights import (
+    UnsupportedGGUFType,
+    iterate_gguf_weights,
+    reads_as_blocks,
+)
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS
 from kvmesh.worker.models.llama import LlamaForCausalLM
@@ -107,3 +111,14 @@ def test_unsupported_type_is_refused_by_name_unless_dense_is_asked(tmp_path: Pat
     [(name, dense)] = list(iterate_gguf_weights(path, LLAMA, 2, 2, allow_dense=True))
     assert name == "model.layers.0.self_attn.q_proj.weight"
     assert isinstance(dense, torch.Tensor) and dense.shape == (4, 256)
+
+
+def test_which_files_read_as_their_own_blocks() -> None:
+    # Any K-quant (or Q5_0/Q5_1): every quantized tensor stays the file's blocks.
+    assert reads_as_blocks([Q.Q4_K, Q.Q8_0, Q.F32], int8_activations=False)
+    # Q4_0/Q4_1/Q8_0 only: the panel codes, unless the file is Q8_0 only and
+    # runs on int8 activations (--quantization w8a8: the Q8_0 block kernels).
+    assert not reads_as_blocks([Q.Q8_0, Q.F32], int8_activations=False)
+    assert reads_as_blocks([Q.Q8_0, Q.F32], int8_activations=True)
+    assert not reads_as_blocks([Q.Q4_1, Q.Q8_0, Q.F32], int8_activations=True)
+    assert not reads_as_blocks([Q.F16, Q.F32], int8_activations=True)
