@@ -17,6 +17,7 @@ import functools
 import gc
 import logging
 import os
+import queue
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -253,6 +254,50 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             while begun:  # every rank must finish what it began before a reset
                 await finish_oldest()
 
+    async def _back_to_back(
+        self, request_iterator: AsyncIterator[worker_pb2.StepRequest]
+    ) -> AsyncIterator[worker_pb2.StepResult]:
+        """The driver's steps, each begun by the step thread the moment the one
+        before it ends: a reader task hands arrived requests over through a
+        thread-safe queue, and results come back through the event loop, which
+        is off the critical path. (Awaiting each step in the loop, then reading
+        the next request, left the worker idle ~0.7-1.5 ms per step on a busy
+        2-core box: 8% of a batch-1 decode; docs/performance.md, "back to back".)"""
+        loop = asyncio.get_running_loop()
+        arrived: queue.SimpleQueue[worker_pb2.StepRequest | None] = queue.SimpleQueue()
+        results: asyncio.Queue[worker_pb2.StepResult | BaseException | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    arrived.put(request)
+            finally:
+                arrived.put(None)
+
+        def run_steps() -> None:
+            try:
+                while (request := arrived.get()) is not None:
+                    with self._timed(sum(request.num_scheduled_tokens)):
+                        result = self._run_step(request)
+                    loop.call_soon_threadsafe(results.put_nowait, result)
+            except BaseException as exc:  # handed to the stream, which fails with it
+                loop.call_soon_threadsafe(results.put_nowait, exc)
+                return
+            loop.call_soon_threadsafe(results.put_nowait, None)
+
+        reader = asyncio.create_task(read())
+        stepping = loop.run_in_executor(self.executor, run_steps)
+        try:
+            while (item := await results.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+            arrived.put(None)  # the step thread stops after the step it runs, if any
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(stepping)
+
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.StepRequest], context
     ) -> AsyncIterator[worker_pb2.StepResult]:
@@ -272,15 +317,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     async for result in results:
                         yield result
                 return
-            async for request in request_iterator:
-                timed = (
-                    self.watchdog.step(sum(request.num_scheduled_tokens))
-                    if self.watchdog is not None
-                    else contextlib.nullcontext()
-                )
-                with timed:
-                    result = await loop.run_in_executor(self.executor, self._run_step, request)
-                yield result
+            async with contextlib.aclosing(self._back_to_back(request_iterator)) as results:
+                async for result in results:
+                    yield result
         finally:
             self._stream_open = False
             if self.traces is not None:
