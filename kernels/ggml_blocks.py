@@ -166,6 +166,13 @@ class GGMLRows:
         """``x [M, in_features] float32 @ Wᵀ`` on the C++ kernel over the blocks."""
         return torch.ops.kvmesh.ggml_linear(x, *self.kernel_args)
 
+    def float_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in_features] float32 @ Wᵀ`` with each k slice of 16-row panels
+        dequantized once into float32 panels for the blocked GEMM
+        (kernels/csrc/ggml_float_gemm.cpp): the same weights as ``dequantize``, one
+        fused multiply-add chain over k per output (bitwise independent of M)."""
+        return torch.ops.kvmesh.ggml_float_gemm(x, *self.kernel_args)
+
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products
         (kernels/csrc/ggml_q8_linear.cpp; ggml_q8_row.cpp for one row, ggml_q8_panel.cpp

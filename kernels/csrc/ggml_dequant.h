@@ -26,7 +26,8 @@ inline void affine32(const uint8_t* q, float a, float b, float* out) {
   for (int l = 0; l < 32; ++l) out[l] = a * static_cast<float>(q[l]) - b;
 }
 
-inline void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
+// always_inline: with a constant kind (ggml_float_gemm.cpp) the switch folds away.
+[[gnu::always_inline]] inline void dequant_block(int64_t kind, const uint8_t* blk, float* out) {
   uint8_t q[256];
   switch (kind) {
     case kQ4_0:
