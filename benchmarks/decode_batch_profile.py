@@ -9,13 +9,20 @@ ggml type (each GGUF projection call wrapped in a labelled range), the LM head,
 attention, norms / rope / activation, sampling, and the rest (Python and
 bookkeeping: the step's wall time not inside any of those).
 
+``--ab`` times each row count twice per round instead, the projections
+dispatched as now and as before the float32 GEMM over dequantized panels
+(``FLOAT_GEMM_MIN_ROWS*`` set out of reach: int8 kernels up to
+``MAX_GGML_Q8_KERNEL_ROWS``, float tiles + oneDNN above), and one prefill step
+of ``--prefill`` tokens (one prompt) both ways.
+
     python -m benchmarks.decode_batch_profile [--folder F] [--rows 8 16]
-        [--threads 2] [--steps 16] [--rounds 3] [--quantization w8a8]
+        [--threads 2] [--steps 16] [--rounds 3] [--quantization w8a8] [--ab]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,6 +36,7 @@ from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models import ggml_linear
 from kvmesh.worker.models.ggml_linear import GGMLLinear
 
 DEFAULT_FOLDER = Path.home() / ".cache/kvmesh/llamacpp/gguf/SmolLM2-135M-Instruct-Q4_K_M"
@@ -42,9 +50,9 @@ PARTS = (
 
 
 def _runner(folder: Path, threads: int, quantization: str | None, rows: int) -> ModelRunner:
-    blocks = rows * (PROMPT_TOKENS + 512) // 16 + 8
+    blocks = max(rows * (PROMPT_TOKENS + 512), 2048) // 16 + 8
     return ModelRunner(
-        ModelConfig.from_pretrained(folder, max_model_len=1024, quantization=quantization),
+        ModelConfig.from_pretrained(folder, max_model_len=2048, quantization=quantization),
         CacheConfig(block_size=16, num_kv_blocks=blocks),
         num_threads=threads,
     )
@@ -119,6 +127,74 @@ def _split(runner: ModelRunner, rows: int, steps: int) -> dict[str, float]:
     return result
 
 
+@contextmanager
+def _dispatch(name: str) -> Iterator[None]:
+    """ "after": the dispatch as it is; "before": no float GEMM over dequantized panels."""
+    saved = ggml_linear.FLOAT_GEMM_MIN_ROWS, ggml_linear.FLOAT_GEMM_MIN_ROWS_W8A8
+    if name == "before":
+        ggml_linear.FLOAT_GEMM_MIN_ROWS = ggml_linear.FLOAT_GEMM_MIN_ROWS_W8A8 = 1 << 30
+    try:
+        yield
+    finally:
+        ggml_linear.FLOAT_GEMM_MIN_ROWS, ggml_linear.FLOAT_GEMM_MIN_ROWS_W8A8 = saved
+
+
+def _prefill_seconds(runner: ModelRunner, tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of one prefill step of a ``tokens``-token prompt."""
+    driver = LocalDriver(runner)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    driver.add_request("p", [(13 * i) % 1000 + 10 for i in range(tokens)], params, 1)
+    wall, cpu = time.perf_counter(), time.process_time()
+    driver.run()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def ab(args: argparse.Namespace, runners: dict[int, ModelRunner]) -> None:
+    """Decode steps and a prefill step, before / after, alternating (best of rounds)."""
+    cases = [*(("decode", r) for r in args.rows), ("prefill", args.prefill)]
+    best = {(c, n, w): [float("inf")] * 2 for c, n in cases for w in ("before", "after")}
+    prefill_runner = runners[args.rows[0]]
+    for index in range(args.rounds):
+        order = ("before", "after") if index % 2 == 0 else ("after", "before")
+        for case, n in cases:
+            for way in order:
+                with _dispatch(way):
+                    if case == "decode":
+                        wall, cpu = _time_steps(runners[n], n, args.steps)
+                    else:
+                        wall, cpu = _prefill_seconds(prefill_runner, n)
+                key = (case, n, way)
+                best[key] = [min(best[key][0], wall), min(best[key][1], cpu)]
+    for case, n in cases:
+        (bw, bc), (aw, ac) = best[(case, n, "before")], best[(case, n, "after")]
+        label = f"{n} rows decode step" if case == "decode" else f"{n}-token prefill"
+        print(
+            f"{label}: before {bw * 1e3:.2f} ms wall ({bc * 1e3:.2f} CPU), "
+            f"after {aw * 1e3:.2f} ms wall ({ac * 1e3:.2f} CPU): {bw / aw:.2f}x wall, "
+            f"{bc / ac:.2f}x CPU",
+            flush=True,
+        )
+
+
+def timed_split(args: argparse.Namespace, runners: dict[int, ModelRunner]) -> None:
+    """Per row count: the step's wall and CPU time (best of rounds), then its split."""
+    best: dict[int, list[float]] = {r: [float("inf"), float("inf")] for r in args.rows}
+    for index in range(args.rounds):
+        order = args.rows if index % 2 == 0 else list(reversed(args.rows))
+        for rows in order:
+            wall, cpu = _time_steps(runners[rows], rows, args.steps)
+            best[rows] = [min(best[rows][0], wall), min(best[rows][1], cpu)]
+    for rows in args.rows:
+        wall, cpu = best[rows]
+        print(
+            f"{rows} rows: decode step {wall * 1e3:.2f} ms wall, {cpu * 1e3:.2f} ms CPU "
+            f"(best of {args.rounds} rounds of {args.steps} steps)"
+        )
+        split = _split(runners[rows], rows, args.steps)
+        for part, ms in sorted(split.items(), key=lambda kv: -kv[1]):
+            print(f"  {part:28s} {ms:8.2f} ms", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, default=DEFAULT_FOLDER)
@@ -127,24 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantization", choices=["w8a8", "none"], default="w8a8")
+    parser.add_argument("--ab", action="store_true")
+    # Without --ab: the dispatch to time and split ("before": no float GEMM).
+    parser.add_argument("--dispatch", choices=["before", "after"], default="after")
+    parser.add_argument("--prefill", type=int, default=1024)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
     runners = {r: _runner(args.folder, args.threads, quantization, r) for r in args.rows}
-    best: dict[int, list[float]] = {r: [float("inf"), float("inf")] for r in args.rows}
+    print(f"load average {os.getloadavg()[0]:.2f}")
     with torch.inference_mode():
-        for index in range(args.rounds):
-            order = args.rows if index % 2 == 0 else list(reversed(args.rows))
-            for rows in order:
-                wall, cpu = _time_steps(runners[rows], rows, args.steps)
-                best[rows] = [min(best[rows][0], wall), min(best[rows][1], cpu)]
-        for rows in args.rows:
-            wall, cpu = best[rows]
-            print(f"{rows} rows: decode step {wall * 1e3:.2f} ms wall, {cpu * 1e3:.2f} ms CPU "
-                  f"(best of {args.rounds} rounds of {args.steps} steps)")
-            split = _split(runners[rows], rows, args.steps)
-            for part, ms in sorted(split.items(), key=lambda kv: -kv[1]):
-                print(f"  {part:28s} {ms:8.2f} ms")
+        if args.ab:
+            ab(args, runners)
+        else:
+            with _dispatch(args.dispatch):
+                timed_split(args, runners)
+    print(f"load average after {os.getloadavg()[0]:.2f}")
     return 0
 
 
