@@ -23,7 +23,7 @@ On the avx2 level (``native.blocked_gemm_loaded``) batches from
 activations), prefill chunks included, run kernels/csrc/ggml_float_gemm.cpp
 instead: each k slice of 16-row panels dequantized once per call into float32
 panels in L2 and the blocked GEMM's 6 x 16 micro-kernel over every row of x
-(the same float32 weights as the tiles; faster than the int8 panel from ~10
+(the same float32 weights as the tiles; faster than the int8 panel from 9
 rows and than the tiles at every size measured).
 
 The computation is float32 whatever the model's dtype: bfloat16 rows are
@@ -61,18 +61,20 @@ MAX_GGML_Q8_KERNEL_ROWS = 48
 # (ggml_float_gemm) runs the projection, decode batches and prefill chunks
 # alike, where the blocked GEMM is built (the avx2 level). benchmarks/
 # ggml_q8_bench.py on the 2-core Zen 2 EPYC (AVX2), 1 thread, one Q4_K_M layer
-# (Q5_0 + Q6_K), ms of CPU time, float kernel / float GEMM: 4 rows 1.365 /
-# 1.343, 5: 1.641 / 1.525 (first build), 8: 2.053 / 1.766, 16: 3.416 / 2.254,
-# 64: 11.571 / 5.967; tiles + oneDNN at 64 / 256 rows 8.024 / 26.702 against
-# the GEMM's 5.967 / 20.586 (docs/performance.md, "Decode batches on GGUF
-# blocks ... float32 panels").
-FLOAT_GEMM_MIN_ROWS = 5
+# (Q5_0 + Q6_K), ms of CPU time, float kernel / float GEMM: 2 rows 1.029 /
+# 1.039, 3: 1.198 / 1.064 and 1.244 / 1.168, 4: 1.377 / 1.084, 16: 3.521 /
+# 2.130; tiles + oneDNN at 64 / 1,024 rows 8.795 / 109.4 against the GEMM's
+# 5.706 / 87.2 (docs/performance.md, "Decode batches on GGUF blocks: float32
+# panels dequantized once per call").
+FLOAT_GEMM_MIN_ROWS = 3
 # The same with --quantization w8a8: below it the int8 kernels (rows, panel).
-# Same benchmark: int8 panel / float GEMM at 8 rows 1.553 / 1.766, 12: 2.155 /
-# 1.864, 16: 2.733 / 2.254; Q8_0 (int8 rows kernel) 8: 1.549 / 1.632, 12:
-# 2.283 / 1.753; 9 rows (second run): int8 panel / float GEMM 1.709 / 1.754, 10: 1.874 /
-# 1.760, 11: 1.991 / 1.764 (Q8_0 rows kernel 9: 1.776 / 1.656).
-FLOAT_GEMM_MIN_ROWS_W8A8 = 10
+# Same benchmark, int8 panel / float GEMM (Q8_0: int8 rows kernel / GEMM), two
+# runs: 6 rows 1.281 / 1.184 and 1.341 / 1.303 (Q8_0 1.204 / 1.120, 1.243 /
+# 1.308), 7: 1.475 / 1.819, 8: 1.542 / 1.554 and 1.625 / 1.875 (Q8_0 1.543 /
+# 1.518, 1.557 / 1.567), 9: 1.792 / 1.743 (Q8_0 1.782 / 1.586), 10: 1.911 /
+# 1.559. The GEMM's cost steps every 6 rows (its register tile): 6 rows fill
+# one tile, 7-8 pay for a second one nearly empty.
+FLOAT_GEMM_MIN_ROWS_W8A8 = 9
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
