@@ -47,7 +47,7 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
 # 8: 1.851 / 1.648, 16: 3.735 / 2.949, 32: 7.420 / 5.575 (docs/performance.md,
 # "Decode batches on GGUF blocks"). On the avx2 level the projection
 # (worker/models/ggml_linear.py) sends batches from FLOAT_GEMM_MIN_ROWS_W8A8
-# rows to ``float_gemm`` instead, so the panel serves 5-8 rows there.
+# rows to ``float_gemm`` instead, so the panel serves 5-9 rows there.
 PANEL_MIN_ROWS = 5
 # Q8_0 codes are plain bytes that the row kernel reads as they are: the panel,
 # which copies them (and their signs), ran at 0.59-1.05x the row kernel's speed

@@ -23,7 +23,7 @@ On the avx2 level (``native.blocked_gemm_loaded``) batches from
 activations), prefill chunks included, run kernels/csrc/ggml_float_gemm.cpp
 instead: each k slice of 16-row panels dequantized once per call into float32
 panels in L2 and the blocked GEMM's 6 x 16 micro-kernel over every row of x
-(the same float32 weights as the tiles; faster than the int8 panel from 9
+(the same float32 weights as the tiles; faster than the int8 panel from 10
 rows and than the tiles at every size measured).
 
 The computation is float32 whatever the model's dtype: bfloat16 rows are
@@ -73,8 +73,11 @@ FLOAT_GEMM_MIN_ROWS = 3
 # 1.308), 7: 1.475 / 1.819, 8: 1.542 / 1.554 and 1.625 / 1.875 (Q8_0 1.543 /
 # 1.518, 1.557 / 1.567), 9: 1.792 / 1.743 (Q8_0 1.782 / 1.586), 10: 1.911 /
 # 1.559. The GEMM's cost steps every 6 rows (its register tile): 6 rows fill
-# one tile, 7-8 pay for a second one nearly empty.
-FLOAT_GEMM_MIN_ROWS_W8A8 = 9
+# one tile, 7-8 pay for a second one nearly empty. Whole decode steps of the
+# default model's Q4_K_M (benchmarks/decode_batch_profile.py --ab, 1 thread,
+# CPU time, int8 kernels -> GEMM from this row count): 9 rows 86.0 -> 91.3 ms,
+# 10: 92.9 -> 92.6, 12: 106.2 -> 97.2, 16: 133.4 -> 119.1; hence 10, not 9.
+FLOAT_GEMM_MIN_ROWS_W8A8 = 10
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
