@@ -184,8 +184,9 @@ inline void put_weights(__m128i codes, __m256 a_lo, __m256 a_hi, __m256 b_lo, __
 // Panel layout [count][kc][16] of rows [r0, r0 + rows) x k [k0, k0 + kc), a run
 // of 32 weights at a time: the 16 rows' codes of the run unpacked to bytes
 // (ggml_codes_avx2.h), transposed as bytes (16 rows -> 16 lanes per k), then
-// widened, offset and scaled per row: ~a third of the work of dequantizing
-// rows in float32 and transposing those.
+// widened, offset and scaled per row. Against dequantizing rows in float32
+// and transposing those 8 x 8 (the first version), one Q4_K_M layer at 4 rows
+// of x went from 1.31-1.52 to 1.08-1.17 ms (docs/performance.md).
 template <int64_t KIND>
 void fill_slice_of(const RowRange& seg, int64_t r0, int64_t rows, int64_t k0, int64_t kc,
                    float* panels) {
