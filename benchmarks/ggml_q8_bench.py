@@ -9,6 +9,9 @@ Q6_K / Q8_0), random blocks, per batch size, through:
   features, codes unpacked in registers per 4 rows of x);
 - ``int8 panel``: ``ggml_linear_q8_panel`` (the same arithmetic, codes unpacked
   once per call into an L1 panel that every row of x reads);
+- ``float gemm``: ``ggml_float_gemm`` (each k slice of 16-row panels
+  dequantized once per call into float32 panels in L2, the blocked GEMM's
+  6 x 16 micro-kernel over every row of x);
 - ``tiles``: a tile of rows rebuilt to float32 and oneDNN's GEMM
   (``GGMLLinear.linear_by_tiles``, the prefill path);
 - ``dispatch``: ``GGMLLinear`` with ``--quantization w8a8``, which picks one
@@ -59,6 +62,7 @@ def ways(rows: GGMLRows) -> dict[str, Way]:
         "float": lambda x: torch.ops.kvmesh.ggml_linear(x, blocks, kinds),
         "int8 rows": lambda x: torch.ops.kvmesh.ggml_linear_q8(x, blocks, kinds),
         "int8 panel": lambda x: torch.ops.kvmesh.ggml_linear_q8_panel(x, blocks, kinds),
+        "float gemm": lambda x: torch.ops.kvmesh.ggml_float_gemm(x, blocks, kinds),
         "tiles": dispatch.linear_by_tiles,
         "dispatch": dispatch,
     }

@@ -45,7 +45,9 @@ BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
 # 2-core Zen 2 EPYC (AVX2), one Q4_K_M layer of the default model, 1 thread,
 # ms of CPU time rows / panel: 4 rows 0.990 / 1.046, 5: 1.341 / 1.234,
 # 8: 1.851 / 1.648, 16: 3.735 / 2.949, 32: 7.420 / 5.575 (docs/performance.md,
-# "Decode batches on GGUF blocks").
+# "Decode batches on GGUF blocks"). On the avx2 level the projection
+# (worker/models/ggml_linear.py) sends batches from FLOAT_GEMM_MIN_ROWS_W8A8
+# rows to ``float_gemm`` instead, so the panel serves 5-9 rows there.
 PANEL_MIN_ROWS = 5
 # Q8_0 codes are plain bytes that the row kernel reads as they are: the panel,
 # which copies them (and their signs), ran at 0.59-1.05x the row kernel's speed
@@ -165,6 +167,13 @@ class GGMLRows:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, in_features] float32 @ Wᵀ`` on the C++ kernel over the blocks."""
         return torch.ops.kvmesh.ggml_linear(x, *self.kernel_args)
+
+    def float_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in_features] float32 @ Wᵀ`` with each k slice of 16-row panels
+        dequantized once into float32 panels for the blocked GEMM
+        (kernels/csrc/ggml_float_gemm.cpp): the same weights as ``dequantize``, one
+        fused multiply-add chain over k per output (bitwise independent of M)."""
+        return torch.ops.kvmesh.ggml_float_gemm(x, *self.kernel_args)
 
     def linear_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The same with ``x`` quantized to int8 per 32 features, integer dot products

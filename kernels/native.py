@@ -70,6 +70,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "block_code_search.cpp": ("-ffp-contract=off",),
     # GGUF blocks rebuilt as gguf's dequantization rounds them (product, then sum).
     "ggml_block_linear.cpp": ("-ffp-contract=off",),
+    # ... and dequantized a k slice at a time into panels for the float32 GEMM.
+    "ggml_float_gemm.cpp": ("-ffp-contract=off",),
     # The same blocks times int8 activations (--quantization w8a8): integer sums.
     "ggml_q8_linear.cpp": (),
     # ... and for decode batches of 2 rows and more: codes unpacked once per call.

@@ -60,6 +60,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "float_gemm_avx2.h"
 #include "work_stealing.h"
 
 namespace {
@@ -189,76 +190,11 @@ constexpr auto kTiles = make_tiles<Word>(std::make_integer_sequence<int, kMaxRow
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define KVMESH_BF16_BLOCKED_GEMM 1
-// The blocked GEMM (see the top of the file). Sizes set on the 2-core Zen 2
-// (32 KB L1d, 512 KB L2 per core), one thread, best of 5: kKc 192 / 256 / 384 /
-// 512 / 640 gave ~86 / 89 / 91 / 92 / 92 GFLOP/s over the Qwen3 shapes; kMc 24
-// to 72 within 1%.
-constexpr int64_t kMr = 6;       // rows per register tile: 12 ymm accumulators
-constexpr int64_t kKc = 512;     // depth of a k slice
-constexpr int64_t kMc = 48;      // rows of x copied into strips at a time
-constexpr int64_t kMaxChunkPanels = 16;  // panels (of 16 outputs) per work item
+// The blocked GEMM (see the top of the file; its micro-kernel and loops are
+// float_gemm_avx2.h, shared with ggml_float_gemm.cpp).
 // At and above this many rows the blocked GEMM beats the panel loop (AVX2):
 // see bf16_weight_bench.py --blocked-crossover in docs/performance.md.
 constexpr int64_t kBlockedMinRows = 32;
-
-// One thread's buffers, kept between calls (a prefill step calls this ~100
-// times): the widened k slice of a chunk of panels and the strips of x.
-struct BlockedScratch {
-  std::unique_ptr<float[], decltype(&std::free)> widened{nullptr, &std::free};
-  std::unique_ptr<float[], decltype(&std::free)> strips{nullptr, &std::free};
-};
-
-float* aligned_floats(std::unique_ptr<float[], decltype(&std::free)>& buffer, int64_t count) {
-  if (buffer == nullptr) {
-    buffer.reset(static_cast<float*>(std::aligned_alloc(64, count * sizeof(float))));
-    TORCH_CHECK(buffer != nullptr, "bf16_weight_linear: out of memory for GEMM scratch");
-  }
-  return buffer.get();
-}
-
-// acc[r] (+)= strip[k][r] * widened[k][0:16] over k < kc, rows < ROWS; y rows at
-// stride ldy. `resume`: start from the partial sums in y, else from zero.
-template <int ROWS>
-void gemm_tile(int64_t kc, const float* __restrict strip, const float* __restrict widened,
-               float* y, int64_t ldy, bool resume) {
-  // Every loop over the rows unrolled by pragma: gcc keeps the accumulators in
-  // registers only when the loops are gone before it splits the arrays (else
-  // it stores all 12 to the stack every k: half the speed).
-  __m256 lo[ROWS], hi[ROWS];
-  if (resume) {
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) {
-      lo[r] = _mm256_loadu_ps(y + r * ldy);
-      hi[r] = _mm256_loadu_ps(y + r * ldy + 8);
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  }
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w_lo = _mm256_loadu_ps(widened + k * kLanes);
-    const __m256 w_hi = _mm256_loadu_ps(widened + k * kLanes + 8);
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(strip + k * kMr + r);
-      lo[r] = _mm256_fmadd_ps(xv, w_lo, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, w_hi, hi[r]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) {
-    _mm256_storeu_ps(y + r * ldy, lo[r]);
-    _mm256_storeu_ps(y + r * ldy + 8, hi[r]);
-  }
-}
-
-using GemmTileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, bool);
-template <int... R>
-constexpr auto make_gemm_tiles(std::integer_sequence<int, R...>) {
-  return std::array<GemmTileFn, sizeof...(R)>{&gemm_tile<R + 1>...};
-}
-constexpr auto kGemmTiles = make_gemm_tiles(std::make_integer_sequence<int, kMr>{});
 
 // Widens words [panel][k0, k0 + kc)[16] of `count` panels into [count][kc][16] floats.
 void widen_slice(const uint16_t* panels, int64_t K, int64_t first, int64_t count, int64_t k0,
@@ -274,83 +210,30 @@ void widen_slice(const uint16_t* panels, int64_t K, int64_t first, int64_t count
   }
 }
 
-// Rows [m0, m0 + mc) x k [k0, k0 + kc) of x into strips [mc / 6][kc][6] (rows
-// past mc in the last strip are zero; their sums are never stored).
-void copy_strips(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, int64_t kc,
-                 float* out) {
-  for (int64_t s = 0; s < mc; s += kMr) {
-    const int64_t rows = std::min(kMr, mc - s);
-    float* dst = out + s * kc;
-    for (int64_t k = 0; k < kc; ++k) {
-      for (int64_t r = 0; r < kMr; ++r) {
-        dst[k * kMr + r] = r < rows ? x[(m0 + s + r) * ldx + k0 + k] : 0.0f;
-      }
-    }
-  }
-}
-
-// y[:, panels first .. first + count) for all M rows; y has ldy columns.
-// float32 panels are used in place (a k slice of a panel is kc x 16 floats in
-// a row); bfloat16 words are widened a k slice at a time.
-template <class Word>
-void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, const Word* panels,
-                int64_t first, int64_t count, float* y, int64_t ldy, int64_t out_features,
-                BlockedScratch& scratch) {
-  constexpr bool kWiden = std::is_same_v<Word, uint16_t>;
-  float* widened = kWiden ? aligned_floats(scratch.widened, kMaxChunkPanels * kKc * kLanes)
-                          : nullptr;
-  float* strips = aligned_floats(scratch.strips, kMc * kKc);
-  alignas(32) float edge[kMr * kLanes];  // a ragged last panel's tile
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
-    const bool resume = k0 > 0;
-    if constexpr (kWiden) widen_slice(panels, K, first, count, k0, kc, widened);
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-      const int64_t mc = std::min(kMc, M - m0);
-      copy_strips(x, ldx, m0, mc, k0, kc, strips);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t n0 = (first + j) * kLanes;
-        const int64_t valid = std::min(kLanes, out_features - n0);
-        const float* w;
-        if constexpr (kWiden) {
-          w = widened + j * kc * kLanes;
-        } else {
-          w = panels + ((first + j) * K + k0) * kLanes;
-        }
-        for (int64_t s = 0; s < mc; s += kMr) {
-          const int64_t rows = std::min(kMr, mc - s);
-          float* out = y + (m0 + s) * ldy + n0;
-          if (valid == kLanes) {
-            kGemmTiles[rows - 1](kc, strips + s * kc, w, out, ldy, resume);
-            continue;
-          }
-          for (int64_t r = 0; r < rows && resume; ++r) {
-            std::memcpy(edge + r * kLanes, out + r * ldy, valid * sizeof(float));
-          }
-          kGemmTiles[rows - 1](kc, strips + s * kc, w, edge, kLanes, resume);
-          for (int64_t r = 0; r < rows; ++r) {
-            std::memcpy(out + r * ldy, edge + r * kLanes, valid * sizeof(float));
-          }
-        }
-      }
-    }
-  }
-}
-
 template <class Word>
 void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Word* panels,
                   int64_t num_panels, float* y, int64_t out_features) {
-  // At least two work items per thread (a box shared with other processes
-  // steals from the slow one), at most kMaxChunkPanels panels each.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t per_item = std::clamp<int64_t>(
-      (num_panels + 2 * threads - 1) / (2 * threads), 1, kMaxChunkPanels);
+  namespace fg = kvmesh::float_gemm;
+  const int64_t per_item = fg::panels_per_item(num_panels, at::get_num_threads());
   const int64_t items = (num_panels + per_item - 1) / per_item;
   kvmesh::parallel_items(items, [&](int64_t item, bool /*forward*/) {
-    thread_local BlockedScratch scratch;
+    thread_local fg::Scratch scratch;
     const int64_t first = item * per_item;
-    gemm_chunk(x, ldx, M, K, panels, first, std::min(per_item, num_panels - first), y,
-               out_features, out_features, scratch);
+    const int64_t count = std::min(per_item, num_panels - first);
+    const int64_t cols = std::min(count * kLanes, out_features - first * kLanes);
+    // float32 panels are used in place (a k slice of a panel is kc x 16 floats
+    // in a row); bfloat16 words are widened a k slice at a time.
+    fg::gemm_chunk(x, ldx, M, K, count, cols, y + first * kLanes, out_features, scratch,
+                   [&](int64_t k0, int64_t kc) -> fg::SliceView {
+                     if constexpr (std::is_same_v<Word, uint16_t>) {
+                       float* widened = fg::aligned_floats(
+                           scratch.widened, fg::kMaxChunkPanels * fg::kKc * kLanes);
+                       widen_slice(panels, K, first, count, k0, kc, widened);
+                       return {widened, kc * kLanes};
+                     } else {
+                       return {panels + (first * K + k0) * kLanes, K * kLanes};
+                     }
+                   });
   });
 }
 #endif

@@ -23,6 +23,7 @@ from kvmesh.kernels.ggml_blocks import (
     Segment,
 )
 from kvmesh.kernels.ggml_q8_reference import ggml_q8_reference, quantize_runs
+from kvmesh.worker.models import ggml_linear
 from kvmesh.worker.models.ggml_linear import MAX_GGML_Q8_KERNEL_ROWS, GGMLLinear
 
 from .test_kernels_ggml_blocks import _random_blocks
@@ -88,7 +89,8 @@ def test_mixed_segments_in_one_call() -> None:
 @needs_kernels
 def test_projection_takes_int8_activations_only_when_asked() -> None:
     rows = _rows(next(iter(BLOCK_FORMATS)), 16, 256, seed=1)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    # Below FLOAT_GEMM_MIN_ROWS: both run their kernels over the blocks.
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
     w8a8 = GGMLLinear(rows, None, torch.float32, int8_activations=True)
     exact = GGMLLinear(rows, None, torch.float32)
     assert torch.equal(w8a8(x), rows.linear_int8(x))
@@ -145,9 +147,13 @@ def test_int8_rows_dispatch_by_batch_and_type(kind, batch: int) -> None:
 
 
 @needs_kernels
-def test_w8a8_projection_takes_float_tiles_past_its_kernel_bound() -> None:
+def test_w8a8_projection_takes_float_tiles_past_its_kernel_bound(monkeypatch) -> None:
     rows = _rows(Q.Q4_K, 16, 256, seed=6)
     w8a8 = GGMLLinear(rows, None, torch.float32, int8_activations=True)
+    # Where the blocked GEMM is built, batches from FLOAT_GEMM_MIN_ROWS_W8A8 run
+    # it instead (tests/kernels/test_kernels_ggml_float_gemm.py): the bound
+    # below is that of the other levels.
+    monkeypatch.setattr(ggml_linear, "FLOAT_GEMM_MIN_ROWS_W8A8", 1 << 30)
     x = torch.randn(MAX_GGML_Q8_KERNEL_ROWS + 1, 256, generator=torch.Generator().manual_seed(6))
     assert torch.equal(w8a8(x), w8a8.linear_by_tiles(x))
     assert torch.equal(w8a8(x[:-1]), rows.linear_int8(x[:-1]))

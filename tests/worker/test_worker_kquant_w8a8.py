@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models import ggml_linear
 from kvmesh.worker.models.ggml_linear import MAX_GGML_KERNEL_ROWS, GGMLLinear
 from tests.worker.kquant_files import write_mix
 from tests.worker.quant_accuracy import FIXED_TEXT
@@ -41,7 +42,14 @@ def _runner(folder: Path, quantization: str | None = None) -> ModelRunner:
     )
 
 
-def test_q4_k_m_on_int8_activations_keeps_its_top1_agreement(model_path: Path) -> None:
+def test_q4_k_m_on_int8_activations_keeps_its_top1_agreement(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The whole prompt on the int8 kernels: served, batches from
+    # FLOAT_GEMM_MIN_ROWS_W8A8 (past MAX_GGML_Q8_KERNEL_ROWS elsewhere) run
+    # float32 weights, which would make this the exact path.
+    monkeypatch.setattr(ggml_linear, "FLOAT_GEMM_MIN_ROWS_W8A8", 1 << 30)
+    monkeypatch.setattr(ggml_linear, "MAX_GGML_Q8_KERNEL_ROWS", 1 << 30)
     files = write_mix(model_path, "Q4_K_M", with_reference=False)
     ids = AutoTokenizer.from_pretrained(model_path)(FIXED_TEXT).input_ids
     assert len(ids) <= MAX_GGML_KERNEL_ROWS  # one batch of the kernel

@@ -18,6 +18,14 @@ from ``PANEL_MIN_ROWS`` rows ggml_q8_panel.cpp (a tile of rows unpacked once
 per call into an L1 panel that every row of x reads; docs/performance.md);
 prefill tiles stay float32.
 
+On the avx2 level (``native.blocked_gemm_loaded``) batches from
+``FLOAT_GEMM_MIN_ROWS`` rows (``FLOAT_GEMM_MIN_ROWS_W8A8`` with int8
+activations), prefill chunks included, run kernels/csrc/ggml_float_gemm.cpp
+instead: each k slice of 16-row panels dequantized once per call into float32
+panels in L2 and the blocked GEMM's 6 x 16 micro-kernel over every row of x
+(the same float32 weights as the tiles; faster than the int8 panel from 10
+rows and than the tiles at every size measured).
+
 The computation is float32 whatever the model's dtype: bfloat16 rows are
 widened on the way in and the output rounded once, as the block-code kernel
 does for rows it does not multiply natively.
@@ -49,6 +57,27 @@ MAX_GGML_KERNEL_ROWS = 128
 # 9.119; 64: 10.706 / 10.062 and 10.502 / 10.315 (docs/performance.md,
 # "Decode batches on GGUF blocks").
 MAX_GGML_Q8_KERNEL_ROWS = 48
+# From this many rows of x the float32 GEMM over dequantized panels
+# (ggml_float_gemm) runs the projection, decode batches and prefill chunks
+# alike, where the blocked GEMM is built (the avx2 level). benchmarks/
+# ggml_q8_bench.py on the 2-core Zen 2 EPYC (AVX2), 1 thread, one Q4_K_M layer
+# (Q5_0 + Q6_K), ms of CPU time, float kernel / float GEMM: 2 rows 1.029 /
+# 1.039, 3: 1.198 / 1.064 and 1.244 / 1.168, 4: 1.377 / 1.084, 16: 3.521 /
+# 2.130; tiles + oneDNN at 64 / 1,024 rows 8.795 / 109.4 against the GEMM's
+# 5.706 / 87.2 (docs/performance.md, "Decode batches on GGUF blocks: float32
+# panels dequantized once per call").
+FLOAT_GEMM_MIN_ROWS = 3
+# The same with --quantization w8a8: below it the int8 kernels (rows, panel).
+# Same benchmark, int8 panel / float GEMM (Q8_0: int8 rows kernel / GEMM), two
+# runs: 6 rows 1.281 / 1.184 and 1.341 / 1.303 (Q8_0 1.204 / 1.120, 1.243 /
+# 1.308), 7: 1.475 / 1.819, 8: 1.542 / 1.554 and 1.625 / 1.875 (Q8_0 1.543 /
+# 1.518, 1.557 / 1.567), 9: 1.792 / 1.743 (Q8_0 1.782 / 1.586), 10: 1.911 /
+# 1.559. The GEMM's cost steps every 6 rows (its register tile): 6 rows fill
+# one tile, 7-8 pay for a second one nearly empty. Whole decode steps of the
+# default model's Q4_K_M (benchmarks/decode_batch_profile.py --ab, 1 thread,
+# CPU time, int8 kernels -> GEMM from this row count): 9 rows 86.0 -> 91.3 ms,
+# 10: 92.9 -> 92.6, 12: 106.2 -> 97.2, 16: 133.4 -> 119.1; hence 10, not 9.
+FLOAT_GEMM_MIN_ROWS_W8A8 = 10
 # Floats of weight rebuilt per prefill tile (4 MB): big enough that oneDNN's
 # GEMM runs at speed, small enough to stay in the L2/L3 caches.
 TILE_FLOATS = 1 << 20
@@ -73,7 +102,7 @@ def _scratch_rows(rows: int, cols: int) -> torch.Tensor:
 class GGMLLinear(PackedLinear):
     """``PackedLinear``'s interface over ``GGMLRows`` (codes only, no dense copy)."""
 
-    __slots__ = ("_rows",)
+    __slots__ = ("_float_gemm", "_rows")
 
     def __init__(
         self,
@@ -99,6 +128,7 @@ class GGMLLinear(PackedLinear):
         # --quantization w8a8: decode batches on int8 activations (llama.cpp's
         # arithmetic; kernels/csrc/ggml_q8_linear.cpp), prefill tiles as above.
         self._int8_activations = int8_activations and self._kernel
+        self._float_gemm = self._kernel and native.blocked_gemm_loaded()
         self._packed = None
         self.weight = None
 
@@ -128,8 +158,15 @@ class GGMLLinear(PackedLinear):
         return self._rows.dequantize().to(self._dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        gemm_from = FLOAT_GEMM_MIN_ROWS_W8A8 if self._int8_activations else FLOAT_GEMM_MIN_ROWS
         limit = MAX_GGML_Q8_KERNEL_ROWS if self._int8_activations else MAX_GGML_KERNEL_ROWS
-        if self._kernel and x.dim() == 2 and x.shape[0] <= limit:
+        if self._float_gemm and rows >= gemm_from:
+            x32 = x.reshape(rows, self.in_features).float().contiguous()
+            y = self._rows.float_gemm(x32).view(*x.shape[:-1], self.out_features)
+            if y.dtype != x.dtype:
+                y = y.to(x.dtype)
+        elif self._kernel and x.dim() == 2 and x.shape[0] <= limit:
             x32 = x.float().contiguous()
             y = self._rows.linear_int8(x32) if self._int8_activations else self._rows.linear(x32)
             if y.dtype != x.dtype:
