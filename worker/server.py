@@ -293,6 +293,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise item
                 yield item
         finally:
+            if self.traces is not None:
+                # First, before any await, as in Execute: a stream cancelled at
+                # shutdown may get no further before the spans are flushed.
+                self.traces.on_detached()
             reader.cancel()
             arrived.put(None)  # the step thread stops after the step it runs, if any
             with contextlib.suppress(BaseException):
