@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "float_gemm_avx2.h"
@@ -56,6 +57,23 @@ struct RowRange {
   Format format;
   int64_t row_bytes;
 };
+
+// fn(std::integral_constant<int64_t, KIND>{}) for a segment's ggml type: one
+// switch for every per-type template below.
+template <typename Fn>
+void with_kind(int64_t kind, Fn&& fn) {
+  switch (kind) {
+    case kQ4_0: return fn(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return fn(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return fn(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return fn(std::integral_constant<int64_t, kQ6_K>{});
+    default: TORCH_CHECK(false, "ggml_float_gemm: unsupported ggml type ", kind);
+  }
+}
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 // Rows [r0, r0 + n) (n <= 16; rows past n are zeros) x k [k0, k0 + len) into
@@ -80,17 +98,9 @@ void dequant_rows_of(const RowRange& seg, int64_t r0, int64_t n, int64_t k0, int
 
 void dequant_rows(const RowRange& seg, int64_t r0, int64_t n, int64_t k0, int64_t len,
                   float* rowbuf) {
-  switch (seg.kind) {
-    case kQ4_0: return dequant_rows_of<kQ4_0>(seg, r0, n, k0, len, rowbuf);
-    case kQ4_1: return dequant_rows_of<kQ4_1>(seg, r0, n, k0, len, rowbuf);
-    case kQ5_0: return dequant_rows_of<kQ5_0>(seg, r0, n, k0, len, rowbuf);
-    case kQ5_1: return dequant_rows_of<kQ5_1>(seg, r0, n, k0, len, rowbuf);
-    case kQ8_0: return dequant_rows_of<kQ8_0>(seg, r0, n, k0, len, rowbuf);
-    case kQ4_K: return dequant_rows_of<kQ4_K>(seg, r0, n, k0, len, rowbuf);
-    case kQ5_K: return dequant_rows_of<kQ5_K>(seg, r0, n, k0, len, rowbuf);
-    case kQ6_K: return dequant_rows_of<kQ6_K>(seg, r0, n, k0, len, rowbuf);
-    default: TORCH_CHECK(false, "ggml_float_gemm: unsupported ggml type ", seg.kind);
-  }
+  with_kind(seg.kind, [&](auto kind) {
+    dequant_rows_of<decltype(kind)::value>(seg, r0, n, k0, len, rowbuf);
+  });
 }
 #endif
 
@@ -228,17 +238,9 @@ void fill_slice_of(const RowRange& seg, int64_t r0, int64_t rows, int64_t k0, in
 
 void fill_slice(const RowRange& seg, int64_t r0, int64_t rows, int64_t k0, int64_t kc,
                 float* panels) {
-  switch (seg.kind) {
-    case kQ4_0: return fill_slice_of<kQ4_0>(seg, r0, rows, k0, kc, panels);
-    case kQ4_1: return fill_slice_of<kQ4_1>(seg, r0, rows, k0, kc, panels);
-    case kQ5_0: return fill_slice_of<kQ5_0>(seg, r0, rows, k0, kc, panels);
-    case kQ5_1: return fill_slice_of<kQ5_1>(seg, r0, rows, k0, kc, panels);
-    case kQ8_0: return fill_slice_of<kQ8_0>(seg, r0, rows, k0, kc, panels);
-    case kQ4_K: return fill_slice_of<kQ4_K>(seg, r0, rows, k0, kc, panels);
-    case kQ5_K: return fill_slice_of<kQ5_K>(seg, r0, rows, k0, kc, panels);
-    case kQ6_K: return fill_slice_of<kQ6_K>(seg, r0, rows, k0, kc, panels);
-    default: TORCH_CHECK(false, "ggml_float_gemm: unsupported ggml type ", seg.kind);
-  }
+  with_kind(seg.kind, [&](auto kind) {
+    fill_slice_of<decltype(kind)::value>(seg, r0, rows, k0, kc, panels);
+  });
 }
 #endif
 
