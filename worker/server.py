@@ -299,7 +299,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.traces.on_detached()
             reader.cancel()
             arrived.put(None)  # the step thread stops after the step it runs, if any
-            with contextlib.suppress(BaseException):
+            # run_steps hands every error to `results`, so only a cancellation of
+            # this stream can end the wait: the runner's reset below still needs
+            # the step thread free.
+            with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(stepping)
 
     async def Execute(
