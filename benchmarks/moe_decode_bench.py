@@ -29,17 +29,18 @@ from kvmesh.services.contracts.sampling_params import SamplingParams
 from kvmesh.worker.config import CacheConfig, ModelConfig
 from kvmesh.worker.local_driver import LocalDriver
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.models import decoder, moe
+from kvmesh.worker.models import decoder
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_runner(model: Path, fused: bool, threads: int | None) -> ModelRunner:
-    """A runner whose MoE layers run fused (experts narrowed where exact) or
-    grouped over float32 experts (the path before the fused kernel)."""
-    narrow = decoder.DecoderLayer.narrow_experts
+    """A runner whose MoE layers run fused (experts packed in panels, bfloat16
+    words where exact) or grouped over float32 experts (left unpacked: the
+    path before the fused kernel)."""
+    pack = decoder.DecoderLayer.pack_experts
     if not fused:
-        decoder.DecoderLayer.narrow_experts = lambda self: None  # type: ignore[method-assign]
+        decoder.DecoderLayer.pack_experts = lambda self: None  # type: ignore[method-assign]
     try:
         return ModelRunner(
             ModelConfig.from_pretrained(model),
@@ -47,7 +48,7 @@ def make_runner(model: Path, fused: bool, threads: int | None) -> ModelRunner:
             num_threads=threads,
         )
     finally:
-        decoder.DecoderLayer.narrow_experts = narrow  # type: ignore[method-assign]
+        decoder.DecoderLayer.pack_experts = pack  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -60,7 +61,6 @@ def main() -> None:
     args = parser.parse_args()
     runners = {"fused": make_runner(args.model, True, args.threads)}
     runners["grouped"] = make_runner(args.model, False, args.threads)
-    limits = {"fused": moe.MAX_FUSED_TOKENS, "grouped": 0}
     layer = runners["fused"].model.layers[0]
     print(
         f"{args.model}: batch {args.batch}, context {args.context}, "
@@ -73,7 +73,6 @@ def main() -> None:
     ).tolist()
     drivers = {}
     for name, runner in runners.items():
-        moe.MAX_FUSED_TOKENS = limits[name]
         driver = LocalDriver(runner)
         for index, prompt in enumerate(prompts):
             driver.add_request(f"{name}-{index}", prompt, GREEDY, args.steps + 4)
@@ -83,7 +82,6 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.steps):
         for name, driver in drivers.items():
-            moe.MAX_FUSED_TOKENS = limits[name]
             start = time.process_time()
             driver.step()
             times[name].append((time.process_time() - start) * 1e3)

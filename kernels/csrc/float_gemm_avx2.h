@@ -106,17 +106,19 @@ constexpr auto make_gemm_tiles(std::integer_sequence<int, R...>) {
 }
 inline constexpr auto kGemmTiles = make_gemm_tiles(std::make_integer_sequence<int, kMr>{});
 
-// Rows [m0, m0 + mc) x k [k0, k0 + kc) of x into strips [mc / 6][kc][6] (rows
-// past mc in the last strip are zero; their sums are never stored).
-inline void copy_strips(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0,
-                        int64_t kc, float* out) {
+// Rows [m0, m0 + mc) x k [k0, k0 + kc) of x (row m at row_at(m)) into strips
+// [mc / 6][kc][6] (rows past mc in the last strip are zero; their sums are
+// never stored).
+template <class RowAt>
+inline void copy_strips(const RowAt& row_at, int64_t m0, int64_t mc, int64_t k0, int64_t kc,
+                        float* out) {
   for (int64_t s = 0; s < mc; s += kMr) {
     const int64_t rows = std::min(kMr, mc - s);
+    const float* src[kMr];
+    for (int64_t r = 0; r < kMr; ++r) src[r] = r < rows ? row_at(m0 + s + r) + k0 : nullptr;
     float* dst = out + s * kc;
     for (int64_t k = 0; k < kc; ++k) {
-      for (int64_t r = 0; r < kMr; ++r) {
-        dst[k * kMr + r] = r < rows ? x[(m0 + s + r) * ldx + k0 + k] : 0.0f;
-      }
+      for (int64_t r = 0; r < kMr; ++r) dst[k * kMr + r] = r < rows ? src[r][k] : 0.0f;
     }
   }
 }
@@ -129,12 +131,13 @@ struct SliceView {
 };
 
 // y[:M, 0 .. cols) = x[:M] Wᵀ for one chunk of `count` panels (cols > 16 (count
-// - 1) outputs: only the last panel may be ragged); y has ldy columns and starts
-// at the chunk's first output. slice(k0, kc) provides each k slice's panels
-// (SliceView), called once per slice in order of k.
-template <class SliceFn>
-void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t count, int64_t cols,
-                float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
+// - 1) outputs: only the last panel may be ragged), row m of x at row_at(m);
+// y has ldy columns and starts at the chunk's first output. slice(k0, kc)
+// provides each k slice's panels (SliceView), called once per slice in order
+// of k.
+template <class RowAt, class SliceFn>
+void gemm_chunk_rows(const RowAt& row_at, int64_t M, int64_t K, int64_t count, int64_t cols,
+                     float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
   float* strips = aligned_floats(scratch.strips, kMc * kKc);
   alignas(32) float edge[kMr * kLanes];  // a ragged last panel's tile
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -143,7 +146,7 @@ void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t count
     const SliceView view = slice(k0, kc);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);
-      copy_strips(x, ldx, m0, mc, k0, kc, strips);
+      copy_strips(row_at, m0, mc, k0, kc, strips);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t n0 = j * kLanes;
         const int64_t valid = std::min(kLanes, cols - n0);
@@ -166,6 +169,14 @@ void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t count
       }
     }
   }
+}
+
+// gemm_chunk_rows over x's rows at stride ldx.
+template <class SliceFn>
+void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t count, int64_t cols,
+                float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
+  gemm_chunk_rows([x, ldx](int64_t m) { return x + m * ldx; }, M, K, count, cols, y, ldy, scratch,
+                  std::forward<SliceFn>(slice));
 }
 
 // Panels per work item: at least two items per thread (a box shared with

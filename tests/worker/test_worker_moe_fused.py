@@ -1,6 +1,7 @@
 """A MoE family's CPU steps run the fused expert kernel (worker/models/moe.py's
-fused_experts), and a bfloat16 checkpoint served in float32 keeps its experts
-in bfloat16 for it, still exact against transformers."""
+fused_experts) over the experts packed in panels at load, and a bfloat16
+checkpoint served in float32 keeps its experts in bfloat16 for it, still exact
+against transformers."""
 
 from __future__ import annotations
 
@@ -66,11 +67,12 @@ def test_prefill_chunks_and_decode_steps_call_the_fused_kernel(
     first_chunk = [16] * (layers - 1)
     second_chunk = [4] * (layers - 1) + [1]
     assert rows == first_chunk + second_chunk + [1] * (NEW_TOKENS - 1) * layers
-    # Batch-invariant mode keeps its fixed-tile path.
+    # The fused kernel's outputs do not depend on the batch: batch-invariant
+    # mode runs it too (its router through fixed tiles).
     rows.clear()
     with batch_invariant.forced(True):
         _greedy(tmp_path)
-    assert rows == []
+    assert rows == first_chunk + second_chunk + [1] * (NEW_TOKENS - 1) * layers
 
 
 def test_bfloat16_checkpoint_in_float32_keeps_bfloat16_experts(
@@ -90,3 +92,4 @@ def test_bfloat16_checkpoint_in_float32_keeps_bfloat16_experts(
     layer = runner.model.layers[0]
     assert runner.model_config.dtype == torch.float32
     assert layer.experts_gate_up.dtype == layer.experts_down.dtype == torch.bfloat16
+    assert moe.is_packed(layer.experts_gate_up)

@@ -38,7 +38,7 @@ from kvmesh.worker.models.declaration import LayerKVSpec, ModelDeclaration, spli
 from kvmesh.worker.models.features import Features, RopeSpec
 from kvmesh.worker.models.ggml_linear import GGMLLinear
 from kvmesh.worker.models.linear import PackedLinear
-from kvmesh.worker.models.moe import moe_experts
+from kvmesh.worker.models.moe import is_packed, moe_experts, pack_expert_panels
 from kvmesh.worker.models.quantized import (
     CODE_PIECES,
     WeightPiece,
@@ -439,17 +439,20 @@ class DecoderLayer(nn.Module):
             self.attn_softcap or 0.0,
         )
 
-    def narrow_experts(self) -> None:
-        """Float32 experts whose every weight is a bfloat16 value (a bfloat16
-        checkpoint served in float32) are kept in bfloat16: the fused MoE kernel
-        widens them in registers, exactly, from half the bytes a step reads.
-        Only with the C++ ops (moe_experts' other paths widen them per call)."""
+    def pack_experts(self) -> None:
+        """With the C++ ops (on CPU), the experts become fused_moe's panels
+        (moe.pack_expert_panels): in bfloat16 words where every weight is a
+        bfloat16 value (a bfloat16 checkpoint served in float32: exact, half
+        the bytes a step reads), else in the weights' own dtype."""
         if self.router is None or not self._native_ops:
             return
-        for name in ("experts_gate_up", "experts_down"):
-            param = getattr(self, name)
-            if exactly_bfloat16(param.data):
-                param.data = param.data.to(torch.bfloat16)  # exact: no value changes
+        gate_up, down = self.experts_gate_up, self.experts_down
+        if gate_up.device.type != "cpu" or is_packed(gate_up.data):
+            return
+        words = gate_up.dtype
+        if exactly_bfloat16(gate_up.data) and exactly_bfloat16(down.data):
+            words = torch.bfloat16  # exact: no value changes
+        gate_up.data, down.data = pack_expert_panels(gate_up.data, down.data, words)
 
     def share_plain_weights(self) -> None:
         """Each projection parameter becomes its packed projection's plain
@@ -593,7 +596,6 @@ class DecoderLayer(nn.Module):
                     self.moe_top_k,
                     self.moe_renormalize,
                     self.gelu,
-                    self._native_ops,
                 )
             )
         else:
@@ -916,7 +918,7 @@ class DecoderForCausalLM(nn.Module):
                 else:
                     param.data = param.data.to(self.config.dtype)
         for layer in self.layers:
-            layer.narrow_experts()
+            layer.pack_experts()
 
     def _pack_head(self, pieces: dict[str, WeightPiece], use_onednn: bool, use_codes: bool) -> None:
         """The embedding table and LM head: a GGUF file's codes stay codes (the

@@ -16,13 +16,16 @@ step. There the router and every expert's run go through fixed
 ``ROW_TILE``-row tiles instead (one call per tile, one shape per call), at
 the price of a Python loop over the active experts.
 
-On CPU with kvmesh's C++ ops loaded, steps of up to ``MAX_FUSED_TOKENS``
-tokens (decode and small prefill chunks) run ``fused_experts`` instead: the
-router as here, then one op (kernels/csrc/fused_moe_cpu.cpp) that sorts the
-pairs, runs each active expert over its rows with its weights read once, and
-sums each token's experts in the same expert order. Its expert weights may be
-bfloat16 under float32 activations (widened in registers): exact where the
-checkpoint is bfloat16, half the bytes a step reads.
+On CPU with kvmesh's C++ ops loaded, the layer packs its experts at load
+into 16-feature panels (``pack_expert_panels``; bfloat16 words where every
+weight is a bfloat16 value, as the dense projections keep them), and every
+step runs ``fused_experts``: the router as here, then one op
+(kernels/csrc/fused_moe_cpu.cpp) that sorts the pairs, runs each active expert
+over its rows with its weights read once (a panel loop for decode-sized runs,
+a blocked GEMM for prefill-sized ones) and sums each token's experts in the
+same expert order. Each of its outputs is one chain of fused multiply-adds
+whatever else the step holds, so it is batch-invariant as it stands and
+batch-invariant mode runs it too.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ import torch.nn.functional as F
 
 from kvmesh.kernels import batch_invariant
 
-# Up to this many tokens a CPU step's experts run fused_experts, above it the
-# grouped path (_grouped_mm). Measured by benchmarks/moe_layer_bench.py on the
-# 2-core Zen 2 (docs/performance.md, "fused MoE").
-MAX_FUSED_TOKENS = 4096
+# Tokens per fused_experts call: a longer step runs in pieces of this many
+# (exact: a token's output does not depend on the others), which bounds the
+# kernel's scratch ([pairs, I] and [pairs, H] float32) to what a 2,048-token
+# step of a 32-expert top-8 model with I = 768 would need at half the tokens.
+FUSED_CHUNK_TOKENS = 1024
+# Output features per panel (kernels/csrc/panel_tile.h).
+PANEL_LANES = 16
 
 
 def route(
@@ -59,29 +65,52 @@ def route(
 def moe_experts(
     hidden: torch.Tensor,  # [T, H]
     router: torch.Tensor,  # [E, H]
-    gate_up: torch.Tensor,  # [E, 2 * I, H]
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: torch.Tensor,  # [E, 2 * I, H], or its panels (pack_expert_panels)
+    down: torch.Tensor,  # [E, H, I], or its panels
     top_k: int,
     renormalize: bool,
     gelu: bool,
-    native_ops: bool,
 ) -> torch.Tensor:
-    """The MoE MLP's output [T, H] by the path that fits: fused_experts where the
-    C++ ops are loaded (``native_ops``), the step is on CPU, small enough and
-    not batch-invariant; grouped_experts otherwise (with the weights in the
-    activations' dtype: a float32 model may keep bfloat16 experts for the
-    fused path)."""
-    if (
-        native_ops
-        and hidden.device.type == "cpu"
-        and hidden.shape[0] <= MAX_FUSED_TOKENS
-        and not batch_invariant.enabled()
-    ):
+    """The MoE MLP's output [T, H]: fused_experts over packed panels (a CPU
+    layer with the C++ ops loaded packs them at load), grouped_experts over
+    the plain weights otherwise."""
+    if is_packed(gate_up):
         return fused_experts(hidden, router, gate_up, down, top_k, renormalize, gelu)
-    dtype = hidden.dtype
-    return grouped_experts(
-        hidden, router, gate_up.to(dtype), down.to(dtype), top_k, renormalize, gelu
+    return grouped_experts(hidden, router, gate_up, down, top_k, renormalize, gelu)
+
+
+def is_packed(gate_up: torch.Tensor) -> bool:
+    """Whether ``gate_up`` is pack_expert_panels' layout (5 dimensions)."""
+    return gate_up.dim() == 5
+
+
+def pack_expert_panels(
+    gate_up: torch.Tensor, down: torch.Tensor, words: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts in fused_moe's panels, in ``words`` (float32, or bfloat16
+    where every weight is a bfloat16 value: exact either way):
+
+    - gate_up [E, ceil(I / 16), 2, H, 16]: pair j holds gate features
+      16 j .. 16 j + 15, then the up features of the same columns;
+    - down [E, ceil(H / 16), I, 16].
+
+    Features past I (or H) are zero."""
+    experts, double_width, hidden = gate_up.shape
+    width = double_width // 2
+    pairs = -(-width // PANEL_LANES)
+    halves = torch.zeros(experts, 2, pairs * PANEL_LANES, hidden, dtype=words)
+    halves[:, :, :width] = gate_up.view(experts, 2, width, hidden)
+    # [E, 2, pairs, 16, H] -> [E, pairs, 2, H, 16]
+    gate_up_panels = (
+        halves.view(experts, 2, pairs, PANEL_LANES, hidden).permute(0, 2, 1, 4, 3).contiguous()
     )
+    down_panel_count = -(-hidden // PANEL_LANES)
+    rows = torch.zeros(experts, down_panel_count * PANEL_LANES, width, dtype=words)
+    rows[:, :hidden] = down
+    down_panels = (
+        rows.view(experts, down_panel_count, PANEL_LANES, width).transpose(2, 3).contiguous()
+    )
+    return gate_up_panels, down_panels
 
 
 def fused_experts(
@@ -93,13 +122,21 @@ def fused_experts(
     renormalize: bool,
     gelu: bool = False,
 ) -> torch.Tensor:
-    """grouped_experts' output by the C++ kernel (CPU, its ops loaded): the same
-    routing, then every active expert's MLP over its rows in one op."""
+    """grouped_experts' output by the C++ kernel (CPU, its ops loaded) over the
+    experts' panels (pack_expert_panels): the same routing, then every active
+    expert's MLP over its rows in one op, FUSED_CHUNK_TOKENS tokens at a time."""
+    if hidden.shape[0] > FUSED_CHUNK_TOKENS:
+        return torch.cat(
+            [
+                fused_experts(piece, router, gate_up, down, top_k, renormalize, gelu)
+                for piece in hidden.split(FUSED_CHUNK_TOKENS)
+            ]
+        )
     weights, experts = route(hidden, router, top_k, renormalize)
     # The routing weights as grouped_experts multiplies by them (rounded to
     # the hidden dtype), handed over in float32.
     return torch.ops.kvmesh.fused_moe(
-        hidden.contiguous(), experts, weights.float(), gate_up, down, gelu
+        hidden.contiguous(), experts, weights.float(), gate_up, down, down.shape[2], gelu
     )
 
 
