@@ -380,10 +380,13 @@ at::Tensor ggml_linear_q8_row(const at::Tensor& x, at::TensorList blocks, at::In
   const SegmentItems items(blocks, kRowsPerItem);
   const int64_t N = items.rows();
   at::Tensor y = at::empty({1, N}, x.options());
-  // The quantized row's buffers are kept per thread: their sizes repeat every
-  // call, so after the first they cost no allocation (seven vectors per call,
-  // ~120 calls a step).
-  thread_local RowX qx;
+  // The quantized row's buffers are kept per calling thread: their sizes
+  // repeat every call, so after the first they cost no allocation (seven
+  // vectors per call, ~120 calls a step). The threads below read the
+  // caller's through this reference (a thread_local named in the lambda
+  // would be each thread's own).
+  thread_local RowX row_buffers;
+  RowX& qx = row_buffers;
   quantize_row(x.data_ptr<float>(), K, qx);
   float* yp = y.data_ptr<float>();
   kvmesh::parallel_items(items.items(), [&](int64_t i, bool /*forward*/) {
