@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
 from kvmesh.services.contracts.sampling_params import SamplingParams
@@ -92,6 +93,24 @@ def test_fused_layers_give_the_python_forwards_bits(
     assert not calls
     # Equal logprobs (top 3 of each step): equal logits, not merely equal tokens.
     assert stacked == fused == plain
+
+
+def test_stack_on_two_threads_gives_one_threads_bits(model_path: Path) -> None:
+    """Threads split each projection's output rows, never one row's sums."""
+    folder = write_mix(model_path, "Q4_K_M", with_reference=False).folder
+    one = _generate(_runner(folder, "w8a8"))
+    threads = torch.get_num_threads()
+    try:
+        runner = ModelRunner(
+            ModelConfig.from_pretrained(folder, max_model_len=64, quantization="w8a8"),
+            CacheConfig(block_size=16, num_kv_blocks=8),
+            num_threads=2,
+        )
+        assert runner.model._row_stack is not None
+        two = _generate(runner)
+    finally:
+        torch.set_num_threads(threads)
+    assert two == one
 
 
 def test_stack_runs_only_while_every_layer_is_fused(model_path: Path, monkeypatch) -> None:
