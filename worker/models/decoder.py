@@ -48,6 +48,7 @@ from kvmesh.worker.models.quantized import (
     release,
 )
 from kvmesh.worker.models.rotary import RotaryEmbedding
+from kvmesh.worker.models.row_stack import RowStack
 from kvmesh.worker.parallel.sharding import ShardPlan, partition_heads
 
 logger = logging.getLogger(__name__)
@@ -688,6 +689,9 @@ class DecoderForCausalLM(nn.Module):
         self._native_ops = False
         # The final norm's weight for the fused kernel (pack_weights; fused_norm_weight).
         self._fused_final_norm: torch.Tensor | None = None
+        # Every layer in one C++ call per batch-1 decode step, when each runs
+        # in one (pack_weights; worker/models/row_stack.py).
+        self._row_stack: RowStack | None = None
         # One table per rotary variant (Gemma 3: global and local bases).
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(config.head_dim, config.max_model_len, r.theta, r.scaling, dtype)
@@ -763,6 +767,22 @@ class DecoderForCausalLM(nn.Module):
         # layer: its group's block tables and slots.
         per_layer = None if isinstance(metadata, AttentionMetadata) else metadata
         row_attention = self._row_attention(hidden, metadata, backend, kv_caches)
+        stack = self._row_stack
+        if (
+            row_attention is not None
+            and stack is not None
+            and lora is None
+            and output_rows is None
+            and stack.current(self.layers)  # type: ignore[arg-type]
+        ):
+            # Every layer's forward_row below, in one call.
+            return stack.forward(
+                hidden,
+                tables,
+                kv_caches,
+                metadata.slot_mapping,  # type: ignore[union-attr]
+                row_attention,
+            )
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if (
                 row_attention is not None
@@ -901,6 +921,7 @@ class DecoderForCausalLM(nn.Module):
             layer.pack_weights(use_onednn, self._native_ops, use_codes, layer_pieces)
             # Layer by layer: a packed layer's parameters are gone before the next packs.
             layer.share_plain_weights()
+        self._row_stack = RowStack.of(list(self.layers))  # type: ignore[arg-type]
         for rotary in self.rotaries:
             rotary.use_native = self._native_ops
         if self.has_head:
