@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels import batch_invariant
+from kvmesh.services.contracts.math_utils import cdiv
 
 # Tokens per fused_experts call: a longer step runs in pieces of this many
 # (exact: a token's output does not depend on the others), which bounds the
@@ -97,14 +98,14 @@ def pack_expert_panels(
     Features past I (or H) are zero."""
     experts, double_width, hidden = gate_up.shape
     width = double_width // 2
-    pairs = -(-width // PANEL_LANES)
+    pairs = cdiv(width, PANEL_LANES)
     halves = torch.zeros(experts, 2, pairs * PANEL_LANES, hidden, dtype=words)
     halves[:, :, :width] = gate_up.view(experts, 2, width, hidden)
     # [E, 2, pairs, 16, H] -> [E, pairs, 2, H, 16]
     gate_up_panels = (
         halves.view(experts, 2, pairs, PANEL_LANES, hidden).permute(0, 2, 1, 4, 3).contiguous()
     )
-    down_panel_count = -(-hidden // PANEL_LANES)
+    down_panel_count = cdiv(hidden, PANEL_LANES)
     rows = torch.zeros(experts, down_panel_count * PANEL_LANES, width, dtype=words)
     rows[:, :hidden] = down
     down_panels = (
