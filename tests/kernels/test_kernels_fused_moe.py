@@ -36,18 +36,12 @@ def _layer(
     )
 
 
-def _fused(
-    x: torch.Tensor,
-    router: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    gelu: bool = False,
-) -> torch.Tensor:
-    """fused_experts over the weights packed in their own dtype."""
+def _fused(*layer: torch.Tensor, routing: tuple[int, bool, bool]) -> torch.Tensor:
+    """fused_experts over the layer (x, router, gate_up, down), its weights packed
+    in their own dtype; routing: (top_k, renormalize, gelu)."""
+    x, router, gate_up, down = layer
     panels = moe.pack_expert_panels(gate_up, down, gate_up.dtype)
-    return moe.fused_experts(x, router, *panels, top_k, renormalize, gelu)
+    return moe.fused_experts(x, router, *panels, *routing)
 
 
 def _packed_op(
@@ -79,7 +73,7 @@ def test_float32_equals_grouped_experts(
     x, router, gate_up, down = _layer(tokens, experts, hidden, width, torch.float32, tokens)
     for renormalize in (True, False):
         expected = moe.grouped_experts(x, router, gate_up, down, top_k, renormalize, gelu)
-        actual = _fused(x, router, gate_up, down, top_k, renormalize, gelu)
+        actual = _fused(x, router, gate_up, down, routing=(top_k, renormalize, gelu))
         torch.testing.assert_close(actual, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -94,7 +88,7 @@ def test_some_experts_get_no_rows() -> None:
 def test_bfloat16_rounds_where_the_grouped_path_rounds(gelu: bool) -> None:
     x, router, gate_up, down = _layer(64, 16, 128, 64, torch.bfloat16, 2)
     expected = moe.grouped_experts(x, router, gate_up, down, 4, True, gelu)
-    actual = _fused(x, router, gate_up, down, 4, True, gelu)
+    actual = _fused(x, router, gate_up, down, routing=(4, True, gelu))
     assert actual.dtype == torch.bfloat16
     # Rounded at the same points, the two differ where a float32 sum's order
     # moves a value across a rounding boundary (then carried through the
@@ -113,7 +107,7 @@ def test_bfloat16_weights_under_float32_activations_are_widened_exactly() -> Non
     x, router, gate_up, down = _layer(16, 8, 96, 48, torch.float32, 3)
     gate_up, down = gate_up.bfloat16(), down.bfloat16()
     expected = moe.grouped_experts(x, router, gate_up.float(), down.float(), 2, True)
-    actual = _fused(x, router, gate_up, down, 2, True)
+    actual = _fused(x, router, gate_up, down, routing=(2, True, False))
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, atol=2e-6, rtol=1e-5)
 
@@ -192,4 +186,4 @@ def test_bad_routing_is_refused() -> None:
 
 def test_a_step_without_tokens_gives_no_rows() -> None:
     x, router, gate_up, down = _layer(0, 4, 32, 16, torch.float32, 6)
-    assert _fused(x, router, gate_up, down, 2, True).shape == (0, 32)
+    assert _fused(x, router, gate_up, down, routing=(2, True, False)).shape == (0, 32)
