@@ -5,12 +5,16 @@
 //
 // The manner of BLIS / GotoBLAS: per chunk of panels and kKc-deep slice of k,
 // the caller provides the slice of each panel as [kc][16] float32 (in place,
-// or filled into a buffer that stays in L2); per kMc rows, the slice of x is
-// copied into 6-row strips (kMr floats per k, contiguous) that stay in L1/L2;
-// a 6 x 16 register tile (12 ymm accumulators) then runs over each strip and
-// panel. Measured on the 2-core Zen 2 (one thread, 2,048 x 1,024 x 4,096 and
-// the other projection shapes of a Qwen3 layer): ~92 GFLOP/s, 86% of the FMA
-// peak (107 GFLOP/s per core measured by a register-only FMA loop).
+// or filled into a buffer that stays in L2); x is in 6-row strips (kMr floats
+// per k, contiguous), packed once per call (pack_x; gemm_chunk_rows, for rows
+// scattered by pointer, copies each kMc-row block's slice instead); per kMc
+// rows, the strips' slice stays in L2 while a 6 x 16 register tile (12 ymm
+// accumulators) runs over each strip and panel. Measured on the 2-core Zen 2
+// (one thread, 2,048 x 1,024 x 4,096 and the other projection shapes of a
+// Qwen3 layer): ~92 GFLOP/s, 86% of the FMA peak (107 GFLOP/s per core
+// measured by a register-only FMA loop), on one host; 73-79 on another
+// (2026-12-06: ~105 peak), where packing x once and prefetching the partial
+// sums gained 1.045x on 2 threads (alternating A/B, 3 rounds).
 //
 // Each output is one chain of fused multiply-adds over k in order, from zero:
 // the first k slice starts from zero, each later slice reloads the partial
@@ -30,6 +34,7 @@
 #include <memory>
 #include <utility>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 namespace kvmesh::float_gemm {
@@ -40,7 +45,7 @@ constexpr int64_t kLanes = 16;   // outputs per panel (two ymm of float32)
 // GFLOP/s over the Qwen3 shapes; kMc 24 to 72 within 1%.
 constexpr int64_t kMr = 6;       // rows per register tile: 12 ymm accumulators
 constexpr int64_t kKc = 512;     // depth of a k slice (a multiple of 256: whole GGUF blocks)
-constexpr int64_t kMc = 48;      // rows of x copied into strips at a time
+constexpr int64_t kMc = 48;      // rows of x whose strips' k slice stays in L2 at a time
 constexpr int64_t kMaxChunkPanels = 16;  // panels (of 16 outputs) per work item
 
 using FloatBuffer = std::unique_ptr<float[], decltype(&std::free)>;
@@ -130,53 +135,134 @@ struct SliceView {
   int64_t stride;
 };
 
-// y[:M, 0 .. cols) = x[:M] Wᵀ for one chunk of `count` panels (cols > 16 (count
-// - 1) outputs: only the last panel may be ragged), row m of x at row_at(m);
-// y has ldy columns and starts at the chunk's first output. slice(k0, kc)
-// provides each k slice's panels (SliceView), called once per slice in order
-// of k.
-template <class RowAt, class SliceFn>
-void gemm_chunk_rows(const RowAt& row_at, int64_t M, int64_t K, int64_t count, int64_t cols,
-                     float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
-  float* strips = aligned_floats(scratch.strips, kMc * kKc);
+// Prefetch the partial sums of the tile after (strip s, panel j): they were
+// stored a whole k slice ago, and the other row blocks ran since, so they
+// are in L3 or DRAM; a tile's reload stalling on them cost ~8% of the GEMM
+// (2-core Zen 2, 2,048 rows, the Qwen3 projection shapes).
+inline void prefetch_next_tile(const float* y, int64_t ldy, int64_t m0, int64_t mc, int64_t s,
+                               int64_t j, int64_t count, int64_t n0) {
+  const bool last_strip = s + kMr >= mc;
+  if (last_strip && j + 1 == count) return;
+  const int64_t next_s = last_strip ? 0 : s + kMr;
+  const int64_t next_n0 = last_strip ? n0 + kLanes : n0;
+  const int64_t rows = std::min(kMr, mc - next_s);
+  for (int64_t r = 0; r < rows; ++r) {
+    // 16 outputs of float32: one 64-byte line when y's rows are aligned.
+    _mm_prefetch(reinterpret_cast<const char*>(y + (m0 + next_s + r) * ldy + next_n0),
+                 _MM_HINT_T0);
+  }
+}
+
+// The tiles of one k slice over rows [m0, m0 + mc) and a chunk's panels: the
+// strip of rows [m0 + s, m0 + s + 6) starts at strip_at(s) ([kc][6] floats at
+// stride 6). y has ldy columns and starts at the chunk's first output.
+template <class StripAt>
+inline void tiles_over_block(const StripAt& strip_at, int64_t m0, int64_t mc, int64_t kc,
+                             bool resume, const SliceView& view, int64_t count, int64_t cols,
+                             float* y, int64_t ldy) {
   alignas(32) float edge[kMr * kLanes];  // a ragged last panel's tile
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
-    const bool resume = k0 > 0;
-    const SliceView view = slice(k0, kc);
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-      const int64_t mc = std::min(kMc, M - m0);
-      copy_strips(row_at, m0, mc, k0, kc, strips);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t n0 = j * kLanes;
-        const int64_t valid = std::min(kLanes, cols - n0);
-        const float* w = view.first + j * view.stride;
-        for (int64_t s = 0; s < mc; s += kMr) {
-          const int64_t rows = std::min(kMr, mc - s);
-          float* out = y + (m0 + s) * ldy + n0;
-          if (valid == kLanes) {
-            kGemmTiles[rows - 1](kc, strips + s * kc, w, out, ldy, resume);
-            continue;
-          }
-          for (int64_t r = 0; r < rows && resume; ++r) {
-            std::memcpy(edge + r * kLanes, out + r * ldy, valid * sizeof(float));
-          }
-          kGemmTiles[rows - 1](kc, strips + s * kc, w, edge, kLanes, resume);
-          for (int64_t r = 0; r < rows; ++r) {
-            std::memcpy(out + r * ldy, edge + r * kLanes, valid * sizeof(float));
-          }
-        }
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t n0 = j * kLanes;
+    const int64_t valid = std::min(kLanes, cols - n0);
+    const float* w = view.first + j * view.stride;
+    for (int64_t s = 0; s < mc; s += kMr) {
+      const int64_t rows = std::min(kMr, mc - s);
+      float* out = y + (m0 + s) * ldy + n0;
+      if (resume) prefetch_next_tile(y, ldy, m0, mc, s, j, count, n0);
+      if (valid == kLanes) {
+        kGemmTiles[rows - 1](kc, strip_at(s), w, out, ldy, resume);
+        continue;
+      }
+      for (int64_t r = 0; r < rows && resume; ++r) {
+        std::memcpy(edge + r * kLanes, out + r * ldy, valid * sizeof(float));
+      }
+      kGemmTiles[rows - 1](kc, strip_at(s), w, edge, kLanes, resume);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(out + r * ldy, edge + r * kLanes, valid * sizeof(float));
       }
     }
   }
 }
 
-// gemm_chunk_rows over x's rows at stride ldx.
+// y[:M, 0 .. cols) = x[:M] Wᵀ for one chunk of `count` panels (cols > 16 (count
+// - 1) outputs: only the last panel may be ragged), row m of x at row_at(m);
+// y has ldy columns and starts at the chunk's first output. slice(k0, kc)
+// provides each k slice's panels (SliceView), called once per slice in order
+// of k. Copies each kMc-row block of x into strips for every chunk: for a
+// call whose x is used by many chunks, pack_strips once and gemm_chunk_packed.
+template <class RowAt, class SliceFn>
+void gemm_chunk_rows(const RowAt& row_at, int64_t M, int64_t K, int64_t count, int64_t cols,
+                     float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
+  float* strips = aligned_floats(scratch.strips, kMc * kKc);
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    const SliceView view = slice(k0, kc);
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+      const int64_t mc = std::min(kMc, M - m0);
+      copy_strips(row_at, m0, mc, k0, kc, strips);
+      tiles_over_block([strips, kc](int64_t s) { return strips + s * kc; }, m0, mc, kc, k0 > 0,
+                       view, count, cols, y, ldy);
+    }
+  }
+}
+
+// x packed whole: strip i holds rows [6 i, 6 i + 6) as [K][6] floats (rows past
+// M are zero), strip i at 6 K i.
+inline int64_t strip_count(int64_t M) { return (M + kMr - 1) / kMr; }
+
+// Strips [first, last) of x (row m at row_at(m)) into `packed`.
+template <class RowAt>
+void pack_strips(const RowAt& row_at, int64_t M, int64_t K, int64_t first, int64_t last,
+                 float* packed) {
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t rows = std::min(kMr, M - i * kMr);
+    const float* src[kMr];
+    for (int64_t r = 0; r < kMr; ++r) src[r] = r < rows ? row_at(i * kMr + r) : nullptr;
+    float* dst = packed + i * K * kMr;
+    if (rows == kMr) {
+      for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 6
+        for (int64_t r = 0; r < kMr; ++r) dst[k * kMr + r] = src[r][k];
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t r = 0; r < kMr; ++r) dst[k * kMr + r] = r < rows ? src[r][k] : 0.0f;
+    }
+  }
+}
+
+// gemm_chunk_rows over x already packed (pack_strips): x is copied once per
+// call instead of once per chunk of panels (a chunk is 256 outputs, so a
+// 4,096-output projection copied x 16 times: ~1/8 of the GEMM's time).
 template <class SliceFn>
-void gemm_chunk(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t count, int64_t cols,
-                float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
-  gemm_chunk_rows([x, ldx](int64_t m) { return x + m * ldx; }, M, K, count, cols, y, ldy, scratch,
-                  std::forward<SliceFn>(slice));
+void gemm_chunk_packed(const float* packed, int64_t M, int64_t K, int64_t count, int64_t cols,
+                       float* y, int64_t ldy, SliceFn&& slice) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    const SliceView view = slice(k0, kc);
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+      const int64_t mc = std::min(kMc, M - m0);
+      const float* block = packed + (m0 / kMr) * K * kMr + k0 * kMr;
+      tiles_over_block([block, K](int64_t s) { return block + (s / kMr) * K * kMr; }, m0, mc,
+                       kc, k0 > 0, view, count, cols, y, ldy);
+    }
+  }
+}
+
+// x [M, K] at row stride ldx packed into strips (pack_strips), on torch's
+// intra-op threads; for gemm_chunk_packed.
+inline FloatBuffer pack_x(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t strips = strip_count(M);
+  // aligned_alloc wants a multiple of the alignment.
+  const int64_t bytes = (std::max<int64_t>(1, strips * K * kMr) * 4 + 63) / 64 * 64;
+  FloatBuffer packed(static_cast<float*>(std::aligned_alloc(64, bytes)), &std::free);
+  TORCH_CHECK(packed != nullptr, "float GEMM: out of memory for the packed rows");
+  const auto row_at = [x, ldx](int64_t m) { return x + m * ldx; };
+  at::parallel_for(0, strips, 8, [&](int64_t begin, int64_t end) {
+    pack_strips(row_at, M, K, begin, end, packed.get());
+  });
+  return packed;
 }
 
 // Panels per work item: at least two items per thread (a box shared with

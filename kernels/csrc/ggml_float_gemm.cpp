@@ -271,6 +271,10 @@ at::Tensor ggml_float_gemm(const at::Tensor& x, at::TensorList blocks, at::IntAr
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__)
+  // x into strips once, read by every item.
+  const fg::FloatBuffer packed = fg::pack_x(xp, ldx, M, K);
+#endif
   kvmesh::parallel_items(items.items(), [&](int64_t i, bool /*forward*/) {
     const SegmentItems::Item item = items.item(i);
     const RowRange& seg = segments[item.segment];
@@ -278,13 +282,13 @@ at::Tensor ggml_float_gemm(const at::Tensor& x, at::TensorList blocks, at::IntAr
 #if defined(__AVX2__) && defined(__FMA__)
     thread_local fg::Scratch scratch;
     const int64_t count = (item.rows + kPanel - 1) / kPanel;
-    fg::gemm_chunk(xp, ldx, M, K, count, item.rows, out, N, scratch,
-                   [&](int64_t k0, int64_t kc) -> fg::SliceView {
-                     float* panels = fg::aligned_floats(
-                         scratch.widened, fg::kMaxChunkPanels * fg::kKc * kPanel);
-                     fill_slice(seg, item.row0, item.rows, k0, kc, panels);
-                     return {panels, kc * kPanel};
-                   });
+    fg::gemm_chunk_packed(packed.get(), M, K, count, item.rows, out, N,
+                          [&](int64_t k0, int64_t kc) -> fg::SliceView {
+                            float* panels = fg::aligned_floats(
+                                scratch.widened, fg::kMaxChunkPanels * fg::kKc * kPanel);
+                            fill_slice(seg, item.row0, item.rows, k0, kc, panels);
+                            return {panels, kc * kPanel};
+                          });
 #else
     // Portable: the same chains (one fused multiply-add per k, in order, from
     // zero) over whole rows of dequantized weights.
