@@ -94,10 +94,11 @@ void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Word*
     // float32 panels are used in place (a k slice of a panel is kc x 16 floats
     // in a row); bfloat16 words are widened a k slice at a time.
     fg::gemm_chunk_packed(packed.get(), M, K, count, cols, y + first * kLanes, out_features,
+                          /*granule=*/kLanes,
                           [&](int64_t k0, int64_t kc) -> fg::SliceView {
                             if constexpr (std::is_same_v<Word, uint16_t>) {
                               float* widened = fg::aligned_floats(
-                                  scratch.widened, fg::kMaxChunkPanels * fg::kKc * kLanes);
+                                  scratch.widened, fg::kMaxChunkPanels * fg::kMaxKc * kLanes);
                               kvmesh::panel::widen_slice(panels + first * K * kLanes, K * kLanes, count,
                                                          k0, kc, widened);
                               return {widened, kc * kLanes};

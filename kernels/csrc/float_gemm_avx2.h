@@ -45,8 +45,22 @@ constexpr int64_t kLanes = 16;   // outputs per panel (two ymm of float32)
 // GFLOP/s over the Qwen3 shapes; kMc 24 to 72 within 1%.
 constexpr int64_t kMr = 6;       // rows per register tile: 12 ymm accumulators
 constexpr int64_t kKc = 512;     // depth of a k slice (a multiple of 256: whole GGUF blocks)
+// ... but a K up to kMaxKc runs as one slice: a 640-deep K (Gemma 3 bench
+// checkpoint) cut 512 + 128 ran its shapes at ~126-128 GFLOP/s on 2 threads,
+// in one slice at ~135-141 (the 128-deep slice pays a whole reload of the
+// partial sums for a quarter of the work).
+constexpr int64_t kMaxKc = 768;
 constexpr int64_t kMc = 48;      // rows of x whose strips' k slice stays in L2 at a time
 constexpr int64_t kMaxChunkPanels = 16;  // panels (of 16 outputs) per work item
+
+// The depth of K's slices: one slice for K <= kMaxKc, else equal slices of at
+// most kKc, each a multiple of `granule` (the last may be shorter).
+inline int64_t slice_depth(int64_t K, int64_t granule) {
+  if (K <= kMaxKc) return std::max<int64_t>(K, 1);
+  const int64_t slices = (K + kKc - 1) / kKc;
+  const int64_t even = (K + slices - 1) / slices;
+  return std::min(kKc, (even + granule - 1) / granule * granule);
+}
 
 using FloatBuffer = std::unique_ptr<float[], decltype(&std::free)>;
 
@@ -188,14 +202,16 @@ inline void tiles_over_block(const StripAt& strip_at, int64_t m0, int64_t mc, in
 // - 1) outputs: only the last panel may be ragged), row m of x at row_at(m);
 // y has ldy columns and starts at the chunk's first output. slice(k0, kc)
 // provides each k slice's panels (SliceView), called once per slice in order
-// of k. Copies each kMc-row block of x into strips for every chunk: for a
+// of k; a slice starts at a multiple of `granule` (slice_depth) and is at most
+// kMaxKc deep. Copies each kMc-row block of x into strips for every chunk: for a
 // call whose x is used by many chunks, pack_strips once and gemm_chunk_packed.
 template <class RowAt, class SliceFn>
 void gemm_chunk_rows(const RowAt& row_at, int64_t M, int64_t K, int64_t count, int64_t cols,
-                     float* y, int64_t ldy, Scratch& scratch, SliceFn&& slice) {
-  float* strips = aligned_floats(scratch.strips, kMc * kKc);
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
+                     float* y, int64_t ldy, int64_t granule, Scratch& scratch, SliceFn&& slice) {
+  float* strips = aligned_floats(scratch.strips, kMc * kMaxKc);
+  const int64_t depth = slice_depth(K, granule);
+  for (int64_t k0 = 0; k0 < K; k0 += depth) {
+    const int64_t kc = std::min(depth, K - k0);
     const SliceView view = slice(k0, kc);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);
@@ -237,9 +253,10 @@ void pack_strips(const RowAt& row_at, int64_t M, int64_t K, int64_t first, int64
 // 4,096-output projection copied x 16 times: ~1/8 of the GEMM's time).
 template <class SliceFn>
 void gemm_chunk_packed(const float* packed, int64_t M, int64_t K, int64_t count, int64_t cols,
-                       float* y, int64_t ldy, SliceFn&& slice) {
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
+                       float* y, int64_t ldy, int64_t granule, SliceFn&& slice) {
+  const int64_t depth = slice_depth(K, granule);
+  for (int64_t k0 = 0; k0 < K; k0 += depth) {
+    const int64_t kc = std::min(depth, K - k0);
     const SliceView view = slice(k0, kc);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t mc = std::min(kMc, M - m0);

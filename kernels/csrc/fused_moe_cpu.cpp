@@ -177,11 +177,12 @@ void gemm_rows(const float* const* rows, int64_t count, int64_t K, const Word* f
   namespace fg = kvmesh::float_gemm;
   thread_local fg::Scratch scratch;
   fg::gemm_chunk_rows(
-      [rows](int64_t m) { return rows[m]; }, count, K, panels, cols, y, ldy, scratch,
+      [rows](int64_t m) { return rows[m]; }, count, K, panels, cols, y, ldy, /*granule=*/kLanes,
+      scratch,
       [&](int64_t k0, int64_t kc) -> fg::SliceView {
         if constexpr (std::is_same_v<Word, uint16_t>) {
           float* widened =
-              fg::aligned_floats(scratch.widened, fg::kMaxChunkPanels * fg::kKc * kLanes);
+              fg::aligned_floats(scratch.widened, fg::kMaxChunkPanels * fg::kMaxKc * kLanes);
           kvmesh::panel::widen_slice(first, stride, panels, k0, kc, widened);
           return {widened, kc * kLanes};
         } else {

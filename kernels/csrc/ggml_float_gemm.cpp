@@ -282,10 +282,10 @@ at::Tensor ggml_float_gemm(const at::Tensor& x, at::TensorList blocks, at::IntAr
 #if defined(__AVX2__) && defined(__FMA__)
     thread_local fg::Scratch scratch;
     const int64_t count = (item.rows + kPanel - 1) / kPanel;
-    fg::gemm_chunk_packed(packed.get(), M, K, count, item.rows, out, N,
+    fg::gemm_chunk_packed(packed.get(), M, K, count, item.rows, out, N, /*granule=*/256,
                           [&](int64_t k0, int64_t kc) -> fg::SliceView {
                             float* panels = fg::aligned_floats(
-                                scratch.widened, fg::kMaxChunkPanels * fg::kKc * kPanel);
+                                scratch.widened, fg::kMaxChunkPanels * fg::kMaxKc * kPanel);
                             fill_slice(seg, item.row0, item.rows, k0, kc, panels);
                             return {panels, kc * kPanel};
                           });

@@ -100,7 +100,8 @@ def test_a_row_does_not_depend_on_the_others() -> None:
     ("rows", "in_features", "out_features"),
     [
         (32, 64, 16),  # the smallest batch on the blocked GEMM (AVX2 level)
-        (101, 1100, 70),  # k slices of 512 and a short one; row blocks of 48; a ragged panel
+        (101, 1100, 70),  # k in three slices (368, 368, 364); row blocks of 48; a ragged panel
+        (48, 640, 40),  # k in one 640-deep slice (up to 768 run whole)
         (257, 576, 600),  # chunks of panels over both threads
     ],
 )

@@ -34,9 +34,10 @@ needs_blocked_gemm = pytest.mark.skipif(
     native.unavailable_reason() is not None or not native.blocked_gemm_loaded(),
     reason="the projection dispatches to the float GEMM on the avx2 level only",
 )
-# 37 outputs: two full panels and a ragged one; 768 features: two k slices of
-# the GEMM (512 + 256), so the second resumes from the partial sums in y.
-OUT, K = 37, 768
+# 37 outputs: two full panels and a ragged one; 1,280 features: three k slices
+# of the GEMM (512 + 512 + 256: whole blocks of 256), so later slices resume
+# from the partial sums in y.
+OUT, K = 37, 1280
 
 
 def _segment(kind: Q, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +54,7 @@ def test_float_gemm_is_gguf_weights_times_x(kind: Q) -> None:
     panels = pack_float_panels(weight)
     x = torch.randn(57, K, generator=torch.Generator().manual_seed(int(kind)))
     whole = torch.ops.kvmesh.ggml_float_gemm(x, [blocks], [int(kind)])
-    # Relative to sum |x| |w| per output: float32 chains of 768 terms stay near 1e-7.
+    # Relative to sum |x| |w| per output: float32 chains of 1,280 terms stay near 1e-7.
     want = x.double() @ weight.double().T
     scale = x.double().abs() @ weight.double().abs().T
     assert float(((whole.double() - want) / scale).abs().max()) < 1e-6
