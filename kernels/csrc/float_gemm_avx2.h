@@ -198,6 +198,20 @@ inline void tiles_over_block(const StripAt& strip_at, int64_t m0, int64_t mc, in
   }
 }
 
+// The loop both GEMM forms share: per k slice (slice_depth, in order of k;
+// slice(k0, kc) called once each), per kMc-row block of x,
+// block(m0, mc, k0, kc, view).
+template <class SliceFn, class BlockFn>
+inline void for_each_block(int64_t M, int64_t K, int64_t granule, SliceFn& slice,
+                           const BlockFn& block) {
+  const int64_t depth = slice_depth(K, granule);
+  for (int64_t k0 = 0; k0 < K; k0 += depth) {
+    const int64_t kc = std::min(depth, K - k0);
+    const SliceView view = slice(k0, kc);
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) block(m0, std::min(kMc, M - m0), k0, kc, view);
+  }
+}
+
 // y[:M, 0 .. cols) = x[:M] Wᵀ for one chunk of `count` panels (cols > 16 (count
 // - 1) outputs: only the last panel may be ragged), row m of x at row_at(m);
 // y has ldy columns and starts at the chunk's first output. slice(k0, kc)
@@ -209,17 +223,12 @@ template <class RowAt, class SliceFn>
 void gemm_chunk_rows(const RowAt& row_at, int64_t M, int64_t K, int64_t count, int64_t cols,
                      float* y, int64_t ldy, int64_t granule, Scratch& scratch, SliceFn&& slice) {
   float* strips = aligned_floats(scratch.strips, kMc * kMaxKc);
-  const int64_t depth = slice_depth(K, granule);
-  for (int64_t k0 = 0; k0 < K; k0 += depth) {
-    const int64_t kc = std::min(depth, K - k0);
-    const SliceView view = slice(k0, kc);
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-      const int64_t mc = std::min(kMc, M - m0);
-      copy_strips(row_at, m0, mc, k0, kc, strips);
-      tiles_over_block([strips, kc](int64_t s) { return strips + s * kc; }, m0, mc, kc, k0 > 0,
-                       view, count, cols, y, ldy);
-    }
-  }
+  for_each_block(M, K, granule, slice,
+                 [&](int64_t m0, int64_t mc, int64_t k0, int64_t kc, const SliceView& view) {
+                   copy_strips(row_at, m0, mc, k0, kc, strips);
+                   tiles_over_block([strips, kc](int64_t s) { return strips + s * kc; }, m0, mc,
+                                    kc, k0 > 0, view, count, cols, y, ldy);
+                 });
 }
 
 // x packed whole: strip i holds rows [6 i, 6 i + 6) as [K][6] floats (rows past
@@ -254,17 +263,13 @@ void pack_strips(const RowAt& row_at, int64_t M, int64_t K, int64_t first, int64
 template <class SliceFn>
 void gemm_chunk_packed(const float* packed, int64_t M, int64_t K, int64_t count, int64_t cols,
                        float* y, int64_t ldy, int64_t granule, SliceFn&& slice) {
-  const int64_t depth = slice_depth(K, granule);
-  for (int64_t k0 = 0; k0 < K; k0 += depth) {
-    const int64_t kc = std::min(depth, K - k0);
-    const SliceView view = slice(k0, kc);
-    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-      const int64_t mc = std::min(kMc, M - m0);
-      const float* block = packed + (m0 / kMr) * K * kMr + k0 * kMr;
-      tiles_over_block([block, K](int64_t s) { return block + (s / kMr) * K * kMr; }, m0, mc,
-                       kc, k0 > 0, view, count, cols, y, ldy);
-    }
-  }
+  for_each_block(M, K, granule, slice,
+                 [&](int64_t m0, int64_t mc, int64_t k0, int64_t kc, const SliceView& view) {
+                   const float* block = packed + (m0 / kMr) * K * kMr + k0 * kMr;
+                   tiles_over_block(
+                       [block, K](int64_t s) { return block + (s / kMr) * K * kMr; }, m0, mc, kc,
+                       k0 > 0, view, count, cols, y, ldy);
+                 });
 }
 
 // x [M, K] at row stride ldx packed into strips (pack_strips), on torch's
