@@ -85,7 +85,7 @@ void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Word*
   const int64_t per_item = fg::panels_per_item(num_panels, at::get_num_threads());
   const int64_t items = (num_panels + per_item - 1) / per_item;
   // x into strips once, read by every chunk of panels.
-  const fg::FloatBuffer packed = fg::pack_x(x, ldx, M, K);
+  const float* packed = fg::pack_x(x, ldx, M, K);
   kvmesh::parallel_items(items, [&](int64_t item, bool /*forward*/) {
     thread_local fg::Scratch scratch;
     const int64_t first = item * per_item;
@@ -93,7 +93,7 @@ void blocked_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Word*
     const int64_t cols = std::min(count * kLanes, out_features - first * kLanes);
     // float32 panels are used in place (a k slice of a panel is kc x 16 floats
     // in a row); bfloat16 words are widened a k slice at a time.
-    fg::gemm_chunk_packed(packed.get(), M, K, count, cols, y + first * kLanes, out_features,
+    fg::gemm_chunk_packed(packed, M, K, count, cols, y + first * kLanes, out_features,
                           /*granule=*/kLanes,
                           [&](int64_t k0, int64_t kc) -> fg::SliceView {
                             if constexpr (std::is_same_v<Word, uint16_t>) {

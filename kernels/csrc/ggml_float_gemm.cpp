@@ -273,7 +273,7 @@ at::Tensor ggml_float_gemm(const at::Tensor& x, at::TensorList blocks, at::IntAr
   float* yp = y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__)
   // x into strips once, read by every item.
-  const fg::FloatBuffer packed = fg::pack_x(xp, ldx, M, K);
+  const float* packed = fg::pack_x(xp, ldx, M, K);
 #endif
   kvmesh::parallel_items(items.items(), [&](int64_t i, bool /*forward*/) {
     const SegmentItems::Item item = items.item(i);
@@ -282,7 +282,7 @@ at::Tensor ggml_float_gemm(const at::Tensor& x, at::TensorList blocks, at::IntAr
 #if defined(__AVX2__) && defined(__FMA__)
     thread_local fg::Scratch scratch;
     const int64_t count = (item.rows + kPanel - 1) / kPanel;
-    fg::gemm_chunk_packed(packed.get(), M, K, count, item.rows, out, N, /*granule=*/256,
+    fg::gemm_chunk_packed(packed, M, K, count, item.rows, out, N, /*granule=*/256,
                           [&](int64_t k0, int64_t kc) -> fg::SliceView {
                             float* panels = fg::aligned_floats(
                                 scratch.widened, fg::kMaxChunkPanels * fg::kMaxKc * kPanel);
